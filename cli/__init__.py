@@ -1,0 +1,1 @@
+"""hstrace's command line (installed as `hstrace.cli`)."""

@@ -1,0 +1,3 @@
+from hstrace.cli.main import main
+
+main()

@@ -1,0 +1,18 @@
+"""Package mapping only (metadata lives in pyproject.toml).
+
+The design card keeps `hooks/` and `cli/` at the top level of the repository; they install as
+`hstrace.hooks` and `hstrace.cli`, so nothing named plain `cli` or `hooks` lands in site-packages.
+"""
+
+from setuptools import find_packages, setup
+
+MAPPED = {"hstrace.cli": "cli", "hstrace.hooks": "hooks"}
+
+packages = find_packages(include=["hstrace", "hstrace.*"])
+package_dir = {"hstrace": "hstrace"}
+for name, folder in MAPPED.items():
+    package_dir[name] = folder
+    packages.append(name)
+    packages += [f"{name}.{sub}" for sub in find_packages(where=folder)]
+
+setup(packages=packages, package_dir=package_dir)
