@@ -1,0 +1,202 @@
+"""`hstrace record`: run an engine with hstrace's hooks and record a trace."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from hstrace.engines.base import (
+    DEFAULT_STREAMS,
+    STREAMS,
+    EngineConfig,
+    Prompt,
+    RecordOptions,
+    get_engine,
+)
+from hstrace.errors import HstraceError, TrainingDataError
+
+
+def load_prompts_jsonl(path: Path) -> list[Prompt]:
+    """One JSON object per line with `input_ids` (list of ints) or `text` (or `prompt`)."""
+    prompts: list[Prompt] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise HstraceError(f"cannot read prompts file {path}: {exc.strerror}") from exc
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise HstraceError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+        source_id = str(obj.get("id", f"{path.name}:{lineno}")) if isinstance(obj, dict) else None
+        if isinstance(obj, dict) and isinstance(obj.get("input_ids"), list):
+            ids = obj["input_ids"]
+            if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise HstraceError(
+                    f"{path}:{lineno}: input_ids must be non-empty non-negative ints"
+                )
+            prompts.append(Prompt(input_ids=tuple(ids), source_id=source_id))
+        elif isinstance(obj, dict) and isinstance(obj.get("text", obj.get("prompt")), str):
+            prompts.append(Prompt(text=obj.get("text", obj.get("prompt")), source_id=source_id))
+        else:
+            raise HstraceError(f"{path}:{lineno}: expected an object with input_ids or text")
+    if not prompts:
+        raise HstraceError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def load_prompts_from_training(directory: Path, samples: int) -> list[Prompt]:
+    """The first `samples` training samples' token ids, sent as-is (no chat template, no
+    tokenizer), so the serving trace lines up token for token with the training dump."""
+    try:
+        from hstrace.training import open_training
+    except ImportError as exc:  # the training readers are another room's module
+        raise TrainingDataError(
+            "--prompts-from needs hstrace.training, missing in this build"
+        ) from exc
+    data = open_training(directory)
+    prompts: list[Prompt] = []
+    for index, sample in enumerate(data):
+        if index >= samples:
+            break
+        ids = sample["input_ids"] if isinstance(sample, dict) else sample.input_ids
+        flat = [int(t) for t in (ids.reshape(-1).tolist() if hasattr(ids, "reshape") else ids)]
+        prompts.append(Prompt(input_ids=tuple(flat), source_id=f"{directory.name}:{index}"))
+    if not prompts:
+        raise TrainingDataError(f"training directory {directory} holds no samples")
+    return prompts
+
+
+def parse_streams(value: str | None) -> frozenset[str]:
+    if value is None:
+        return DEFAULT_STREAMS
+    chosen = frozenset(s.strip() for s in value.split(",") if s.strip())
+    if "all" in chosen:
+        return frozenset(STREAMS)
+    unknown = chosen - set(STREAMS)
+    if unknown:
+        raise click.BadParameter(
+            f"unknown stream(s) {', '.join(sorted(unknown))}; known: {', '.join(STREAMS)}, all"
+        )
+    return chosen
+
+
+@click.command(name="record")
+@click.option(
+    "--engine",
+    "engine_name",
+    type=click.Choice(["sglang", "reference"]),
+    default=None,
+    help="Backend. Default: sglang when --server-cmd is given, else reference.",
+)
+@click.option(
+    "--server-cmd", help='The SGLang launch command, e.g. "python -m sglang.launch_server ...".'
+)
+@click.option(
+    "--target", type=click.Path(path_type=Path), help="reference engine: HF target model dir."
+)
+@click.option(
+    "--drafter", type=click.Path(path_type=Path), help="reference engine: EAGLE-3 drafter dir."
+)
+@click.option("--device", default="cpu", show_default=True, help="reference engine: torch device.")
+@click.option(
+    "--out", required=True, type=click.Path(path_type=Path), help="Trace to create (Zarr v3 dir)."
+)
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(path_type=Path),
+    help="JSONL: input_ids or text per line.",
+)
+@click.option(
+    "--prompts-from",
+    "training_dir",
+    type=click.Path(path_type=Path),
+    help="Training dump dir; its samples' token ids are sent as-is.",
+)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="How many training samples --prompts-from sends.",
+)
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option(
+    "--record",
+    "streams",
+    default=None,
+    help=f"Comma-separated streams ({', '.join(STREAMS)}, all). Default: all but logits.",
+)
+@click.option(
+    "--on-full",
+    type=click.Choice(["block", "drop"]),
+    default="block",
+    show_default=True,
+    help="When the writer falls behind: stall serving, or drop steps (counted).",
+)
+@click.option(
+    "--startup-timeout",
+    type=float,
+    default=900.0,
+    show_default=True,
+    help="Seconds to wait for the server to become healthy.",
+)
+def record(
+    engine_name: str | None,
+    server_cmd: str | None,
+    target: Path | None,
+    drafter: Path | None,
+    device: str,
+    out: Path,
+    prompts_file: Path | None,
+    training_dir: Path | None,
+    samples: int,
+    max_new_tokens: int,
+    streams: str | None,
+    on_full: str,
+    startup_timeout: float,
+) -> None:
+    """Run an engine with hstrace's hooks and record a trace."""
+    if engine_name is None:
+        engine_name = "sglang" if server_cmd else "reference"
+    if engine_name == "sglang" and not server_cmd:
+        raise click.UsageError("--engine sglang needs --server-cmd")
+    if (prompts_file is None) == (training_dir is None):
+        raise click.UsageError(
+            "give exactly one of --prompts FILE.jsonl or --prompts-from TRAINING_DIR"
+        )
+    if out.exists():
+        raise HstraceError(f"{out} already exists; hstrace record never overwrites a trace")
+    options = RecordOptions(
+        max_new_tokens=max_new_tokens,
+        streams=parse_streams(streams),
+        on_full=on_full,
+        startup_timeout_s=startup_timeout,
+        show_progress=sys.stderr.isatty(),
+    )
+    engine = get_engine(
+        engine_name,
+        EngineConfig(server_cmd=server_cmd, target=target, drafter=drafter, device=device),
+    )
+    engine.check_supported()  # refuse before anything starts or any prompt is read twice
+    prompts = (
+        load_prompts_jsonl(prompts_file)
+        if prompts_file is not None
+        else load_prompts_from_training(training_dir, samples)
+    )  # type: ignore[arg-type]
+    result = engine.record(prompts, out, options)
+    summary = (
+        f"recorded {result.prompts_completed}/{result.prompts_sent} prompts with "
+        f"{result.engine} {result.engine_version} into {result.out}"
+    )
+    if not result.ok:
+        click.echo(f"hstrace: {summary}; the trace keeps what was recorded and says so", err=True)
+        click.echo(f"hstrace: error: {result.error}", err=True)
+        sys.exit(1)
+    click.echo(summary)

@@ -1,0 +1,123 @@
+"""The engine adapter interface: what `hstrace record` needs from a serving backend.
+
+Small on purpose (like an HTTP client's transports): an adapter knows how to check that it can
+hook its engine, and how to run a list of prompts through it while recording a trace. The CLI
+builds an `EngineConfig` from its flags, asks `get_engine(name, config)` for the adapter, calls
+`check_supported()` before anything is started, then `record(prompts, out, options)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from hstrace.errors import EngineError
+
+# Trace tables an engine may record (docs/internal-api.md), plus `logits`: full draft logits,
+# large, only on request (and, in SGLang, only in eager mode).
+STREAMS: tuple[str, ...] = ("target", "draft_extend", "draft_step", "verify", "requests", "logits")
+DEFAULT_STREAMS: frozenset[str] = frozenset(STREAMS) - {"logits"}
+
+# name -> "module:Class"; loaded lazily so the core imports without SGLang or transformers.
+ENGINE_NAMES: dict[str, str] = {
+    "sglang": "hstrace.engines.sglang:SGLangEngine",
+    "reference": "hstrace.engines.reference:ReferenceEngine",
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request. Exactly one of `input_ids` (sent as-is, no tokenizer in between: used for
+    training samples so serving and training can be compared token for token) or `text`."""
+
+    input_ids: tuple[int, ...] | None = None
+    text: str | None = None
+    # The caller's name for it (training sample index, JSONL line); kept in the trace.
+    source_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.input_ids is None) == (self.text is None):
+            raise ValueError("a Prompt has exactly one of input_ids or text")
+
+
+@dataclass(frozen=True)
+class RecordOptions:
+    max_new_tokens: int = 32
+    streams: frozenset[str] = DEFAULT_STREAMS
+    # What the trace writer does when its staging buffer is full: stall serving, or drop steps.
+    on_full: Literal["block", "drop"] = "block"
+    # Seconds to wait for the server to become healthy (model load included).
+    startup_timeout_s: float = 900.0
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        unknown = set(self.streams) - set(STREAMS)
+        if unknown:
+            raise ValueError(f"unknown streams {sorted(unknown)}; known: {', '.join(STREAMS)}")
+        if self.on_full not in ("block", "drop"):
+            raise ValueError(f"on_full must be block or drop, not {self.on_full!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an adapter may need to start its engine; each adapter validates its part.
+
+    sglang: `server_cmd` (the user's launch command, run as-is with hooks injected).
+    reference: `target` (HF model dir) and `drafter` (EAGLE-3 checkpoint dir), `device`.
+    """
+
+    server_cmd: str | None = None
+    target: Path | None = None
+    drafter: Path | None = None
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RecordResult:
+    out: Path
+    engine: str
+    engine_version: str
+    prompts_sent: int
+    prompts_completed: int
+    # True when the engine ran to the end and the trace was closed cleanly.
+    ok: bool
+    # When not ok: the reason, ending with the engine's last error lines where there are any.
+    error: str | None = None
+    # The engine's own per-request statistics (SGLang: meta_info spec_* fields), as a cross-check.
+    request_metrics: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Engine(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    def check_supported(self) -> str:
+        """Return the engine version if hstrace can hook it; raise `EngineError` (one line)
+        otherwise. Called before anything is started."""
+
+    @abstractmethod
+    def record(self, prompts: Sequence[Prompt], out: Path, options: RecordOptions) -> RecordResult:
+        """Run `prompts` through the engine and record a trace at `out` (created here). Must
+        leave a readable trace even when the engine dies, and report that in the result."""
+
+
+def get_engine(name: str, config: EngineConfig) -> Engine:
+    if name not in ENGINE_NAMES:
+        raise EngineError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINE_NAMES)}")
+    module_name, class_name = ENGINE_NAMES[name].split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            raise EngineError(f"engine {name!r} is not available in this build") from exc
+        raise
+    engine_cls: type[Engine] = getattr(module, class_name)
+    return engine_cls(config)
