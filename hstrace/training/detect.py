@@ -1,0 +1,56 @@
+"""`open_training(path)`: recognise a training-data directory by its files, open it lazily."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hstrace.errors import TrainingDataError
+from hstrace.training import specforge, speculators, speculators_legacy
+from hstrace.training.safe_load import load_torch
+from hstrace.training.sample import TrainingData
+
+
+def _describe(root: Path, limit: int = 8) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in root.iterdir())
+    if not names:
+        return "an empty directory"
+    more = f", ... ({len(names)} entries)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def open_training(path: str | Path) -> TrainingData:
+    """Open speculators v0.5+, speculators v0.2-v0.4 or SpecForge offline data, by layout.
+
+    Raises `TrainingDataError` naming what was found when the layout is none of these.
+    """
+    root = Path(path)
+    if not root.exists():
+        raise TrainingDataError(f"{root}: training-data directory does not exist")
+    if not root.is_dir():
+        raise TrainingDataError(f"{root}: expected a training-data directory, found a file")
+
+    if speculators.hs_files(root):
+        return speculators.SpeculatorsData(root)
+    sf_files = specforge.find_files(root)
+    if sf_files:
+        return _specforge_or_ge_data(root, sf_files)
+    legacy = speculators_legacy.find_files(root)
+    if legacy:
+        return speculators_legacy.SpeculatorsLegacyData(root, legacy)
+    raise TrainingDataError(
+        f"{root}: unknown training-data layout (found {_describe(root)}); expected "
+        "hidden_states/hs_*.safetensors (speculators >= 0.5), data_*.pt (speculators 0.2-0.4) "
+        "or rows_*/data_*.ckpt[.gz] (SpecForge)"
+    )
+
+
+def _specforge_or_ge_data(root: Path, files: list[Path]) -> TrainingData:
+    # EAGLE-1/2 ge_data also writes data_*.ckpt; it has a post-norm `hidden_state` and no aux
+    # slots, so it cannot feed an EAGLE-3 drafter. Peek at one file to tell them apart.
+    first = load_torch(files[0])
+    if isinstance(first, dict) and "hidden_state" in first and "aux_hidden_state" not in first:
+        raise TrainingDataError(
+            f"{files[0]}: EAGLE-1/2 ge_data (hidden_state only, no aux_hidden_state); "
+            "it cannot train or replay an EAGLE-3 drafter"
+        )
+    return specforge.SpecForgeData(root, files)
