@@ -1,0 +1,451 @@
+"""The wrappers hstrace puts around SGLang functions inside a serving process.
+
+Patch points come from `hstrace.engines.sglang_versions` (chosen by the installed version); the
+row building is pure (`hstrace.engines.sglang_taps`, `hstrace.engines.sglang_audit`). This
+module only wires: intercept, hand the objects to the pure code, pass the rows to the rank's
+`TraceWriter`. A tap that raises is disabled, recorded with `note_error`, and serving goes on.
+All wrappers sit at Python function boundaries of workers (not nn.Module hooks), so they also
+fire when the model runs inside CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import inspect
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hstrace.engines import sglang_audit as audit
+from hstrace.engines import sglang_taps as taps
+from hstrace.engines.sglang_versions import PatchPoint, Version, patch_points_for
+
+
+class Recorder:
+    """Per-process state: the config, the lazily opened writer, disabled taps."""
+
+    def __init__(self, cfg: dict[str, Any], version: Version) -> None:
+        self.cfg = cfg
+        self.version = version
+        self.streams = set(cfg.get("streams", ()))
+        self.disabled: set[str] = set()
+        self.seen_rids: set[str] = set()
+        self.hot_token_id: Any = None
+        self.draft_step_index = 0
+        self.lock = threading.Lock()
+        self._writer: Any = None
+        self.writer_factory: Callable[[int], Any] | None = None  # tests may inject the real writer
+
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def writer(self) -> Any:
+        with self.lock:
+            if self._writer is None:
+                if self.writer_factory is not None:
+                    self._writer = self.writer_factory(self.rank())
+                else:
+                    from hstrace.trace import TraceWriter
+
+                    self._writer = TraceWriter(
+                        self.cfg["out"], rank=self.rank(), on_full=self.cfg.get("on_full", "block")
+                    )
+                    import atexit
+
+                    atexit.register(self.close)
+            return self._writer
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def static(self, items: dict[str, Any]) -> None:
+        self.writer().update_static(items)
+
+    def emit(self, writes: list[taps.TableWrite]) -> None:
+        w = self.writer()
+        for tw in writes:
+            if tw.table not in self.streams:
+                continue
+            w.write(tw.table, step=tw.step, req=tw.req, tok=tw.tok, **tw.other)
+
+    def run_tap(self, name: str, fn: Callable[[], None]) -> None:
+        if name in self.disabled:
+            return
+        try:
+            fn()
+        except Exception as exc:  # never take serving down: disable and say so in the trace
+            self.disabled.add(name)
+            message = f"{type(exc).__name__}: {exc} | " + traceback.format_exc(limit=3).replace(
+                "\n", " "
+            )
+            try:
+                self.writer().note_error(name, message)
+            except Exception:
+                print(f"hstrace: tap {name} disabled: {message}", file=sys.stderr)
+
+
+REC: Recorder | None = None
+
+
+# ---- the wrappers, one per patch point ------------------------------------------------------
+
+
+def _bind(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    bound = inspect.signature(original).bind(*args, **kwargs)
+    return bound.arguments
+
+
+def wrap_load_weights(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_weights(self, weights):
+        rec = REC
+        if rec is None or "load_weights" in rec.disabled:
+            return original(self, weights)
+        wa = audit.WeightsAudit(parameters=[n for n, _ in self.named_parameters()])
+        current: list[str | None] = [None]
+        name_of = {id(p): n for n, p in self.named_parameters()}
+        saved: list[tuple[Any, Any]] = []
+
+        def watched(param, loader):
+            @functools.wraps(loader)
+            def call(*a, **k):
+                wa.loaded_parameters.add(name_of[id(param)])
+                if current[0] is not None:
+                    wa.consumed_by.setdefault(current[0], []).append(name_of[id(param)])
+                return loader(*a, **k)
+
+            return call
+
+        from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+        for _, param in self.named_parameters():
+            saved.append((param, param.__dict__.get("weight_loader")))
+            param.weight_loader = watched(
+                param, getattr(param, "weight_loader", default_weight_loader)
+            )
+
+        def tapped():
+            for key, tensor in weights:
+                current[0] = key
+                wa.checkpoint_keys[key] = {
+                    "shape": list(tensor.shape),
+                    "dtype": str(tensor.dtype).removeprefix("torch."),
+                }
+                if "d2t" in key:
+                    wa.special_keys[key] = "hot_token_id"
+                elif "t2d" in key:
+                    wa.special_keys[key] = "ignored by SGLang"
+                yield key, tensor
+            current[0] = None
+
+        try:
+            result = original(self, tapped())
+        finally:
+            for param, loader in saved:
+                if loader is None:
+                    param.__dict__.pop("weight_loader", None)
+                else:
+                    param.weight_loader = loader
+        rec.run_tap("load_weights", lambda: _audit_draft(rec, self, wa))
+        return result
+
+    return load_weights
+
+
+def _audit_draft(rec: Recorder, model: Any, wa: audit.WeightsAudit) -> None:
+    cfg = model.config
+    raw = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
+    path = Path(str(getattr(cfg, "_name_or_path", "") or ""))
+    on_disk = audit.read_config_json(path) if path.is_dir() else {}
+    source = audit.aux_layer_source(on_disk or raw)
+    fc = getattr(model.model, "fc", None)
+    target_hidden = getattr(cfg, "target_hidden_size", None) or cfg.hidden_size
+    num_aux = getattr(cfg, "num_aux_hidden_states", None) or len(
+        source["read_by_sglang"] or [0, 0, 0]
+    )
+    hot = getattr(model, "hot_token_id", None)
+    rec.hot_token_id = hot
+    findings = audit.weights_findings(wa) + audit.aux_layer_findings(source, None)
+    rec.static(
+        {
+            "draft_config": on_disk or raw,
+            "draft_class": type(model).__name__,
+            "aux_layers": source,
+            "fc_width": audit.fc_width(fc.in_features, target_hidden, num_aux)
+            if fc is not None
+            else None,
+            "hot_token_id": None
+            if hot is None
+            else {
+                "size": int(hot.numel()),
+                "head": hot[:16].tolist(),
+                "is_identity": bool((hot == hot.new_tensor(range(hot.numel()))).all()),
+            },
+            "weights": wa.to_static(),
+            "checkpoint_sha256": audit.hash_checkpoint_files(path) if path.is_dir() else {},
+            "findings_load": [f.to_json() for f in findings],
+        }
+    )
+
+
+def wrap_set_layers(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def set_eagle3_layers_to_capture(self, layer_ids=None):
+        result = original(self, layer_ids)
+        rec = REC
+        if rec is not None:
+
+            def tap():
+                inner = getattr(self, "model", None)
+                resolved = list(getattr(inner, "layers_to_capture", []) or [])
+                rec.static(
+                    {
+                        "capture": {
+                            "target_class": type(self).__name__,
+                            "layer_ids_passed": layer_ids,
+                            "layers_to_capture": resolved,
+                            "capture_order": audit.capture_order(resolved),
+                            "num_captures": len(set(resolved)),
+                        }
+                    }
+                )
+
+            rec.run_tap("set_eagle3_layers_to_capture", tap)
+        return result
+
+    return set_eagle3_layers_to_capture
+
+
+def wrap_worker_init(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        rec = REC
+        if rec is not None:
+
+            def tap():
+                sa = self.server_args
+                raw = {
+                    "num_steps": sa.speculative_num_steps,
+                    "topk": sa.speculative_eagle_topk,
+                    "num_draft_tokens": sa.speculative_num_draft_tokens,
+                }
+                eff = {
+                    "num_steps": self.speculative_num_steps,
+                    "topk": self.topk,
+                    "num_draft_tokens": self.speculative_num_draft_tokens,
+                }
+                settings = audit.spec_settings(raw, eff)
+                rec.static(
+                    {
+                        "spec": settings,
+                        "findings_spec": [f.to_json() for f in audit.spec_findings(settings)],
+                        "cuda_graphs": not getattr(sa, "disable_cuda_graph", True),
+                    }
+                )
+
+            rec.run_tap("spec_settings", tap)
+        return result
+
+    return __init__
+
+
+def wrap_prefill(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _draft_extend_for_prefill(self, *args, **kwargs):
+        rec = REC
+        result = original(self, *args, **kwargs)
+        if rec is not None:
+
+            def tap():
+                a = _bind(original, (self, *args), kwargs)
+                batch = a["batch"]
+                if batch.forward_mode.is_idle():
+                    return
+                writes: list[taps.TableWrite] = []
+                req = taps.requests_rows(batch, rec.seen_rids)
+                if req is not None:
+                    writes.append(req)
+                target, draft = taps.prefill_rows(
+                    batch, a["target_hidden_states"], a["next_token_ids"]
+                )
+                lens = [int(n) for n in batch.extend_lens]
+                draft.tok.update(
+                    taps.draft_extend_topk_rows(
+                        result, self.hot_token_id, sum(lens), taps.last_rows(lens)
+                    )
+                )
+                rec.emit([*writes, target, draft])
+
+            rec.run_tap("prefill", tap)
+        return result
+
+    return _draft_extend_for_prefill
+
+
+def wrap_verify(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def verify(self, batch, *args, **kwargs):
+        rec = REC
+        verify_input = batch.spec_info  # read before the call: verify replaces it
+        result = original(self, batch, *args, **kwargs)
+        if rec is not None:
+            rec._last_verify_positions = verify_input.positions  # for the decode draft-extend
+            rec.run_tap("verify", lambda: rec.emit(taps.verify_rows(batch, verify_input, result)))
+            rec.draft_step_index = 0
+        return result
+
+    return verify
+
+
+def wrap_decode_extend(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _draft_extend_for_decode(self, batch, batch_result, *args, **kwargs):
+        rec = REC
+        result = original(self, batch, batch_result, *args, **kwargs)
+        if rec is not None:
+            rec.run_tap(
+                "decode_extend",
+                lambda: rec.emit(
+                    [
+                        taps.decode_extend_rows(
+                            batch,
+                            batch_result,
+                            result,
+                            self.hot_token_id,
+                            self.speculative_num_draft_tokens,
+                            getattr(rec, "_last_verify_positions", None),
+                        )
+                    ]
+                ),
+            )
+        return result
+
+    return _draft_extend_for_decode
+
+
+def wrap_runner_forward(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(self, forward_batch, *args, **kwargs):
+        result = original(self, forward_batch, *args, **kwargs)
+        rec = REC
+        if (
+            rec is not None
+            and getattr(self, "is_draft_worker", False)
+            and forward_batch.forward_mode.is_decode()
+        ):
+
+            def tap():
+                logits = result.logits_output.next_token_logits
+                rids = [str(r) for r in (forward_batch.rids or [])]
+                topk = (
+                    int(getattr(forward_batch.spec_info, "topk", 1) or 1)
+                    if False
+                    else max(1, logits.shape[0] // max(1, len(rids)))
+                )
+                rec.emit(
+                    [
+                        taps.draft_forward_rows(
+                            "draft_step",
+                            forward_batch,
+                            logits,
+                            rec.hot_token_id,
+                            min(topk, logits.shape[-1]),
+                            rids,
+                            "logits" in rec.streams,
+                            step_index=rec.draft_step_index,
+                        )
+                    ]
+                )
+                rec.draft_step_index += 1
+
+            rec.run_tap("draft_step", tap)
+        return result
+
+    return forward
+
+
+WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+    "LlamaForCausalLMEagle3.load_weights": wrap_load_weights,
+    "LlamaForCausalLM.set_eagle3_layers_to_capture": wrap_set_layers,
+    "EAGLEWorkerV2.__init__": wrap_worker_init,
+    "EagleDraftWorker._draft_extend_for_prefill": wrap_prefill,
+    "EAGLEWorkerV2.verify": wrap_verify,
+    "EagleDraftWorker._draft_extend_for_decode": wrap_decode_extend,
+    "ModelRunner.forward": wrap_runner_forward,
+}
+
+
+# ---- installation: patch now, or right after the module is imported ------------------------
+
+
+def apply(point: PatchPoint, module: Any) -> None:
+    cls_name, attr = point.qualname.split(".")
+    cls = getattr(module, cls_name)
+    original = cls.__dict__[attr]
+    if getattr(original, "__hstrace_wrapped__", False):
+        return
+    params = tuple(inspect.signature(original).parameters)
+    if params[: len(point.params)] != point.params:
+        REC.static(
+            {
+                "patch_mismatch": {
+                    point.target: {"expected": list(point.params), "found": list(params)}
+                }
+            }
+        ) if REC else None
+        return
+    wrapped = WRAPPERS[point.qualname](original)
+    wrapped.__hstrace_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(cls, attr, wrapped)
+
+
+class _PostImport(importlib.abc.MetaPathFinder):
+    """Patches a module right after it executes (hooks installed before SGLang imports it)."""
+
+    def __init__(self, pending: dict[str, list[PatchPoint]]) -> None:
+        self.pending = pending
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.pending:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+        points = self.pending.pop(fullname)
+
+        def exec_and_patch(module):
+            exec_module(module)
+            for p in points:
+                apply(p, module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def install(version: Version, cfg: dict[str, Any]) -> Recorder:
+    global REC
+    REC = Recorder(cfg, version)
+    pending: dict[str, list[PatchPoint]] = {}
+    for point in patch_points_for(version):
+        if point.module in sys.modules:
+            apply(point, sys.modules[point.module])
+        else:
+            pending.setdefault(point.module, []).append(point)
+    if pending:
+        sys.meta_path.insert(0, _PostImport(pending))
+    return REC

@@ -1,0 +1,268 @@
+"""Per-step taps: SGLang's batch/result objects -> rows of the trace tables (pure logic).
+
+Each function reads only attributes (duck-typed: real SGLang objects in serving and in the CPU
+tests) and returns `TableWrite`s; the hooks pass them to `TraceWriter.write`. Tensors are handed
+over as they are (the writer copies asynchronously on CUDA); only small index math happens here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class TableWrite:
+    table: str
+    step: dict[str, Any] = field(default_factory=dict)
+    req: dict[str, Any] = field(default_factory=dict)
+    tok: dict[str, Any] = field(default_factory=dict)
+    other: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # extra axes: proposed, accepted, rid
+
+
+def _rids(batch: Any) -> list[str]:
+    return [str(r.rid) for r in batch.reqs]
+
+
+def _keys(rids: list[str]) -> torch.Tensor:
+    from hstrace.trace import request_key  # the store's stable 63-bit hash of a request id
+
+    return torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
+
+
+def _extend_positions(batch: Any) -> torch.Tensor:
+    """Positions of an extend batch: each request continues from its cached prefix."""
+    prefix = [
+        len(r.prefix_indices) if getattr(r, "prefix_indices", None) is not None else 0
+        for r in batch.reqs
+    ]
+    return torch.cat(
+        [
+            torch.arange(p, p + n, dtype=torch.int64)
+            for p, n in zip(prefix, batch.extend_lens, strict=True)
+        ]
+    )
+
+
+def draft_topk(
+    topk_p: torch.Tensor, topk_index: torch.Tensor, hot_token_id: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """Top-k in draft space, mapped to target ids the way SGLang maps them (hot_token_id[idx])."""
+    mapped = (
+        hot_token_id.to(topk_index.device)[topk_index] if hot_token_id is not None else topk_index
+    )
+    return {
+        "topk_draft_ids": topk_index.to(torch.int64),
+        "topk_target_ids": mapped.to(torch.int64),
+        "topk_logprobs": torch.log(topk_p.float().clamp_min(torch.finfo(torch.float32).tiny)),
+    }
+
+
+def requests_rows(batch: Any, seen: set[str]) -> TableWrite | None:
+    """One `requests` row per request not seen before (its id and prompt token ids)."""
+    new = [r for r in batch.reqs if str(r.rid) not in seen]
+    if not new:
+        return None
+    seen.update(str(r.rid) for r in new)
+    prompts = [torch.as_tensor(list(r.origin_input_ids), dtype=torch.int64) for r in new]
+    rid_bytes = [torch.frombuffer(bytearray(str(r.rid).encode()), dtype=torch.uint8) for r in new]
+    return TableWrite(
+        "requests",
+        req={
+            "req_key": _keys([str(r.rid) for r in new]),
+            "n_prompt": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+            "rid_len": torch.tensor([len(b) for b in rid_bytes], dtype=torch.int64),
+        },
+        tok={"prompt_ids": torch.cat(prompts)},
+        other={"rid": {"bytes": torch.cat(rid_bytes)}},
+    )
+
+
+def prefill_rows(
+    batch: Any, target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor
+) -> list[TableWrite]:
+    """Target prefill (the exact aux concat the drafter got) and the draft-extend inputs.
+
+    The draft-extend ids are the prefill ids shifted left by one per request with the sampled
+    token appended (what `_draft_extend_for_prefill` builds); hidden_in is the target concat.
+    """
+    rids = _rids(batch)
+    lens = [int(n) for n in batch.extend_lens]
+    ids = batch.input_ids.to(torch.int64)
+    positions = _extend_positions(batch).to(ids.device)
+    shifted = []
+    start = 0
+    for i, n in enumerate(lens):
+        shifted.append(
+            torch.cat([ids[start + 1 : start + n], next_token_ids[i : i + 1].to(torch.int64)])
+        )
+        start += n
+    req = {"req_key": _keys(rids), "n_tok": torch.tensor(lens, dtype=torch.int64)}
+    target = TableWrite(
+        "target",
+        step={"mode": 0},
+        req=dict(req),
+        tok={"input_ids": ids, "positions": positions, "aux_hidden": target_hidden_states},
+    )
+    draft = TableWrite(
+        "draft_extend",
+        req=dict(req),
+        tok={
+            "input_ids": torch.cat(shifted),
+            "positions": positions,
+            "hidden_in": target_hidden_states,
+        },
+    )
+    return [target, draft]
+
+
+def draft_extend_topk_rows(
+    rids: list[str], draft_input: Any, hot_token_id: torch.Tensor | None, lens: list[int]
+) -> dict[str, torch.Tensor]:
+    """The top-k the draft-extend produced (one per request, at its last token), spread over the
+    extend's token rows: rows without a top-k get ids -1 and log-prob -inf."""
+    k = draft_input.topk_index.shape[-1]
+    per_req = draft_topk(draft_input.topk_p, draft_input.topk_index, hot_token_id)
+    out = {
+        "topk_draft_ids": torch.full(
+            (total, k), -1, dtype=torch.int64, device=draft_input.topk_index.device
+        ),
+        "topk_target_ids": torch.full(
+            (total, k), -1, dtype=torch.int64, device=draft_input.topk_index.device
+        ),
+        "topk_logprobs": torch.full(
+            (total, k), float("-inf"), dtype=torch.float32, device=draft_input.topk_index.device
+        ),
+    }
+    for name, value in per_req.items():
+        out[name][rows.to(value.device)] = value
+    return out
+
+
+def verify_rows(batch: Any, verify_input: Any, result: Any) -> list[TableWrite]:
+    """Target verify (aux concat over every draft token) and the verify outcome per request.
+
+    `accept_lens` in SGLang includes the bonus token; the trace's `accept_len` excludes it.
+    """
+    rids = _rids(batch)
+    bs = len(rids)
+    ndt = int(verify_input.draft_token_num)
+    keys = _keys(rids)
+    proposed = verify_input.draft_token.to(torch.int64)
+    predict = result.next_token_ids.to(torch.int64)
+    accept_lens = result.accept_lens.to(torch.int64)
+    accept_index = result.accept_index.to(torch.int64).reshape(bs, -1)
+    accepted_rows = []
+    bonus = []
+    for b in range(bs):
+        idx = accept_index[b, : int(accept_lens[b])]
+        tokens = predict[idx]
+        accepted_rows.append(tokens[:-1])  # draft tokens the target agreed with
+        bonus.append(tokens[-1:])  # the target's own next token
+    n_accepted = accept_lens - 1
+    target = TableWrite(
+        "target",
+        step={"mode": 1},
+        req={"req_key": keys, "n_tok": torch.full((bs,), ndt, dtype=torch.int64)},
+        tok={
+            "input_ids": proposed,
+            "positions": verify_input.positions.to(torch.int64),
+            "aux_hidden": result.logits_output.hidden_states,
+        },
+    )
+    verify = TableWrite(
+        "verify",
+        req={
+            "req_key": keys,
+            "accept_len": n_accepted,
+            "bonus_id": torch.cat(bonus),
+            "n_proposed": torch.full((bs,), ndt - 1, dtype=torch.int64),
+            "n_accepted": n_accepted,
+        },
+        other={
+            "proposed": {"ids": torch.cat([proposed.reshape(bs, ndt)[b, 1:] for b in range(bs)])},
+            "accepted": {"ids": torch.cat(accepted_rows)},
+        },
+    )
+    return [target, verify]
+
+
+def draft_forward_rows(
+    table: str,
+    forward_batch: Any,
+    logits: torch.Tensor,
+    hot_token_id: torch.Tensor | None,
+    topk: int,
+    rids: list[str],
+    with_logits: bool,
+    step_index: int | None = None,
+) -> TableWrite:
+    """One eager draft-model forward: its exact inputs (ids, positions, hidden and its width) and
+    its top-k with log-probs; the full logits only when asked for."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top_lp, top_idx = logprobs.topk(topk, dim=-1)
+    mapped = hot_token_id.to(top_idx.device)[top_idx] if hot_token_id is not None else top_idx
+    hidden = forward_batch.spec_info.hidden_states
+    n = logits.shape[0]
+    per_req = max(1, n // max(1, len(rids)))
+    tok: dict[str, Any] = {
+        "input_ids": forward_batch.input_ids.to(torch.int64)[:n]
+        if forward_batch.input_ids.shape[0] >= n
+        else forward_batch.input_ids.to(torch.int64),
+        "positions": forward_batch.positions.to(torch.int64)[:n]
+        if forward_batch.positions.shape[0] >= n
+        else forward_batch.positions.to(torch.int64),
+        "hidden_in": hidden[:n] if hidden.shape[0] >= n else hidden,
+        "topk_draft_ids": top_idx.to(torch.int64),
+        "topk_target_ids": mapped.to(torch.int64),
+        "topk_logprobs": top_lp,
+        "lse": torch.logsumexp(logits.float(), dim=-1),
+    }
+    if with_logits:
+        tok["logits"] = logits
+    step: dict[str, Any] = {"step_index": step_index} if step_index is not None else {}
+    return TableWrite(
+        table,
+        step=step,
+        req={"req_key": _keys(rids), "n_tok": torch.full((len(rids),), per_req, dtype=torch.int64)},
+        tok=tok,
+    )
+
+
+def last_rows(lens: list[int]) -> torch.Tensor:
+    return torch.tensor(lens, dtype=torch.int64).cumsum(0) - 1
+
+
+def decode_extend_rows(
+    batch: Any,
+    result: Any,
+    draft_input: Any,
+    hot_token_id: torch.Tensor | None,
+    num_draft_tokens: int,
+    verify_positions: torch.Tensor | None,
+) -> TableWrite:
+    """Draft-extend after a verify: the drafter runs over every verified position (ids = the
+    target's predictions, hidden = the verify aux concat) and keeps the row of the last
+    accepted token per request."""
+    rids = _rids(batch)
+    bs = len(rids)
+    accept_lens = result.accept_lens.to(torch.int64)
+    rows = torch.arange(bs, dtype=torch.int64) * num_draft_tokens + accept_lens.cpu() - 1
+    total = bs * num_draft_tokens
+    tok: dict[str, Any] = {"input_ids": result.next_token_ids.to(torch.int64)}
+    if verify_positions is not None:
+        tok["positions"] = verify_positions.to(torch.int64)
+    tok["hidden_in"] = result.logits_output.hidden_states
+    tok.update(draft_extend_topk_rows(draft_input, hot_token_id, total, rows))
+    return TableWrite(
+        "draft_extend",
+        req={
+            "req_key": _keys(rids),
+            "n_tok": torch.full((bs,), num_draft_tokens, dtype=torch.int64),
+        },
+        tok=tok,
+    )
