@@ -37,6 +37,7 @@ class Recorder:
         self.seen_rids: set[str] = set()
         self.hot_token_id: Any = None
         self.draft_step_index = 0
+        self.spec_topk = 1
         self.lock = threading.Lock()
         self._writer: Any = None
         self.writer_factory: Callable[[int], Any] | None = None  # tests may inject the real writer
@@ -244,6 +245,7 @@ def wrap_worker_init(original: Callable) -> Callable:
                     "num_draft_tokens": self.speculative_num_draft_tokens,
                 }
                 settings = audit.spec_settings(raw, eff)
+                rec.spec_topk = int(self.topk)
                 rec.static(
                     {
                         "spec": settings,
@@ -346,11 +348,7 @@ def wrap_runner_forward(original: Callable) -> Callable:
             def tap():
                 logits = result.logits_output.next_token_logits
                 rids = [str(r) for r in (forward_batch.rids or [])]
-                topk = (
-                    int(getattr(forward_batch.spec_info, "topk", 1) or 1)
-                    if False
-                    else max(1, logits.shape[0] // max(1, len(rids)))
-                )
+                topk = rec.spec_topk
                 rec.emit(
                     [
                         taps.draft_forward_rows(
@@ -395,13 +393,9 @@ def apply(point: PatchPoint, module: Any) -> None:
         return
     params = tuple(inspect.signature(original).parameters)
     if params[: len(point.params)] != point.params:
-        REC.static(
-            {
-                "patch_mismatch": {
-                    point.target: {"expected": list(point.params), "found": list(params)}
-                }
-            }
-        ) if REC else None
+        if REC is not None:  # signature drift inside a supported range: record it, do not patch
+            mismatch = {point.target: {"expected": list(point.params), "found": list(params)}}
+            REC.run_tap(f"patch:{point.target}", lambda: REC.static({"patch_mismatch": mismatch}))
         return
     wrapped = WRAPPERS[point.qualname](original)
     wrapped.__hstrace_wrapped__ = True  # type: ignore[attr-defined]
