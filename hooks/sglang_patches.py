@@ -68,7 +68,9 @@ class Recorder:
             self._writer.close()
 
     def static(self, items: dict[str, Any]) -> None:
-        self.writer().update_static(items)
+        w = self.writer()
+        w.update_static(items)
+        w.flush()  # the audit must be on disk even if the server dies right after loading
 
     def emit(self, writes: list[taps.TableWrite]) -> None:
         w = self.writer()
