@@ -1,0 +1,312 @@
+"""The writer side of one rank: tables of RowLogs, CSR offsets, and the commit record.
+
+It runs in the rank's writer process (or in-process for tests and the CPU reference engine)
+and is the only code that writes inside `rank{r}`. Data is written before the commit record
+that covers it, so a reader that trusts only the commit record never sees a row that is not
+on disk.
+"""
+
+from __future__ import annotations
+
+import time
+from array import array
+from bisect import bisect_right
+from typing import Any
+
+import numpy as np
+import zarr
+
+from hstrace.errors import TraceError
+from hstrace.trace.rowlog import RowLog
+from hstrace.trace.schema import ROOT_KEY, STEP_AXIS, V1_TABLES, check_name
+
+# Columns spec as it travels: {axis: {column: (storage dtype str, logical dtype, row_shape)}}
+ColumnSpec = dict[str, dict[str, tuple[str, str, tuple[int, ...]]]]
+
+# Commit at most this often when only whole units were written (tail flushes always commit).
+COMMIT_INTERVAL_S = 0.25
+
+
+class TableLog:
+    def __init__(
+        self,
+        rank_group: zarr.Group,
+        name: str,
+        spec: ColumnSpec,
+        column_attrs: dict[str, dict] | None = None,
+    ) -> None:
+        check_name("table", name)
+        axes = list(spec)
+        if STEP_AXIS not in axes:
+            raise TraceError(f"table {name!r}: a write needs at least one '{STEP_AXIS}' column")
+        known = V1_TABLES.get(name)
+        if known is not None and not set(axes) <= set(known):
+            extra = sorted(set(axes) - set(known))
+            raise TraceError(f"table {name!r} of schema v1 has no axis {extra} (axes: {known})")
+        self.name = name
+        self.spec = spec
+        self.group = rank_group.create_group(
+            name,
+            attributes={
+                ROOT_KEY: {
+                    "axes": axes,
+                    "columns": {
+                        a: {
+                            c: {"dtype": d, "logical_dtype": ld, "row_shape": list(rs)}
+                            for c, (d, ld, rs) in cols.items()
+                        }
+                        for a, cols in spec.items()
+                    },
+                }
+            },
+        )
+        column_attrs = column_attrs or {}
+        self.cols: dict[str, dict[str, RowLog]] = {}
+        self.offs: dict[str, RowLog] = {}
+        self.off_mem: dict[str, array] = {}
+        for axis, cols in spec.items():
+            check_name("axis", axis)
+            axis_group = self.group.create_group(axis)
+            self.cols[axis] = {}
+            for col, (dtype, logical, row_shape) in cols.items():
+                check_name("column", col)
+                self.cols[axis][col] = RowLog(
+                    axis_group,
+                    col,
+                    row_shape,
+                    np.dtype(dtype),
+                    logical,
+                    column_attrs.get(f"{axis}/{col}"),
+                )
+            if axis != STEP_AXIS:
+                self.offs[axis] = RowLog(self.group, f"off_{axis}", (), np.dtype(np.int64), "int64")
+                self.offs[axis].append(np.zeros(1, np.int64))
+                self.off_mem[axis] = array("q", [0])
+        self.steps = 0
+        self.rows = {axis: 0 for axis in spec}  # rows of each axis in complete steps
+
+    def logs(self) -> dict[str, RowLog]:
+        out = {f"off_{a}": log for a, log in self.offs.items()}
+        for axis, cols in self.cols.items():
+            out.update({f"{axis}/{c}": log for c, log in cols.items()})
+        return out
+
+    def append(self, axis_rows: dict[str, dict[str, np.ndarray]], now: float) -> None:
+        """Append one part of a step: for each axis present, rows of every column."""
+        for axis, cols in axis_rows.items():
+            mine = self.cols.get(axis)
+            if mine is None or set(cols) != set(mine):
+                raise TraceError(
+                    f"table {self.name!r}: axis {axis!r} got columns {sorted(cols)}, "
+                    f"but its first write fixed {sorted(mine or ())}"
+                )
+            for col, rows in cols.items():
+                log = mine[col]
+                if rows.dtype != log.dtype or rows.shape[1:] != log.row_shape:
+                    raise TraceError(
+                        f"table {self.name!r}: column {axis}/{col} got {rows.dtype}{list(rows.shape[1:])}, "
+                        f"first write fixed {log.dtype}{list(log.row_shape)}"
+                    )
+                log.append(rows, now)
+
+    def end_step(self, counts: dict[str, int], now: float) -> None:
+        """Close a step: its rows on every axis are appended; now record the offsets."""
+        for axis, log in self.offs.items():
+            self.rows[axis] += int(counts.get(axis, 0))
+            log.append(np.array([self.rows[axis]], np.int64), now)
+            self.off_mem[axis].append(self.rows[axis])
+        self.steps += 1
+
+    def durable_steps(self) -> int:
+        """Largest S such that step rows, offsets and every column cover steps [0, S)."""
+        s = self.steps
+        for log in self.cols[STEP_AXIS].values():
+            s = min(s, log.stored)
+        for axis, off_log in self.offs.items():
+            s = min(s, off_log.stored - 1)
+            limit = min((log.stored for log in self.cols[axis].values()), default=1 << 62)
+            s = min(s, bisect_right(self.off_mem[axis], limit) - 1)
+        return max(0, s)
+
+    def commit_entry(self) -> dict[str, Any]:
+        return {
+            "steps": self.durable_steps(),
+            "rows": {k: log.stored for k, log in self.logs().items()},
+        }
+
+
+class RankRecorder:
+    def __init__(self, path: str, rank: int, tail_flush_s: float = 2.0) -> None:
+        try:
+            root = zarr.open_group(path, mode="r+", use_consolidated=False)
+        except Exception as exc:  # noqa: BLE001 - any failure here means "not a trace root"
+            raise TraceError(
+                f"{path}: cannot open the trace root for writing ({exc}); call create_trace first"
+            ) from exc
+        if ROOT_KEY not in root.attrs:
+            raise TraceError(
+                f"{path}: not an hstrace trace (no '{ROOT_KEY}' root attributes); call create_trace first"
+            )
+        name = f"rank{int(rank)}"
+        if name in root:
+            raise TraceError(f"{path}: {name} already exists; each rank records once per trace")
+        self.rank = int(rank)
+        self.tail_flush_s = float(tail_flush_s)
+        self.meta: dict[str, Any] = {
+            "rank": self.rank,
+            "static": {},
+            "errors": [],
+            "commit": {
+                "tables": {},
+                "dropped_steps": {},
+                "clean_close": False,
+                "updated_ns": time.time_ns(),
+            },
+        }
+        self.group = root.create_group(name, attributes={ROOT_KEY: self.meta})
+        self.tables: dict[str, TableLog] = {}
+        self.dropped: dict[str, int] = {}
+        self.last_commit = time.monotonic()
+        self.units_at_commit = 0
+        self.closed = False
+
+    # --- data -------------------------------------------------------------------------
+    def table(
+        self, name: str, spec: ColumnSpec, column_attrs: dict[str, dict] | None = None
+    ) -> TableLog:
+        t = self.tables.get(name)
+        if t is None:
+            t = self.tables[name] = TableLog(self.group, name, spec, column_attrs)
+        elif spec != t.spec:
+            raise TraceError(
+                f"table {name!r}: columns {_describe(spec)} differ from the first write's {_describe(t.spec)}"
+            )
+        return t
+
+    def write_step(
+        self,
+        table: str,
+        axis_rows: dict[str, dict[str, np.ndarray]],
+        logical: dict[str, str] | None = None,
+        column_attrs: dict[str, dict] | None = None,
+    ) -> None:
+        """Write one whole step (in-process mode and tests). `logical` maps "axis/column" to
+        its logical dtype where it differs from the storage dtype (bf16 as uint16)."""
+        spec = spec_of(axis_rows, logical)
+        counts = check_counts(table, axis_rows)
+        now = time.monotonic()
+        t = self.table(table, spec, column_attrs)
+        t.append(axis_rows, now)
+        t.end_step(counts, now)
+        self.tick(now)
+
+    def set_dropped(self, dropped: dict[str, int]) -> None:
+        self.dropped = dict(dropped)
+
+    # --- durability -------------------------------------------------------------------
+    def _all_logs(self) -> list[RowLog]:
+        return [log for t in self.tables.values() for log in t.logs().values()]
+
+    def next_deadline(self) -> float | None:
+        """Monotonic time at which the oldest unwritten row reaches the tail-flush age."""
+        ages = [log.dirty_since for log in self._all_logs() if log.dirty_since is not None]
+        return min(ages) + self.tail_flush_s if ages else None
+
+    def tick(self, now: float | None = None) -> None:
+        """Tail-flush columns whose oldest staged row is too old; commit what became durable."""
+        now = time.monotonic() if now is None else now
+        flushed = False
+        for log in self._all_logs():
+            if log.needs_tail_flush(now, self.tail_flush_s):
+                flushed |= log.flush_tail()
+        units = sum(log.units_written for log in self._all_logs())
+        if flushed or (
+            units != self.units_at_commit and now - self.last_commit >= COMMIT_INTERVAL_S
+        ):
+            self.commit()
+
+    def commit(self, clean_close: bool = False) -> None:
+        # Written after the data it describes; LocalStore replaces zarr.json atomically.
+        self.meta["commit"] = {
+            "tables": {name: t.commit_entry() for name, t in self.tables.items()},
+            "dropped_steps": dict(self.dropped),
+            "clean_close": clean_close,
+            "updated_ns": time.time_ns(),
+        }
+        self._save_meta()
+        self.last_commit = time.monotonic()
+        self.units_at_commit = sum(log.units_written for log in self._all_logs())
+
+    def _save_meta(self) -> None:
+        self.group.attrs[ROOT_KEY] = self.meta
+
+    # --- audit ------------------------------------------------------------------------
+    def update_static(self, items: dict[str, Any]) -> None:
+        self.meta["static"] = _deep_merge(self.meta["static"], items)
+        self._save_meta()
+
+    def note_error(self, tap: str, message: str) -> None:
+        self.meta["errors"].append(
+            {"tap": str(tap), "message": str(message), "t_ns": time.time_ns()}
+        )
+        self._save_meta()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        for log in self._all_logs():
+            log.close()
+        self.commit(clean_close=True)
+        self.closed = True
+
+
+def spec_of(
+    axis_rows: dict[str, dict[str, np.ndarray]], logical: dict[str, str] | None = None
+) -> ColumnSpec:
+    logical = logical or {}
+    return {
+        axis: {
+            c: (
+                str(a.dtype),
+                logical.get(f"{axis}/{c}", str(a.dtype)),
+                tuple(int(x) for x in a.shape[1:]),
+            )
+            for c, a in cols.items()
+        }
+        for axis, cols in axis_rows.items()
+    }
+
+
+def check_counts(table: str, axis_rows: dict[str, dict[str, np.ndarray]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for axis, cols in axis_rows.items():
+        lens = {c: a.shape[0] for c, a in cols.items()}
+        if len(set(lens.values())) > 1:
+            raise TraceError(
+                f"table {table!r}: columns on axis {axis!r} have different row counts {lens}"
+            )
+        counts[axis] = next(iter(lens.values()), 0)
+    if counts.get(STEP_AXIS) != 1:
+        raise TraceError(
+            f"table {table!r}: a step has exactly one row on the '{STEP_AXIS}' axis, got {counts.get(STEP_AXIS)}"
+        )
+    return counts
+
+
+def _describe(spec: ColumnSpec) -> str:
+    return (
+        "{"
+        + ", ".join(
+            f"{a}/{c}:{ld}{list(rs)}" for a, cols in spec.items() for c, (_, ld, rs) in cols.items()
+        )
+        + "}"
+    )
+
+
+def _deep_merge(base: dict, new: dict) -> dict:
+    out = dict(base)
+    for k, v in new.items():
+        out[k] = (
+            _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out

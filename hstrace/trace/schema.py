@@ -1,0 +1,85 @@
+"""Schema v1 of a trace: names, versions, tables and their axes, storage rules.
+
+The store layout (documented for users in docs/trace-format.md):
+
+    <root>/zarr.json                attrs["hstrace"] = run metadata (ROOT_KEY)
+    <root>/rank{r}/zarr.json        attrs["hstrace"] = rank metadata and the commit record
+    <root>/rank{r}/<table>/off_<axis>       int64 [S+1] CSR offsets (not for the step axis)
+    <root>/rank{r}/<table>/<axis>/<column>  flat row-major array, one row per axis row
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+SUPPORTED_SCHEMA_VERSIONS = (1,)
+FORMAT_NAME = "hstrace-trace"
+# Attribute key under which hstrace keeps its metadata, at the root and in each rank group.
+ROOT_KEY = "hstrace"
+
+# The axis with one row per event; it needs no offsets (step s is row s).
+STEP_AXIS = "step"
+
+# Tables of schema v1 and their axes (docs/internal-api.md). Producers may add tables; these
+# are the ones readers can rely on. Columns are fixed by each trace's first write.
+V1_TABLES: dict[str, tuple[str, ...]] = {
+    "target": ("step", "req", "tok"),
+    "draft_extend": ("step", "req", "tok"),
+    "draft_step": ("step", "req", "tok"),
+    "verify": ("step", "req", "proposed", "accepted"),
+    "requests": ("step", "req", "tok", "rid"),
+}
+
+# Step-axis columns the writer fills in when the producer does not give them.
+AUTO_STEP_COLUMNS = ("seq", "t_ns")
+
+# `target.mode` values.
+MODE_PREFILL = 0
+MODE_VERIFY = 1
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+# Chunk and shard sizing (reference/trace-storage.md §3-4): ~4 MiB chunks, whole-shard
+# writes of up to ~64 MiB for wide rows (hidden states, full logits), plain chunks otherwise.
+CHUNK_TARGET_BYTES = 4 << 20
+SHARD_TARGET_BYTES = 64 << 20
+MAX_CHUNK_ROWS = 65536
+SHARD_MIN_ROW_BYTES = 16 << 10
+
+
+def check_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"{kind} name {name!r} must be an identifier (letters, digits, _)")
+    return name
+
+
+def _pow2_floor(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def unit_rows(row_bytes: int) -> tuple[int, int | None]:
+    """(chunk_rows, shard_rows or None) for a column whose rows are `row_bytes` wide."""
+    row_bytes = max(1, row_bytes)
+    chunk = min(MAX_CHUNK_ROWS, _pow2_floor(CHUNK_TARGET_BYTES // row_bytes))
+    if row_bytes < SHARD_MIN_ROW_BYTES:
+        return chunk, None
+    shard = _pow2_floor(SHARD_TARGET_BYTES // row_bytes)
+    return (chunk, shard) if shard >= 2 * chunk else (chunk, None)
+
+
+def request_key(rid: str) -> int:
+    """Stable 63-bit key of an engine request id (first 8 bytes of blake2b, top bit cleared),
+    so it fits a non-negative int64 and is the same in every process and Python version."""
+    digest = hashlib.blake2b(rid.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def storage_dtype(logical: str) -> np.dtype:
+    """The numpy dtype a logical dtype is stored as (bf16 travels as its uint16 bits)."""
+    if logical == "bfloat16":
+        return np.dtype(np.uint16)
+    return np.dtype(logical)

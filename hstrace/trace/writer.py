@@ -1,0 +1,484 @@
+"""The producer side: `TraceWriter.write` copies tensors into staging and returns.
+
+In process mode (the default) the copy goes into a shared-memory ring of slots and a small
+message goes down a pipe to the rank's writer process, which does all compression and I/O.
+The serving thread pays a memcpy (or an async D2H copy on CUDA) plus a pipe write. A step
+larger than one slot is split by rows across several slots. In-process mode
+(`process=False`) writes through the same RankRecorder on the caller's thread: same on-disk
+result, for tests and the CPU reference engine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.shared_memory import SharedMemory
+from typing import Any
+
+import numpy as np
+import torch
+
+from hstrace.errors import TraceError
+from hstrace.trace.schema import STEP_AXIS, check_name
+
+ALIGN = 64
+# Where the hstrace package lives, so the writer process imports this very copy.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Seconds to wait for the writer process to start (spawn imports numpy and zarr).
+START_TIMEOUT_S = 120.0
+
+Columns = dict[str, dict[str, torch.Tensor]]
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _storage(t: torch.Tensor) -> tuple[str, str]:
+    """(storage dtype name, logical dtype name) of a tensor; bf16 travels as uint16 bits."""
+    if t.dtype == torch.bfloat16:
+        return "uint16", "bfloat16"
+    name = str(t.dtype).removeprefix("torch.")
+    return name, name
+
+
+def _as_tensor(value: Any, where: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    try:
+        if isinstance(value, np.ndarray):
+            return torch.from_numpy(np.ascontiguousarray(value))
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TraceError(
+            f"{where}: cannot convert {type(value).__name__} to a tensor ({exc})"
+        ) from exc
+
+
+def normalise(table: str, axes: dict[str, dict[str, Any] | None], seq: int, t_ns: int) -> Columns:
+    """{axis: {column: tensor with rows on dim 0}}; step-axis values are one row each."""
+    check_name("table", table)
+    out: Columns = {}
+    for axis, cols in axes.items():
+        if cols is None:
+            continue
+        check_name("axis", axis)
+        out[axis] = {}
+        for col, value in cols.items():
+            check_name("column", col)
+            t = _as_tensor(value, f"table {table!r} column {axis}/{col}")
+            if axis == STEP_AXIS:
+                t = t.reshape(1, *t.shape)
+            elif t.dim() == 0:
+                raise TraceError(
+                    f"table {table!r} column {axis}/{col}: needs a row dimension, got a scalar"
+                )
+            out[axis][col] = t
+    step = out.setdefault(STEP_AXIS, {})
+    step.setdefault("seq", torch.tensor([seq], dtype=torch.int64))
+    step.setdefault("t_ns", torch.tensor([t_ns], dtype=torch.int64))
+    return out
+
+
+def spec_of_tensors(cols: Columns) -> dict[str, dict[str, tuple[str, str, tuple[int, ...]]]]:
+    return {
+        axis: {c: (*_storage(t), tuple(int(x) for x in t.shape[1:])) for c, t in cc.items()}
+        for axis, cc in cols.items()
+    }
+
+
+def counts_of(table: str, cols: Columns) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for axis, cc in cols.items():
+        lens = {c: int(t.shape[0]) for c, t in cc.items()}
+        if len(set(lens.values())) > 1:
+            raise TraceError(
+                f"table {table!r}: columns on axis {axis!r} have different row counts {lens}"
+            )
+        counts[axis] = next(iter(lens.values()), 0)
+    return counts
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+class TraceWriter:
+    """Writes one rank's events into an existing trace (see `create_trace`).
+
+    on_full: what `write` does when every staging slot is in use: "block" waits for the
+    writer process; "drop" drops the step and counts it (per table) in the trace.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        rank: int = 0,
+        on_full: str = "block",
+        tail_flush_s: float = 2.0,
+        process: bool = True,
+        slots: int = 32,
+        slot_bytes: int = 4 << 20,
+    ) -> None:
+        if on_full not in ("block", "drop"):
+            raise TraceError(f"on_full must be 'block' or 'drop', got {on_full!r}")
+        self.path = str(path)
+        self.rank = int(rank)
+        self.on_full = on_full
+        self.process = process
+        self.dropped: dict[str, int] = {}
+        self._seq = 0
+        self._specs: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        if not process:
+            from hstrace.trace.recorder import RankRecorder
+
+            self._rec = RankRecorder(self.path, self.rank, tail_flush_s=tail_flush_s)
+            return
+        self._slot_bytes = _align(int(slot_bytes))
+        self._shm = SharedMemory(create=True, size=self._slot_bytes * int(slots))
+        self._ring = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
+        self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
+        self._free = deque(range(int(slots)))
+        self._pending_control: list[tuple] = []  # control replies read while waiting for slots
+        self._announced: set[str] = set()
+        self._pinned = False
+        self._completer: _CudaCompleter | None = None
+        data_r, self._data_w = mp.Pipe(duplex=False)
+        self._free_r, free_w = mp.Pipe(duplex=False)
+        args = [
+            self.path,
+            str(self.rank),
+            str(float(tail_flush_s)),
+            self._shm.name,
+            str(self._slot_bytes),
+        ]
+        args += [str(data_r.fileno()), str(free_w.fileno())]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "hstrace.trace.writer_process", *args],
+            pass_fds=(data_r.fileno(), free_w.fileno()),
+            env=env,
+        )
+        data_r.close()
+        free_w.close()
+        try:
+            reply = self._wait_control(("ready", "failed"), START_TIMEOUT_S)
+        except BaseException:
+            self._teardown()
+            raise
+        if reply[0] == "failed":
+            self._teardown()
+            raise TraceError(reply[1])
+
+    @property
+    def writer_pid(self) -> int | None:
+        return self._proc.pid if self.process else None
+
+    # --- producer API -----------------------------------------------------------------
+    def write(
+        self,
+        table: str,
+        step: dict[str, Any] | None = None,
+        req: dict[str, Any] | None = None,
+        tok: dict[str, Any] | None = None,
+        column_attrs: dict[str, dict] | None = None,
+        **other_axes: dict[str, Any],
+    ) -> bool:
+        """Record one event (a step) of `table`. Returns False if it was dropped (on_full="drop")."""
+        with self._lock:
+            if self._closed:
+                raise TraceError(f"{self.path}: rank {self.rank} writer is closed")
+            seq, self._seq = self._seq, self._seq + 1
+            cols = normalise(
+                table,
+                {STEP_AXIS: step or {}, "req": req, "tok": tok, **other_axes},
+                seq,
+                time.time_ns(),
+            )
+            counts = counts_of(table, cols)
+            spec = spec_of_tensors(cols)
+            known = self._specs.setdefault(table, spec)
+            if known != spec:
+                raise TraceError(
+                    f"table {table!r}: columns {_describe(spec)} differ from the first write's {_describe(known)}"
+                )
+            if not self.process:
+                logical = {f"{a}/{c}": s[1] for a, cc in spec.items() for c, s in cc.items()}
+                self._rec.write_step(
+                    table,
+                    {a: {c: to_numpy(t) for c, t in cc.items()} for a, cc in cols.items()},
+                    logical,
+                    column_attrs,
+                )
+                return True
+            return self._stage(table, cols, counts, spec, column_attrs)
+
+    def update_static(self, items: dict[str, Any]) -> None:
+        """Merge audit items into this rank's `static` attributes (the reader merges ranks)."""
+        self._control(("static", dict(items)))
+
+    def note_error(self, tap: str, message: str) -> None:
+        """Record that a tap failed and was disabled; `hstrace show` lists these."""
+        self._control(("error", str(tap), str(message)))
+
+    def flush(self) -> None:
+        """Make everything written so far durable and committed (waits for the writer)."""
+        if not self.process:
+            with self._lock:
+                for log in self._rec._all_logs():
+                    log.flush_tail()
+                self._rec.commit()
+            return
+        self._send(("flush",))
+        self._wait_control(("flushed",), None)
+
+    def close(self) -> None:
+        """Flush, trim shapes, and commit with clean_close=True."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self.process:
+                self._rec.set_dropped(self.dropped)
+                self._rec.close()
+                return
+            try:
+                self._send(("close", dict(self.dropped)))
+                self._wait_control(("closed",), None)
+                self._proc.wait(timeout=60)
+            finally:
+                self._teardown()
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- staging ----------------------------------------------------------------------
+    def _control(self, msg: tuple) -> None:
+        with self._lock:
+            if not self.process:
+                if msg[0] == "static":
+                    self._rec.update_static(msg[1])
+                else:
+                    self._rec.note_error(msg[1], msg[2])
+                return
+            self._send(msg)
+
+    def _stage(
+        self,
+        table: str,
+        cols: Columns,
+        counts: dict[str, int],
+        spec: dict,
+        column_attrs: dict | None,
+    ) -> bool:
+        parts = _pack(cols, counts, self._slot_bytes, table)
+        announce = table not in self._announced
+        for i, layout in enumerate(parts):
+            slot = self._acquire(may_drop=(i == 0 and self.on_full == "drop"))
+            if slot is None:
+                self.dropped[table] = self.dropped.get(table, 0) + 1
+                return False
+            base = slot * self._slot_bytes
+            cuda = False
+            msg_layout = []
+            for axis, col, offset, r0, r1 in layout:
+                src = cols[axis][col][r0:r1]
+                nbytes = src.numel() * src.element_size()
+                dst = (
+                    self._ring[base + offset : base + offset + nbytes]
+                    .view(src.dtype)
+                    .view(src.shape)
+                )
+                if src.is_cuda:
+                    cuda = True
+                    self._pin()
+                    dst.copy_(src, non_blocking=True)
+                else:
+                    dst.copy_(src)
+                msg_layout.append((axis, col, offset, r1 - r0))
+            last = i == len(parts) - 1
+            msg = (
+                "part",
+                table,
+                slot,
+                msg_layout,
+                counts if last else None,
+                spec if (announce and i == 0) else None,
+                column_attrs if (announce and i == 0) else None,
+                dict(self.dropped) if (last and self.dropped) else None,
+            )
+            if cuda and self._completer is None:
+                self._completer = _CudaCompleter(self._data_w)
+            if self._completer is not None:
+                self._completer.submit(torch.cuda.Event() if cuda else None, msg, record=cuda)
+            else:
+                self._data_w.send(msg)
+        self._announced.add(table)
+        return True
+
+    def _send(self, msg: tuple) -> None:
+        if self._completer is not None:  # keep order behind in-flight CUDA copies
+            self._completer.submit(None, msg, record=False)
+            self._completer.drain()
+        else:
+            self._data_w.send(msg)
+
+    def _pin(self) -> None:
+        # Page-lock the ring once so non_blocking D2H copies really are asynchronous.
+        if self._pinned:
+            return
+        self._pinned = True
+        try:
+            ptr = self._ring.data_ptr()
+            torch.cuda.cudart().cudaHostRegister(ptr, self._ring.numel(), 0)
+        except Exception:  # noqa: BLE001 - copies stay correct, only synchronous
+            pass
+
+    def _acquire(self, may_drop: bool) -> int | None:
+        while not self._free and self._free_r.poll(0):
+            self._take(self._free_r.recv())
+        if self._free:
+            return self._free.popleft()
+        if may_drop:
+            return None
+        while not self._free:
+            if self._free_r.poll(0.5):
+                self._take(self._free_r.recv())
+            elif self._proc.poll() is not None:
+                raise TraceError(
+                    f"{self.path}: the writer process of rank {self.rank} exited (code {self._proc.returncode})"
+                )
+        return self._free.popleft()
+
+    def _take(self, item: Any) -> None:
+        if isinstance(item, int):
+            self._free.append(item)
+        else:
+            self._pending_control.append(item)
+
+    def _wait_control(self, kinds: tuple[str, ...], timeout: float | None) -> tuple:
+        t_end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for i, item in enumerate(self._pending_control):
+                if item[0] in kinds:
+                    return self._pending_control.pop(i)
+            if self._free_r.poll(0.5):
+                try:
+                    self._take(self._free_r.recv())
+                except EOFError:
+                    raise TraceError(
+                        f"{self.path}: the writer process of rank {self.rank} exited"
+                    ) from None
+                continue
+            if self._proc.poll() is not None and not self._free_r.poll(0):
+                raise TraceError(
+                    f"{self.path}: the writer process of rank {self.rank} exited (code {self._proc.returncode})"
+                )
+            if t_end is not None and time.monotonic() > t_end:
+                raise TraceError(
+                    f"{self.path}: the writer process of rank {self.rank} did not answer within {timeout:.0f} s"
+                )
+
+    def _teardown(self) -> None:
+        if self._completer is not None:
+            self._completer.stop()
+        for conn in (self._data_w, self._free_r):
+            conn.close()
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()  # only after close or a failed start: nothing left to save
+            self._proc.wait()
+        del self._ring
+        self._shm.close()
+        self._shm.unlink()
+
+
+def _pack(cols: Columns, counts: dict[str, int], slot_bytes: int, table: str) -> list[list[tuple]]:
+    """Split a step's rows into slot-sized parts: [(axis, column, offset, r0, r1), ...] each."""
+    parts: list[list[tuple]] = []
+    cur: list[tuple] = []
+    used = 0
+    for axis, cc in cols.items():
+        n = counts[axis]
+        row_bytes = {c: t[0].numel() * t.element_size() if n else 0 for c, t in cc.items()}
+        per_row = sum(row_bytes.values())
+        r = 0
+        while r < n:
+            room = slot_bytes - used - ALIGN * len(cc)
+            k = min(n - r, room // per_row if per_row else n - r)
+            if k <= 0:
+                if not cur:
+                    raise TraceError(
+                        f"table {table!r}: one row of axis {axis!r} ({per_row} B) is larger than a staging slot ({slot_bytes} B)"
+                    )
+                parts.append(cur)
+                cur, used = [], 0
+                continue
+            for c, b in row_bytes.items():
+                cur.append((axis, c, used, r, r + k))
+                used += _align(k * b)
+            r += k
+    parts.append(cur)
+    return parts
+
+
+def _describe(spec: dict) -> str:
+    return (
+        "{"
+        + ", ".join(f"{a}/{c}:{s[1]}{list(s[2])}" for a, cc in spec.items() for c, s in cc.items())
+        + "}"
+    )
+
+
+class _CudaCompleter:
+    """Sends messages once their async D2H copies are done, in order, off the serving thread."""
+
+    def __init__(self, conn) -> None:
+        self._conn = conn
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="hstrace-d2h", daemon=True)
+        self._thread.start()
+
+    def submit(self, event, msg: tuple, record: bool) -> None:
+        if record:
+            event.record()
+        self._idle.clear()
+        self._q.put((event, msg))
+
+    def drain(self) -> None:
+        self._q.put(None)
+        self._idle.wait()
+
+    def stop(self) -> None:
+        self._q.put(StopIteration)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is StopIteration:
+                return
+            if item is None:
+                if self._q.empty():
+                    self._idle.set()
+                continue
+            event, msg = item
+            if event is not None:
+                event.synchronize()
+            self._conn.send(msg)

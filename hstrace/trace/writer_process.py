@@ -1,0 +1,151 @@
+"""The writer process of one rank: drains the staging ring into a RankRecorder.
+
+Imports no torch: it only needs numpy and zarr, so it starts fast and stays small. Protocol
+(all over two one-way pipes, in order):
+  producer -> writer  ("part", table, slot, layout, counts|None, spec|None, column_attrs|None, dropped)
+                      ("static", dict) | ("error", tap, message) | ("flush",) | ("close",)
+  writer -> producer  ("ready",) | ("failed", message) once at start; then slot ids (int) as
+                      slots free up; ("flushed",) / ("closed",) answering flush / close.
+`layout` lists (axis, column, byte offset in the slot, rows); dtype and row shape come from the
+table's spec, sent with the first step of each table.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import sys
+import time
+from multiprocessing.connection import Connection
+
+import numpy as np
+
+from hstrace.errors import HstraceError
+
+
+def main(argv: list[str]) -> None:
+    """Entry point: `python -m hstrace.trace.writer_process PATH RANK TAIL_S SHM SLOT_BYTES DATA_FD FREE_FD`.
+
+    Started with subprocess rather than multiprocessing's spawn, which would re-import the
+    parent's __main__ (a server launcher inside SGLang, a test runner, a user script)."""
+    path, rank, tail_s, shm_name, slot_bytes, data_fd, free_fd = argv
+    writer_main(
+        path,
+        int(rank),
+        float(tail_s),
+        shm_name,
+        int(slot_bytes),
+        Connection(int(data_fd)),
+        Connection(int(free_fd)),
+    )
+
+
+class _Ring:
+    """The producer's shared-memory ring, mapped directly from /dev/shm. Not through
+    SharedMemory: its resource tracker would unlink the producer's segment when we exit."""
+
+    def __init__(self, name: str) -> None:
+        fd = os.open(os.path.join("/dev/shm", name.lstrip("/")), os.O_RDWR)
+        try:
+            self.buf = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        try:
+            self.buf.close()
+        except BufferError:  # a numpy view still alive at exit; the OS unmaps it
+            pass
+
+
+def writer_main(
+    path: str,
+    rank: int,
+    tail_flush_s: float,
+    shm_name: str,
+    slot_bytes: int,
+    data_r: Connection,
+    free_w: Connection,
+) -> None:
+    from hstrace.trace.recorder import RankRecorder
+
+    try:
+        rec = RankRecorder(path, rank, tail_flush_s=tail_flush_s)
+    except HstraceError as exc:
+        free_w.send(("failed", str(exc)))
+        return
+    shm = _Ring(shm_name)
+    try:
+        free_w.send(("ready",))
+        _loop(rec, shm, slot_bytes, data_r, free_w)
+    finally:
+        shm.close()
+
+
+def _loop(rec, shm: _Ring, slot_bytes: int, data_r: Connection, free_w: Connection) -> None:
+    while True:
+        deadline = rec.next_deadline()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not data_r.poll(timeout):
+            rec.tick()
+            continue
+        try:
+            msg = data_r.recv()
+        except (EOFError, OSError):
+            # The producer is gone without closing: keep what we have, but not as a clean close.
+            for log in rec._all_logs():
+                log.flush_tail()
+            rec.commit(clean_close=False)
+            return
+        kind = msg[0]
+        if kind == "part":
+            _, table, slot, layout, counts, spec, column_attrs, dropped = msg
+            try:
+                _write_part(rec, shm, slot * slot_bytes, table, layout, counts, spec, column_attrs)
+            except HstraceError as exc:  # keep recording other tables; the error is in the trace
+                rec.note_error("writer", str(exc))
+            finally:
+                free_w.send(slot)
+            if dropped is not None:
+                rec.set_dropped(dropped)
+            rec.tick()
+        elif kind == "static":
+            rec.update_static(msg[1])
+        elif kind == "error":
+            rec.note_error(msg[1], msg[2])
+        elif kind == "dropped":
+            rec.set_dropped(msg[1])
+        elif kind == "flush":
+            for log in rec._all_logs():
+                log.flush_tail()
+            rec.commit()
+            free_w.send(("flushed",))
+        elif kind == "close":
+            if msg[1:] and msg[1] is not None:
+                rec.set_dropped(msg[1])
+            rec.close()
+            free_w.send(("closed",))
+            return
+
+
+def _write_part(rec, shm: _Ring, base: int, table: str, layout, counts, spec, column_attrs) -> None:
+    if spec is not None and table not in rec.tables:
+        rec.table(table, spec, column_attrs)
+    t = rec.tables.get(table)
+    if t is None:
+        raise HstraceError(f"table {table!r}: rows arrived before its columns were announced")
+    rows: dict[str, dict[str, np.ndarray]] = {}
+    for axis, col, offset, n in layout:
+        log = t.cols[axis][col]
+        count = n * math.prod(log.row_shape)
+        view = np.frombuffer(shm.buf, dtype=log.dtype, count=count, offset=base + offset)
+        rows.setdefault(axis, {})[col] = view.reshape(n, *log.row_shape)
+    now = time.monotonic()
+    t.append(rows, now)
+    if counts is not None:
+        t.end_step(counts, now)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
