@@ -218,6 +218,12 @@ class TableView:
     def num_rows(self, axis: str) -> int:
         return int(self.offsets(axis)[-1])
 
+    def column_attrs(self, axis: str, column: str) -> dict[str, Any]:
+        """A column's attributes (`hstrace_dtype`, and producer-given ones like `layer_ids`)."""
+        if (axis, column) not in self._arrays:
+            raise TraceError(f"{self._where}: no column {axis}/{column} (columns: {self.columns})")
+        return dict(self._arrays[(axis, column)].attrs)
+
     def logical_dtype(self, axis: str, column: str) -> str:
         return self._logical[(axis, column)]
 

@@ -1,0 +1,129 @@
+"""The numbers `hstrace show` prints: one dict, the same for the table view and `--json`.
+
+Keys are documented in docs/trace-format.md ("Summary keys"). Acceptance follows the store's
+convention: `accept_len` counts accepted draft tokens and excludes the bonus token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from hstrace.trace.reader import TableView, Trace
+from hstrace.trace.schema import MODE_PREFILL
+
+ACCEPT_CONVENTION = "accept_len counts accepted draft tokens, excluding the bonus token"
+DRAFT_TABLES = ("draft_extend", "draft_step")
+
+
+def _rows(t: TableView | None, axis: str) -> int:
+    return 0 if t is None or axis not in t.axes else t.num_rows(axis)
+
+
+def _col(t: TableView, axis: str, name: str) -> np.ndarray | None:
+    return np.asarray(t.column(axis, name)) if name in t.columns.get(axis, []) else None
+
+
+def summarize(trace: Trace) -> dict[str, Any]:
+    meta = trace.meta
+    per_rank: list[dict[str, Any]] = []
+    req_keys: set[int] = set()
+    accept_lens: list[np.ndarray] = []
+    proposed_counts: list[np.ndarray] = []
+    steps_total: dict[str, int] = {}
+    dropped_total: dict[str, int] = {}
+    errors: list[dict[str, Any]] = []
+    for r in trace.ranks:
+        rv = trace.rank(r)
+        steps = {name: rv.table(name).num_steps for name in rv.tables}
+        for name, n in steps.items():
+            steps_total[name] = steps_total.get(name, 0) + n
+        target = rv.table("target")
+        tokens = {"total": _rows(target, "tok"), "prefill": 0, "verify": 0}
+        if (
+            target is not None
+            and target.num_steps
+            and (mode := _col(target, "step", "mode")) is not None
+        ):
+            per_step = np.diff(target.offsets("tok"))
+            tokens["prefill"] = int(per_step[mode == MODE_PREFILL].sum())
+            tokens["verify"] = tokens["total"] - tokens["prefill"]
+        draft = {name: _rows(rv.table(name), "tok") for name in DRAFT_TABLES}
+        for name in rv.tables:
+            t = rv.table(name)
+            if (keys := _col(t, "req", "req_key")) is not None:
+                req_keys.update(int(k) for k in np.unique(keys))
+        verify = rv.table("verify")
+        if verify is not None and (al := _col(verify, "req", "accept_len")) is not None:
+            accept_lens.append(al.astype(np.int64))
+            n_prop = _col(verify, "req", "n_proposed")
+            proposed_counts.append(
+                (n_prop if n_prop is not None else np.full_like(al, -1)).astype(np.int64)
+            )
+        for name, n in rv.dropped_steps.items():
+            dropped_total[name] = dropped_total.get(name, 0) + int(n)
+        errors += [{"rank": r, "tap": e.get("tap"), "message": e.get("message")} for e in rv.errors]
+        per_rank.append(
+            {
+                "rank": r,
+                "clean_close": rv.clean_close,
+                "steps": steps,
+                "tokens": tokens,
+                "draft_rows": {**draft, "total": sum(draft.values())},
+                "dropped_steps": sum(int(v) for v in rv.dropped_steps.values()),
+                "tap_errors": len(rv.errors),
+            }
+        )
+    tokens_total = {
+        k: sum(p["tokens"][k] for p in per_rank) for k in ("total", "prefill", "verify")
+    }
+    draft_total = {k: sum(p["draft_rows"][k] for p in per_rank) for k in (*DRAFT_TABLES, "total")}
+    return {
+        "path": str(trace.path),
+        "schema_version": meta.get("schema_version"),
+        "hstrace_version": meta.get("hstrace_version"),
+        "engine": meta.get("engine", {}),
+        "created": meta.get("created"),
+        "host": (meta.get("host") or {}).get("hostname"),
+        "command_line": meta.get("command_line", []),
+        "ranks": list(trace.ranks),
+        "clean_close": all(p["clean_close"] for p in per_rank) if per_rank else False,
+        "steps": steps_total,
+        "requests": len(req_keys),
+        "tokens": tokens_total,
+        "draft_rows": draft_total,
+        "acceptance": _acceptance(accept_lens, proposed_counts),
+        "dropped_steps": {**dropped_total, "total": sum(dropped_total.values())},
+        "tap_errors": errors,
+        "per_rank": per_rank,
+    }
+
+
+def _acceptance(accept_lens: list[np.ndarray], proposed: list[np.ndarray]) -> dict[str, Any]:
+    al = np.concatenate(accept_lens) if accept_lens else np.zeros(0, np.int64)
+    out: dict[str, Any] = {"convention": ACCEPT_CONVENTION, "verify_rows": int(al.size)}
+    if al.size == 0:
+        return out | {
+            "mean_accept_len": None,
+            "mean_accept_len_incl_bonus": None,
+            "histogram": {},
+            "rate_by_position": [],
+        }
+    values, counts = np.unique(al, return_counts=True)
+    prop = np.concatenate(proposed)
+    # Position i (0-based) is accepted iff accept_len > i; the denominator is the rows that
+    # proposed at least i+1 tokens (all rows when n_proposed was not recorded).
+    depth = int(max(al.max(), prop.max())) if prop.size else int(al.max())
+    rates = []
+    for i in range(depth):
+        offered = (prop > i) | (prop < 0)
+        n = int(offered.sum())
+        rates.append(round(float((al[offered] > i).sum()) / n, 6) if n else None)
+    mean = float(al.mean())
+    return out | {
+        "mean_accept_len": round(mean, 6),
+        "mean_accept_len_incl_bonus": round(mean + 1.0, 6),
+        "histogram": {str(int(v)): int(c) for v, c in zip(values, counts, strict=True)},
+        "rate_by_position": rates,
+    }
