@@ -1,0 +1,90 @@
+"""`hstrace bundle TRACE -o FILE.zip`: one zip for a bug report (hstrace.bundle)."""
+
+from __future__ import annotations
+
+import click
+
+from hstrace.errors import HstraceError
+
+
+@click.command(name="bundle", help="Pack a trace (or part of it) into one zip for a bug report.")
+@click.argument("trace", type=click.Path())
+@click.option(
+    "-o",
+    "--output",
+    "out",
+    required=True,
+    type=click.Path(),
+    help="The bundle to write (FILE.zip).",
+)
+@click.option(
+    "--requests",
+    default=None,
+    help="Keep only these requests: engine request ids or request keys, comma-separated.",
+)
+@click.option(
+    "--steps", default=None, help="Keep these engine steps: N, A:B (half-open), comma-separated."
+)
+@click.option(
+    "--max-size",
+    default=None,
+    help="Keep the zip under this size (e.g. 50MB) by keeping fewer steps.",
+)
+@click.option(
+    "--redact",
+    type=click.Choice(["ids", "hidden"]),
+    multiple=True,
+    help="ids: salted token-id hashes; hidden: drop hidden states, keep per-slot stats and fingerprints. Repeatable.",
+)
+@click.option(
+    "--salt-file",
+    type=click.Path(),
+    default=None,
+    help="Salt for --redact ids (reuse it to redact the training side); a new one is written next to the zip otherwise.",
+)
+@click.option(
+    "--drafter",
+    type=click.Path(),
+    default=None,
+    help="The drafter checkpoint (dir or file): config and hashes go in the manifest.",
+)
+@click.option(
+    "--with-drafter", is_flag=True, help="Also put the drafter checkpoint files into the zip."
+)
+@click.option(
+    "--against",
+    type=click.Path(),
+    default=None,
+    help="Training dir: REPORT.md is the replay verdict on the bundled subset.",
+)
+def bundle(
+    trace, out, requests, steps, max_size, redact, salt_file, drafter, with_drafter, against
+) -> None:
+    from hstrace.bundle import BundleOptions, make_bundle, parse_size, read_salt
+
+    if salt_file and "ids" not in redact:
+        raise HstraceError("--salt-file only applies with --redact ids")
+    opts = BundleOptions(
+        steps=steps,
+        requests=requests,
+        max_size=parse_size(max_size) if max_size else None,
+        redact=tuple(redact),
+        salt=read_salt(salt_file) if salt_file else None,
+        drafter=drafter,
+        with_drafter=with_drafter,
+        against=against,
+    )
+    res = make_bundle(trace, out, opts)
+    kept = ", ".join(
+        f"rank{r}: {len(s)}/{res.total_engine_steps[r]}" for r, s in res.engine_steps.items()
+    )
+    click.echo(
+        f"wrote {res.path} ({res.size} bytes): engine steps {kept}; REPORT.md = {res.report_kind}"
+    )
+    click.echo(f"reproduce: {res.reproduce}")
+    if res.salt_written:
+        click.echo(
+            f"salt written to {res.salt_written} (keep it private; it is not in the zip). Redact the "
+            "training side with the same salt: hstrace.bundle.redact.hash_token_ids(ids, salt) "
+            "with salt = bytes.fromhex(open(SALT).read()), or pass --salt-file to the next bundle."
+        )

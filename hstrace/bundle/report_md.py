@@ -1,0 +1,99 @@
+"""REPORT.md for a bundle (ready to paste into an issue) and the one-line reproduce command.
+
+With a training dir (`--against`) the report is the replay's Markdown verdict, computed on the
+bundled subset itself, so the reproduce command gives the same answer. Without one it is a
+summary of the subset (engine, steps, acceptance) that says replay was not run and how to.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+from hstrace.errors import HstraceError
+
+
+def reproduce_line(out: Path, opts: Any) -> str:
+    cmd = ["hstrace", "replay", out.name]
+    if opts.against:
+        cmd += ["--against", str(opts.against)]
+    if opts.drafter:
+        cmd += ["--drafter", str(opts.drafter)]
+    return shlex.join(cmd)
+
+
+def _run_replay(store: Path, opts: Any) -> Any:
+    """The replay room's entry point on the subset; None when replay is not built yet."""
+    try:
+        from hstrace.replay import run_replay  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return run_replay(str(store), against=opts.against, drafter=opts.drafter)
+
+
+def write_report(
+    store: Path, opts: Any, how: Any, reproduce: str
+) -> tuple[str, str, dict[str, Any] | None]:
+    """(markdown, "replay" | "summary", replay JSON or None)."""
+    from hstrace.html.acceptance import acceptance_of
+    from hstrace.trace import open_trace
+
+    redaction_note = ""
+    if how.modes:
+        redaction_note = (
+            f"\n> Redacted: {', '.join(how.modes)}."
+            + (
+                " Token ids are salted hashes (alignment works with the same salt)."
+                if how.ids
+                else ""
+            )
+            + (
+                " Hidden states were replaced by per-slot statistics and sketches; checks that need them cannot run."
+                if how.hidden
+                else ""
+            )
+            + "\n"
+        )
+    if opts.against:
+        result = _run_replay(store, opts)
+        if result is not None:
+            from hstrace.report import render_markdown
+
+            md = render_markdown(result)
+            return (
+                md + redaction_note + f"\n\nReproduce: `{reproduce}`\n",
+                "replay",
+                result.to_json(),
+            )
+        if opts.against:
+            raise HstraceError(
+                "--against needs `hstrace replay`, which is not available in this build"
+            )
+    with open_trace(store) as tr:
+        meta = tr.meta
+        eng = meta.get("engine") or {}
+        acc = acceptance_of(tr)
+        lines = [
+            "# hstrace bundle",
+            "",
+            f"Engine: `{eng.get('name')}` {eng.get('version')}; ranks {tr.ranks}; schema v{meta.get('schema_version')}.",
+            "",
+            "**Replay was not run** (no training dir given). To get the verdict, run:",
+            "",
+            f"    {reproduce} --against TRAINING_DIR",
+            "",
+            "| table | events (rank 0) |",
+            "| --- | --- |",
+        ]
+        r0 = tr.rank(tr.ranks[0]) if tr.ranks else None
+        for name in r0.tables if r0 else []:
+            lines.append(f"| {name} | {r0.table(name).num_steps} |")
+        lines.append("")
+        if acc is not None:
+            lines += [
+                f"Mean accept length: {acc.mean_accept_len:.3f} draft tokens per verify "
+                f"(excluding the bonus token), over {acc.rows} verify rows.",
+                "",
+            ]
+    return "\n".join(lines) + redaction_note, "summary", None
