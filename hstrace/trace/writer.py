@@ -325,7 +325,7 @@ class TraceWriter:
             if self._completer is not None:
                 self._completer.submit(torch.cuda.Event() if cuda else None, msg, record=cuda)
             else:
-                self._data_w.send(msg)
+                self._pipe_send(msg)
         self._announced.add(table)
         return True
 
@@ -334,7 +334,15 @@ class TraceWriter:
             self._completer.submit(None, msg, record=False)
             self._completer.drain()
         else:
+            self._pipe_send(msg)
+
+    def _pipe_send(self, msg: tuple) -> None:
+        try:
             self._data_w.send(msg)
+        except OSError as exc:  # broken pipe: the writer process is gone
+            raise TraceError(
+                f"{self.path}: the writer process of rank {self.rank} exited ({exc})"
+            ) from exc
 
     def _pin(self) -> None:
         # Page-lock the ring once so non_blocking D2H copies really are asynchronous.
