@@ -1,0 +1,139 @@
+"""A bad trace is a one-line TraceError, and exit code 2 from the CLI, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from hstrace.errors import TraceError
+from hstrace.trace import TraceWriter, create_trace, open_trace
+
+
+def _trace(path: Path) -> Path:
+    create_trace(path, engine={"name": "test", "version": "1"})
+    with TraceWriter(path, rank=0, process=False) as w:
+        for n in (3, 200, 7):
+            w.write(
+                "target",
+                step={"mode": 0},
+                req={"req_key": torch.tensor([1]), "n_tok": torch.tensor([n])},
+                tok={
+                    "input_ids": torch.arange(n, dtype=torch.int32),
+                    "aux_hidden": torch.randn(n, 64).to(torch.bfloat16),
+                },
+            )
+    return path
+
+
+def _zip(src: Path, dst: Path) -> Path:
+    with zipfile.ZipFile(dst, "w", compression=zipfile.ZIP_STORED) as zf:
+        for f in sorted(src.rglob("*")):
+            if f.is_file():
+                zf.write(f, f.relative_to(src).as_posix())
+    return dst
+
+
+def _show(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hstrace", "show", *args], capture_output=True, text=True
+    )
+
+
+def _assert_cli_error(path: Path, *words: str) -> None:
+    out = _show(str(path))
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hstrace: error: "), out.stderr
+    for w in words:
+        assert w in lines[0], lines[0]
+
+
+def test_zip_reads_like_the_directory(tmp_path):
+    d = _trace(tmp_path / "t.zarr")
+    z = _zip(d, tmp_path / "t.zip")
+    with open_trace(d) as a, open_trace(z) as b:
+        ta, tb = a.rank(0).table("target"), b.rank(0).table("target")
+        assert ta.num_steps == tb.num_steps == 3
+        assert torch.equal(
+            ta.column("tok", "aux_hidden").view(torch.int16),
+            tb.column("tok", "aux_hidden").view(torch.int16),
+        )
+    assert _show(str(z)).returncode == 0
+
+
+def test_unknown_schema_version(tmp_path):
+    d = _trace(tmp_path / "t.zarr")
+    meta_file = d / "zarr.json"
+    meta = json.loads(meta_file.read_text())
+    meta["attributes"]["hstrace"]["schema_version"] = 99
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(TraceError, match="schema version 99 is not supported"):
+        open_trace(d)
+    _assert_cli_error(d, "schema version 99")
+
+
+def test_not_a_trace_and_missing(tmp_path):
+    (tmp_path / "empty").mkdir()
+    _assert_cli_error(tmp_path / "empty", "empty")
+    _assert_cli_error(tmp_path / "nope.zarr", "no such trace")
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"\x00" * 100)
+    _assert_cli_error(junk, "junk.bin")
+
+
+def test_corrupt_chunk(tmp_path):
+    d = _trace(tmp_path / "t.zarr")
+    chunk = next((d / "rank0/target/tok/aux_hidden/c").rglob("*"))
+    while chunk.is_dir():
+        chunk = next(chunk.iterdir())
+    chunk.write_bytes(b"garbage" * 10)
+    with open_trace(d) as tr, pytest.raises(TraceError, match="aux_hidden"):
+        tr.rank(0).table("target").column("tok", "aux_hidden")
+    # `show` reads offsets and small columns only; corrupt offsets are caught there.
+    off = next((d / "rank0/target/off_tok/c").rglob("*"))
+    off.write_bytes(b"garbage")
+    _assert_cli_error(d, "off_tok")
+
+
+def test_corrupt_metadata(tmp_path):
+    d = _trace(tmp_path / "t.zarr")
+    (d / "rank0/target/zarr.json").write_text("{not json")
+    _assert_cli_error(d, "rank0/target")
+    d2 = _trace(tmp_path / "t2.zarr")
+    (d2 / "zarr.json").write_text("{not json")
+    _assert_cli_error(d2, "t2.zarr")
+
+
+def test_commit_record_ahead_of_arrays_is_corrupt(tmp_path):
+    d = _trace(tmp_path / "t.zarr")
+    meta_file = d / "rank0/zarr.json"
+    meta = json.loads(meta_file.read_text())
+    meta["attributes"]["hstrace"]["commit"]["tables"]["target"]["rows"]["tok/aux_hidden"] = 10**6
+    meta_file.write_text(json.dumps(meta))
+    _assert_cli_error(d, "commit record")
+
+
+def test_truncated_zip(tmp_path):
+    z = _zip(_trace(tmp_path / "t.zarr"), tmp_path / "t.zip")
+    data = z.read_bytes()
+    cut = tmp_path / "cut.zip"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(TraceError, match="cut.zip"):
+        open_trace(cut)
+    _assert_cli_error(cut, "cut.zip")
+
+
+def test_zip_with_path_traversal_is_refused(tmp_path):
+    d = _trace(tmp_path / "t.zarr")
+    z = _zip(d, tmp_path / "evil.zip")
+    with zipfile.ZipFile(z, "a") as zf:
+        zf.writestr("../outside.txt", "x")
+    _assert_cli_error(z, "outside the archive")
+    assert not (tmp_path / "outside.txt").exists()
