@@ -1,0 +1,64 @@
+"""Tiny target + EAGLE-3 drafter checkpoints for the SGLang CPU tests (fixed seeds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+HIDDEN, VOCAB, DRAFT_VOCAB, LAYERS = 64, 512, 256, 4
+
+
+def build_target(directory: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(directory)
+    return directory
+
+
+def build_drafter(directory: Path, prefix: str = "midlayer", layer_ids_top_level: bool = False) -> Path:
+    """EAGLE-3 drafter in SGLang/SpecForge key layout; `prefix` names the decoder layer keys."""
+    g = torch.Generator().manual_seed(1)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    tensors = {
+        "fc.weight": w(HIDDEN, 3 * HIDDEN),
+        f"{prefix}.hidden_norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+        f"{prefix}.input_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+        f"{prefix}.post_attention_layernorm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+        f"{prefix}.self_attn.q_proj.weight": w(HIDDEN, 2 * HIDDEN),
+        f"{prefix}.self_attn.k_proj.weight": w(32, 2 * HIDDEN),
+        f"{prefix}.self_attn.v_proj.weight": w(32, 2 * HIDDEN),
+        f"{prefix}.self_attn.o_proj.weight": w(HIDDEN, HIDDEN),
+        f"{prefix}.mlp.gate_proj.weight": w(128, HIDDEN),
+        f"{prefix}.mlp.up_proj.weight": w(128, HIDDEN),
+        f"{prefix}.mlp.down_proj.weight": w(HIDDEN, 128),
+        "norm.weight": torch.ones(HIDDEN, dtype=torch.bfloat16),
+        "lm_head.weight": w(DRAFT_VOCAB, HIDDEN),
+        "d2t": torch.arange(DRAFT_VOCAB, dtype=torch.int64),  # offsets: target id = 2 * draft id
+        "t2d": torch.zeros(VOCAB, dtype=torch.bool),
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    ids = [0, 1, 2]
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
+        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": HIDDEN,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+        "tie_word_embeddings": False,
+    }
+    if layer_ids_top_level:
+        cfg["eagle_aux_hidden_state_layer_ids"] = ids
+    else:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    return directory
