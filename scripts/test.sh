@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q -c scripts/constraints-cpu.txt -e '.[test]'
+# speculators (numerical cross-check of the reference drafter) without its CUDA/vLLM-side deps.
+python3 -m pip install -q --no-deps -r scripts/requirements-crosscheck-nodeps.txt
 python3 -m pytest -q "$@"
