@@ -121,10 +121,10 @@ def prefill_rows(
 
 
 def draft_extend_topk_rows(
-    rids: list[str], draft_input: Any, hot_token_id: torch.Tensor | None, lens: list[int]
+    draft_input: Any, hot_token_id: torch.Tensor | None, total: int, rows: torch.Tensor
 ) -> dict[str, torch.Tensor]:
-    """The top-k the draft-extend produced (one per request, at its last token), spread over the
-    extend's token rows: rows without a top-k get ids -1 and log-prob -inf."""
+    """The top-k the draft-extend produced (one per request, at row `rows[b]`), spread over the
+    extend's `total` token rows: rows without a top-k get ids -1 and log-prob -inf."""
     k = draft_input.topk_index.shape[-1]
     per_req = draft_topk(draft_input.topk_p, draft_input.topk_index, hot_token_id)
     out = {
