@@ -357,19 +357,28 @@ class TraceWriter:
 
     def _acquire(self, may_drop: bool) -> int | None:
         while not self._free and self._free_r.poll(0):
-            self._take(self._free_r.recv())
+            self._take(self._recv_free())
         if self._free:
             return self._free.popleft()
         if may_drop:
             return None
         while not self._free:
             if self._free_r.poll(0.5):
-                self._take(self._free_r.recv())
+                self._take(self._recv_free())
             elif self._proc.poll() is not None:
                 raise TraceError(
                     f"{self.path}: the writer process of rank {self.rank} exited (code {self._proc.returncode})"
                 )
         return self._free.popleft()
+
+    def _recv_free(self) -> Any:
+        try:
+            return self._free_r.recv()
+        except (EOFError, OSError):
+            code = self._proc.poll()
+            raise TraceError(
+                f"{self.path}: the writer process of rank {self.rank} exited (code {code})"
+            ) from None
 
     def _take(self, item: Any) -> None:
         if isinstance(item, int):
@@ -384,12 +393,7 @@ class TraceWriter:
                 if item[0] in kinds:
                     return self._pending_control.pop(i)
             if self._free_r.poll(0.5):
-                try:
-                    self._take(self._free_r.recv())
-                except EOFError:
-                    raise TraceError(
-                        f"{self.path}: the writer process of rank {self.rank} exited"
-                    ) from None
+                self._take(self._recv_free())
                 continue
             if self._proc.poll() is not None and not self._free_r.poll(0):
                 raise TraceError(
