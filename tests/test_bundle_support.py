@@ -43,7 +43,12 @@ def write_demo_trace(
     """Prefill, then `rounds` verify rounds of chain drafting with N_DRAFT tokens."""
     rng = np.random.default_rng(seed)
     acc_rng = np.random.default_rng(seed if accept_seed is None else accept_seed)
-    create_trace(path, engine={"name": engine, "version": "test"}, command_line=["test"], static={"spec": {"num_steps": N_DRAFT}})
+    create_trace(
+        path,
+        engine={"name": engine, "version": "test"},
+        command_line=["test"],
+        static={"spec": {"num_steps": N_DRAFT}},
+    )
     w = TraceWriter(path, rank=0, process=False)
     rids = [f"{rid_prefix}-{i}" for i in range(n_requests)]
     keys = torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
@@ -51,7 +56,11 @@ def write_demo_trace(
     rid_bytes = [np.frombuffer(r.encode(), np.uint8) for r in rids]
     w.write(
         "requests",
-        req={"req_key": keys, "n_prompt": torch.full((n_requests,), prompt_len), "rid_len": torch.tensor([len(b) for b in rid_bytes])},
+        req={
+            "req_key": keys,
+            "n_prompt": torch.full((n_requests,), prompt_len),
+            "rid_len": torch.tensor([len(b) for b in rid_bytes]),
+        },
         tok={"prompt_ids": torch.from_numpy(np.concatenate(prompts))},
         rid={"bytes": torch.from_numpy(np.concatenate(rid_bytes))},
     )
@@ -67,7 +76,11 @@ def write_demo_trace(
             "target",
             step={"mode": mode},
             req={"req_key": keys, "n_tok": torch.tensor([len(t) for t in toks])},
-            tok={"input_ids": torch.from_numpy(ids), "positions": torch.from_numpy(pos), "aux_hidden": _hidden(ids, pos, K, shift)},
+            tok={
+                "input_ids": torch.from_numpy(ids),
+                "positions": torch.from_numpy(pos),
+                "aux_hidden": _hidden(ids, pos, K, shift),
+            },
             column_attrs=aux_attrs,
         )
 
@@ -76,11 +89,21 @@ def write_demo_trace(
         pos = np.concatenate(poss)
         h = _hidden(ids, pos, K)
         topk = torch.from_numpy(((ids[:, None] * 31 + np.arange(TOPK)) % VOCAB).astype(np.int64))
-        lp = torch.log_softmax(torch.arange(TOPK, 0, -1, dtype=torch.float32).repeat(len(ids), 1), -1)
+        lp = torch.log_softmax(
+            torch.arange(TOPK, 0, -1, dtype=torch.float32).repeat(len(ids), 1), -1
+        )
         w.write(
             "draft_extend",
             req={"req_key": keys, "n_tok": torch.tensor([len(t) for t in toks])},
-            tok={"input_ids": torch.from_numpy(ids), "positions": torch.from_numpy(pos), "hidden_in": h, "topk_draft_ids": topk, "topk_target_ids": topk, "topk_logprobs": lp, "lse": torch.zeros(len(ids))},
+            tok={
+                "input_ids": torch.from_numpy(ids),
+                "positions": torch.from_numpy(pos),
+                "hidden_in": h,
+                "topk_draft_ids": topk,
+                "topk_target_ids": topk,
+                "topk_logprobs": lp,
+                "lse": torch.zeros(len(ids)),
+            },
         )
         proposals = [[] for _ in rids]
         cur = [int(t[-1]) for t in toks]
@@ -93,7 +116,19 @@ def write_demo_trace(
                 "draft_step",
                 step={"step_index": s},
                 req={"req_key": keys, "n_tok": torch.ones(n_requests, dtype=torch.int64)},
-                tok={"input_ids": torch.from_numpy(ids1), "positions": torch.from_numpy(pos1), "hidden_in": _hidden(ids1, pos1, 1), "topk_draft_ids": torch.from_numpy(((ids1[:, None] * 31 + np.arange(TOPK)) % VOCAB).astype(np.int64)), "topk_target_ids": torch.from_numpy(((ids1[:, None] * 31 + np.arange(TOPK)) % VOCAB).astype(np.int64)), "topk_logprobs": lp[: len(ids1)], "lse": torch.zeros(len(ids1))},
+                tok={
+                    "input_ids": torch.from_numpy(ids1),
+                    "positions": torch.from_numpy(pos1),
+                    "hidden_in": _hidden(ids1, pos1, 1),
+                    "topk_draft_ids": torch.from_numpy(
+                        ((ids1[:, None] * 31 + np.arange(TOPK)) % VOCAB).astype(np.int64)
+                    ),
+                    "topk_target_ids": torch.from_numpy(
+                        ((ids1[:, None] * 31 + np.arange(TOPK)) % VOCAB).astype(np.int64)
+                    ),
+                    "topk_logprobs": lp[: len(ids1)],
+                    "lse": torch.zeros(len(ids1)),
+                },
             )
             for i in range(n_requests):
                 proposals[i].append(nxt[i])
@@ -104,15 +139,28 @@ def write_demo_trace(
     target(0, prompts, [np.arange(prompt_len) for _ in rids], 0)
     proposals = drafting([p[1:] for p in prompts], [np.arange(1, prompt_len) for _ in rids])
     for rnd in range(1, rounds + 1):
-        toks = [np.concatenate([[last[i]], proposals[i]]).astype(np.int64) for i in range(n_requests)]
-        poss = [np.arange(len(seqs[i]) - 1, len(seqs[i]) + N_DRAFT, dtype=np.int64) for i in range(n_requests)]
+        toks = [
+            np.concatenate([[last[i]], proposals[i]]).astype(np.int64) for i in range(n_requests)
+        ]
+        poss = [
+            np.arange(len(seqs[i]) - 1, len(seqs[i]) + N_DRAFT, dtype=np.int64)
+            for i in range(n_requests)
+        ]
         target(1, toks, poss, rnd)
         acc = acc_rng.integers(0, N_DRAFT + 1, n_requests)
         accepted = [proposals[i][: acc[i]] for i in range(n_requests)]
-        bonus = np.array([(int(toks[i][acc[i]]) * 7 + 3) % VOCAB for i in range(n_requests)], np.int64)
+        bonus = np.array(
+            [(int(toks[i][acc[i]]) * 7 + 3) % VOCAB for i in range(n_requests)], np.int64
+        )
         w.write(
             "verify",
-            req={"req_key": keys, "accept_len": torch.from_numpy(acc.astype(np.int64)), "bonus_id": torch.from_numpy(bonus), "n_proposed": torch.full((n_requests,), N_DRAFT), "n_accepted": torch.from_numpy(acc.astype(np.int64))},
+            req={
+                "req_key": keys,
+                "accept_len": torch.from_numpy(acc.astype(np.int64)),
+                "bonus_id": torch.from_numpy(bonus),
+                "n_proposed": torch.full((n_requests,), N_DRAFT),
+                "n_accepted": torch.from_numpy(acc.astype(np.int64)),
+            },
             proposed={"ids": torch.from_numpy(np.concatenate(proposals))},
             accepted={"ids": torch.from_numpy(np.concatenate(accepted).astype(np.int64))},
         )

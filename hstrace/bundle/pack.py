@@ -151,18 +151,28 @@ def _row_nbytes(t: Any, axis: str, column: str) -> int:
     )
 
 
+def open_checked(path: str | os.PathLike[str]) -> Any:
+    """`open_trace`, after the zip-bomb and path checks when `path` is a zip (a bundle)."""
+    from hstrace.bundle.safezip import check_zip
+    from hstrace.trace import open_trace
+
+    if Path(path).is_file():
+        check_zip(path)
+    return open_trace(path)
+
+
 def make_bundle(
     trace_path: str | os.PathLike[str], out: str | os.PathLike[str], opts: BundleOptions
 ) -> BundleResult:
     from hstrace.bundle.report_md import reproduce_line, write_report
-    from hstrace.trace import open_trace, request_key
+    from hstrace.trace import request_key
 
     out = Path(out)
     if out.suffix != ".zip":
         raise HstraceError(f"{out}: a bundle is a .zip file (use -o NAME.zip)")
     if not out.parent.exists():
         raise HstraceError(f"{out.parent}: output directory does not exist")
-    trace = open_trace(trace_path)
+    trace = open_checked(trace_path)
     how = Redaction(ids="ids" in opts.redact, hidden="hidden" in opts.redact)
     salt_written = None
     if how.ids:

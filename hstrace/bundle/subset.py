@@ -143,7 +143,9 @@ def write_subset(
                 axes, out_attrs = _redact_rows(ev.table, rows, attrs_cache[ev.table], how, dropped)
                 w.write(ev.table, column_attrs=out_attrs, **axes)
                 stats.events[ev.table] = stats.events.get(ev.table, 0) + 1
-            stats.engine_steps[rank] = sorted({ev.engine_step for ev, _ in events})
+            stats.engine_steps[rank] = sorted(
+                {ev.engine_step for ev, _ in events if ev.table != "requests"}
+            )
         finally:
             w.close()
     stats.dropped_columns = sorted(dropped)
