@@ -7,3 +7,9 @@ python3 -m pip install -q -c scripts/constraints-cpu.txt -e '.[test]'
 # speculators (numerical cross-check of the reference drafter) without its CUDA/vLLM-side deps.
 python3 -m pip install -q --no-deps -r scripts/requirements-crosscheck-nodeps.txt
 python3 -m pytest -q "$@"
+# The real-SGLang tests (-m sglang) run in their own venv (sglang's deps would replace CPU torch);
+# built once by scripts/sglang-venv.sh and reused. HSTRACE_SKIP_SGLANG=1 skips this part.
+if [[ -z "${HSTRACE_SKIP_SGLANG:-}" && $# -eq 0 ]]; then
+  SGLANG_PY="$(bash scripts/sglang-venv.sh | tail -1)"
+  "$SGLANG_PY" -m pytest -q -m sglang tests/test_sglang_patch_points.py tests/test_sglang_record_cpu.py
+fi

@@ -15,14 +15,23 @@ def build_target(directory: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(directory)
     return directory
 
 
-def build_drafter(directory: Path, prefix: str = "midlayer", layer_ids_top_level: bool = False) -> Path:
+def build_drafter(
+    directory: Path, prefix: str = "midlayer", layer_ids_top_level: bool = False
+) -> Path:
     """EAGLE-3 drafter in SGLang/SpecForge key layout; `prefix` names the decoder layer keys."""
     g = torch.Generator().manual_seed(1)
 
@@ -50,15 +59,27 @@ def build_drafter(directory: Path, prefix: str = "midlayer", layer_ids_top_level
     save_file(tensors, str(directory / "model.safetensors"))
     ids = [0, 1, 2]
     cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
-        "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": VOCAB, "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": HIDDEN,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "target_hidden_size": HIDDEN,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
     }
     if layer_ids_top_level:
         cfg["eagle_aux_hidden_state_layer_ids"] = ids
     else:
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True}
+        cfg["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "use_aux_hidden_state": True,
+        }
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     return directory

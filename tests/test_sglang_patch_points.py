@@ -1,0 +1,39 @@
+"""Every patch point of the installed SGLang's row exists with the expected signature."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+from hstrace.engines.sglang_versions import check_supported_version, patch_points_for
+from hstrace.errors import EngineError
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def test_unsupported_versions_are_refused_with_the_range() -> None:
+    for bad in ("0.5.12", "0.5.24", "0.4.6"):
+        with pytest.raises(EngineError, match="0.5.13-0.5.23"):
+            check_supported_version(bad)
+    assert check_supported_version("0.5.23") == (0, 5, 23)
+
+
+@pytest.mark.sglang
+def test_every_patch_point_exists_with_its_signature() -> None:
+    pytest.importorskip("sglang", reason="needs sglang==0.5.23 (scripts/sglang-venv.sh)")
+    import sglang_fakes
+
+    sglang_fakes.install()
+    import sglang
+
+    points = patch_points_for(check_supported_version(sglang.__version__))
+    assert len(points) == 7
+    for point in points:
+        cls_name, attr = point.qualname.split(".")
+        cls = getattr(importlib.import_module(point.module), cls_name)
+        params = tuple(inspect.signature(cls.__dict__[attr]).parameters)
+        assert params[: len(point.params)] == point.params, point.target
