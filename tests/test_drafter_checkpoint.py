@@ -89,7 +89,7 @@ def test_key_layouts_and_flag_sources(tmp_path):
     _, rep = load_drafter(tmp_path / "f")
     assert rep.key_map["midlayer.self_attn.q_proj.weight"] == "layers.0.self_attn.q_proj.weight"
     assert rep.missing == ["embed_tokens.weight"]
-    assert rep.flags["logits_use_norm"] == (True, "config:norm_output")
+    assert rep.flags["logits_use_norm"] == (True, "default:specforge")
     assert rep.flags["norm_before_residual"][1].startswith("default:specforge")
 
 

@@ -320,5 +320,6 @@ def flat_config(cfg: DrafterConfig, dtype: str, dialect: str) -> dict[str, Any]:
         out["num_aux_hidden_states"] = cfg.num_aux
     if cfg.fc_norm:
         out["fc_norm"] = True
-    out["norm_output"] = cfg.logits_use_norm
+    if not cfg.logits_use_norm:  # SpecForge's default (True) is left implicit, as its configs do
+        out["norm_output"] = False
     return out

@@ -1,0 +1,174 @@
+"""`hstrace check`: each static finding from a deliberately broken checkpoint, a clean one exits 0,
+bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hstrace.cli.main import main
+from safetensors.torch import load_file, save_file
+from test_drafter_checkpoint import _model
+
+from hstrace.check import applies
+from hstrace.drafter import save_drafter
+from hstrace.findings import Finding
+
+
+def run_check(capsys, *args: str) -> tuple[int, dict | str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(["check", *args])
+    out, err = capsys.readouterr()
+    doc = json.loads(out) if "--json" in args and exc.value.code != 2 else out
+    return exc.value.code, doc, err
+
+
+def codes(doc: dict) -> list[str]:
+    return [f["code"] for f in doc["findings"]]
+
+
+def _edit_config(ck, fn):
+    p = ck / "config.json"
+    cfg = json.loads(p.read_text())
+    fn(cfg)
+    p.write_text(json.dumps(cfg))
+
+
+def _edit_weights(ck, fn):
+    f = ck / "model.safetensors"
+    sd = load_file(str(f))
+    save_file(fn(sd), str(f))
+
+
+def test_clean_specforge_checkpoint_exits_0(tmp_path, capsys):
+    save_drafter(_model(), tmp_path / "ck", dialect="specforge")
+    rc, doc, _ = run_check(capsys, str(tmp_path / "ck"), "--json")
+    assert rc == 0 and doc["findings"] == [] and doc["dialect"] == "specforge"
+    assert doc["load_report"]["missing"] == ["embed_tokens.weight"]
+    rc, out, _ = run_check(capsys, str(tmp_path / "ck"))
+    assert rc == 0 and "no findings" in out
+
+
+def test_unmapped_keys_and_unloaded_parameters(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(_model(), ck, dialect="specforge")
+    _edit_weights(
+        ck, lambda sd: {k.replace("midlayer.", "transformer.h.0."): v for k, v in sd.items()}
+    )
+    rc, doc, _ = run_check(capsys, str(ck), "--json")
+    assert rc == 1
+    dropped = [f for f in doc["findings"] if f["code"] == "weights-dropped"]
+    assert "transformer.h.0.self_attn.q_proj.weight" in dropped[0]["evidence"]["unmapped_keys"]
+    assert "layers.0.self_attn.q_proj.weight" in dropped[1]["evidence"]["parameters_not_loaded"]
+
+
+def test_layers0_prefix_applies_to_old_sglang_only(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(_model(), ck, dialect="speculators")
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--sglang-version", "0.5.11")
+    f = [f for f in doc["findings"] if f["code"] == "weights-dropped"]
+    assert rc == 1 and f[0]["applies_to"] == "sglang<0.5.12"
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--sglang-version", "0.5.12")
+    assert "weights-dropped" not in codes(doc)
+
+
+def test_d2t_direct_table(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    m = _model()
+    save_drafter(m, ck, dialect="specforge")
+    direct = m.d2t + torch.arange(61)  # absolute target ids stored where offsets belong
+    _edit_weights(ck, lambda sd: {**sd, "d2t": direct})
+    rc, doc, _ = run_check(capsys, str(ck), "--json")
+    assert rc == 1 and codes(doc) == ["d2t-direct-table"]
+    ev = doc["findings"][0]["evidence"]
+    assert ev["offset_target_max"] >= 97 and ev["d2t_equals_t2d_ids"] is True
+
+
+def test_vocab_map_missing_and_zero(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(_model(), ck, dialect="specforge")
+    _edit_weights(ck, lambda sd: {k: v for k, v in sd.items() if k not in ("d2t", "t2d")})
+    rc, doc, _ = run_check(capsys, str(ck), "--json")
+    assert rc == 1 and codes(doc) == ["vocab-map-missing"]
+    _edit_weights(ck, lambda sd: {**sd, "d2t": torch.zeros(61, dtype=torch.long)})
+    rc, doc, _ = run_check(capsys, str(ck), "--json")
+    assert codes(doc) == ["vocab-map-missing"] and "all zeros" in doc["findings"][0]["summary"]
+
+
+def test_flags_the_engine_ignores_with_versions(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(
+        _model(norm_before_fc=True, norm_before_residual=True, sliding_window=8),
+        ck,
+        dialect="speculators",
+    )
+    rc, doc, _ = run_check(capsys, str(ck), "--json")
+    by = {(f["code"], f["applies_to"]) for f in doc["findings"]}
+    assert ("norm-flag-mismatch", "sglang<0.5.17") in by
+    assert ("norm-flag-mismatch", "sglang<=0.5.23") in by
+    assert ("attention-window", "sglang<=0.5.23") in by
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--sglang-version", "0.5.17")
+    assert not any(f["applies_to"] == "sglang<0.5.17" for f in doc["findings"])
+
+
+def test_specforge_norm_output_meaning_and_missing_draft_vocab(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(_model(), ck, dialect="specforge")
+    _edit_config(
+        ck, lambda c: c.update(norm_output=True) or c.pop("draft_vocab_size")
+    )  # an Eagle 3.1 config
+    _edit_weights(
+        ck, lambda sd: {k: v for k, v in sd.items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    )
+    rc, doc, _ = run_check(capsys, str(ck), "--json")
+    got = codes(doc)
+    assert "norm-flag-mismatch" in got and "embed-head-source" in got
+
+
+def test_eagle_rope_theta(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(_model(), ck, dialect="eagle")
+    _edit_config(ck, lambda c: c.update(rope_theta=500000.0))
+    rc, doc, _ = run_check(capsys, str(ck), "--json")
+    assert rc == 1 and codes(doc) == ["rope-mismatch"]
+
+
+def test_slot_layout_from_config(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(_model(aux_layer_ids=[2, 16, 29]), ck, dialect="speculators")
+    _edit_config(
+        ck, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 16, 29])
+    )  # embedding slot claimed
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--sglang-version", "0.5.23")
+    assert rc == 1 and codes(doc) == ["slot-layout"]
+
+
+@pytest.mark.parametrize(
+    "breakage",
+    ["missing", "not-json", "corrupt-weights", "shape"],
+)
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, breakage):
+    ck = tmp_path / "ck"
+    save_drafter(_model(), ck, dialect="speculators")
+    if breakage == "missing":
+        ck = tmp_path / "nothing"
+    elif breakage == "not-json":
+        (ck / "config.json").write_text("{")
+    elif breakage == "corrupt-weights":
+        (ck / "model.safetensors").write_bytes(b"garbage")
+    else:
+        _edit_config(ck, lambda c: c["transformer_layer_config"].update(hidden_size=40))
+    rc, _, err = run_check(capsys, str(ck), "--json")
+    assert rc == 2
+    assert err.startswith("hstrace: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_applies_to_parser():
+    f = Finding("norm-flag-mismatch", "x", applies_to="sglang>=0.5.23, vllm")
+    assert (
+        applies(f, "sglang", "0.5.23")
+        and not applies(f, "sglang", "0.5.22")
+        and applies(f, "vllm", "0.11")
+    )
+    assert applies(Finding("rope-mismatch", "x"), "sglang", "0.4.0")
