@@ -23,7 +23,7 @@ if [[ ! -f "$STAMP" ]]; then
     numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic \
     pyzmq tqdm IPython aiohttp "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" \
     "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf einops "openai==2.8.0" \
-    partial_json_parser setproctitle uvicorn fastapi uvloop jsonschema "xgrammar==0.2.7" soundfile \
+    partial_json_parser setproctitle uvicorn fastapi uvloop jsonschema python-multipart "xgrammar==0.2.7" soundfile \
     "zarr>=3.1,<4" "numcodecs>=0.15" "click>=8.1" "safetensors>=0.4" "rich>=13" pytest >&2
   touch "$STAMP"
 fi

@@ -71,8 +71,6 @@ def weights_findings(audit: WeightsAudit) -> list[Finding]:
         return []
     loadable = [p for p in audit.parameters if p not in audit.expected_unloaded]
     every = bool(loadable) and not any(p in audit.loaded_parameters for p in loadable)
-        audit.unloaded_parameters() + [p for p in audit.parameters if p in audit.loaded_parameters]
-    )
     summary = (
         f"SGLang loaded none of the drafter's parameters from the checkpoint ({len(dropped)} keys dropped)"
         if every
