@@ -1,0 +1,83 @@
+"""`hstrace replay`: replay a trace against training tensors and name the first divergence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command(name="replay")
+@click.argument("trace", type=click.Path(path_type=Path))
+@click.option(
+    "--against",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Training dump dir (speculators / SpecForge), or a second trace.",
+)
+@click.option(
+    "--drafter",
+    type=click.Path(path_type=Path),
+    help="Drafter checkpoint dir. Default: the one named in the trace's static audit.",
+)
+@click.option(
+    "--target",
+    type=click.Path(path_type=Path),
+    help="HF target model dir, for layer fingerprints and the teacher test. Default: the trace's.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the result as JSON (docs/replay-json.md)."
+)
+@click.option(
+    "--markdown",
+    "markdown_file",
+    type=click.Path(path_type=Path),
+    help="Also write the report as Markdown to FILE.",
+)
+def replay(
+    trace: Path,
+    against: Path,
+    drafter: Path | None,
+    target: Path | None,
+    as_json: bool,
+    markdown_file: Path | None,
+) -> int:
+    """Replay TRACE against training tensors (or another trace); exit 0 = no fault, 1 = fault."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from hstrace.replay import replay as run_replay
+    from hstrace.report import render_json, render_markdown, render_terminal
+
+    err = Console(stderr=True)
+    show = err.is_terminal and not as_json
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=err,
+        disable=not show,
+        transient=True,
+    ) as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(label: str, n: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(f"{label} (tokens)", total=None)
+            bar.advance(tasks[label], n)
+
+        result = run_replay(
+            trace, against, drafter_path=drafter, target_path=target, progress=progress
+        )
+    if markdown_file is not None:
+        try:
+            markdown_file.write_text(render_markdown(result), encoding="utf-8")
+        except OSError as exc:
+            from hstrace.errors import HstraceError
+
+            raise HstraceError(f"cannot write {markdown_file}: {exc.strerror}") from exc
+    if as_json:
+        click.echo(render_json(result))
+    else:
+        render_terminal(result, Console())
+    click.get_current_context().exit(result.exit_code)

@@ -1,0 +1,136 @@
+"""Stage `acceptance`: the training side's own numbers, and the clean verdict.
+
+- `teacher-norm`: the stored final state is in the other norm form than the library assumes
+  (its teacher then applies the final norm twice, or not at all). Decided by which reference
+  state the stored one equals in scale: the pre-norm final stream or the post-norm lm_head input.
+- `metric-overstates`: the library's step-0 accuracy (teacher restricted to the draft vocab)
+  is clearly above what greedy serving accepts (the full-vocab target argmax).
+- `no-wiring-fault`: nothing diverges; acceptance is what this drafter can do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hstrace.findings import Finding
+from hstrace.replay.compare import agreement
+
+# Relative-norm tolerance for "the same state" (bf16 storage, a slightly different kernel).
+NORM_TOLERANCE = 0.05
+# The library metric may exceed the served one by this much before it misleads.
+OVERSTATE_MARGIN = 0.1
+
+
+def teacher_norm(ctx) -> list[Finding]:
+    if ctx.target is None:
+        ctx.skip("teacher test", "no target model (give --target DIR)")
+        return []
+    pairs = [(a, a.sample.last) for a in ctx.aligned if a.sample.last is not None]
+    if not pairs:
+        return []
+    claimed = pairs[0][0].sample.last_norm
+    stored, pre, post = [], [], []
+    for a, last in pairs:
+        fwd = ctx.target.forward(torch.as_tensor(a.sample.input_ids[: a.n]).long())
+        stored.append(last[: a.n].float())
+        pre.append(fwd.layers[:, -1])
+        post.append(fwd.post_norm)
+    stored_t, pre_t, post_t = torch.cat(stored), torch.cat(pre), torch.cat(post)
+    norm = stored_t.norm(dim=-1).mean()
+    rel_pre = float(norm / pre_t.norm(dim=-1).mean())
+    rel_post = float(norm / post_t.norm(dim=-1).mean())
+    actual = "pre" if abs(rel_pre - 1) < abs(rel_post - 1) else "post"
+    ctx.metrics["teacher_state"] = {
+        "claimed": claimed,
+        "measured": actual,
+        "rel_norm_to_pre_norm_final": round(rel_pre, 4),
+        "rel_norm_to_post_norm_final": round(rel_post, 4),
+    }
+    if claimed is None or actual == claimed:
+        return []
+    if min(abs(rel_pre - 1), abs(rel_post - 1)) > NORM_TOLERANCE:
+        return []  # neither form: not a norm question (target-capture checks cover it)
+    return [
+        Finding(
+            "teacher-norm",
+            f"the training data's final state is {actual}-norm but the library reads it as "
+            f"{claimed}-norm, so its teacher applies the final norm "
+            f"{'twice' if actual == 'post' else 'never'}",
+            evidence=dict(ctx.metrics["teacher_state"]),
+            fix=(
+                "store the final state as the library expects: speculators wants the pre-norm "
+                "final stream (vLLM capture id N, before model.norm), SpecForge the post-norm "
+                "lm_head input; regenerate the dump or fix the generator's capture point"
+            ),
+        )
+    ]
+
+
+def metric_overstates(ctx) -> list[Finding]:
+    ts = ctx.training_step0
+    if ts is None or ctx.target is None:
+        return []
+    teacher = []
+    for a, n in ts["rows"]:
+        logits = ctx.target.forward(torch.as_tensor(a.sample.input_ids[: a.n]).long()).logits
+        teacher.append(logits[1 : n + 1])
+    teacher_full = torch.cat(teacher)
+    d2t = ctx.drafter.d2t.long()
+    in_vocab = torch.arange(len(d2t)) + d2t
+    draft_pred = ts["logits"].argmax(-1)
+    library = agreement(draft_pred, teacher_full[:, in_vocab].argmax(-1))  # speculators acc_0
+    target_argmax = teacher_full.argmax(-1)
+    served = agreement(draft_pred + d2t[draft_pred], target_argmax)  # what greedy accepts
+    coverage = float(torch.isin(target_argmax, in_vocab).float().mean())
+    ctx.metrics.update(
+        {
+            "acc0_training_teacher": round(library, 6),
+            "acc0_training_full_vocab": round(served, 6),
+            "draft_vocab_coverage_of_target_argmax": round(coverage, 6),
+        }
+    )
+    if library - served <= OVERSTATE_MARGIN:
+        return []
+    return [
+        Finding(
+            "metric-overstates",
+            f"the library's step-0 accuracy (teacher restricted to the draft vocab) is "
+            f"{library:.0%}, but greedy serving accepts only {served:.0%}: the target's choice "
+            f"is outside the draft vocab on {1 - coverage:.0%} of rows",
+            evidence={
+                "acc0_draft_vocab_teacher": round(library, 4),
+                "acc0_full_vocab_target": round(served, 4),
+                "draft_vocab_coverage": round(coverage, 4),
+                "draft_vocab_size": int(ctx.cfg.draft_vocab_size),
+            },
+            fix="judge the drafter by accuracy against the full-vocab target argmax; rebuild "
+            "d2t/t2d from the serving traffic's token frequencies or raise draft_vocab_size",
+            severity="warning",
+        )
+    ]
+
+
+def no_wiring_fault(ctx) -> Finding:
+    parts = []
+    evidence = {}
+    for name, label in (
+        ("acc0_training", "training tensors"),
+        ("acc0_serving_aligned", "serving tensors (aligned tokens)"),
+        ("acc0_serving", "serving tensors"),
+    ):
+        value = getattr(ctx, name)
+        if value is not None:
+            evidence[name] = round(float(value), 4)
+            parts.append(f"{value:.0%} on {label}")
+    if ctx.agreement is not None:
+        evidence["engine_vs_reference_top1"] = round(ctx.agreement.top1, 4)
+        parts.append(f"engine = reference on {ctx.agreement.top1:.0%} of draft rows")
+    detail = "; ".join(parts) if parts else "no divergence found in what could be checked"
+    return Finding(
+        "no-wiring-fault",
+        f"serving and training agree; the drafter itself is weak (step-0 accuracy {detail})",
+        evidence=evidence,
+        fix="nothing to rewire: to raise acceptance, train the drafter longer or on data "
+        "closer to the serving traffic",
+        severity="info",
+    )

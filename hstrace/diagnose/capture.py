@@ -1,0 +1,210 @@
+"""Stage `target-capture`: do the serving aux slots hold the states the drafter trained on?
+
+Decided from numbers, never from labels: per-slot health (zeros, constant rows), the serving x
+training slot matrix on aligned tokens, crossed requests, and, when the target model is at
+hand, which physical layer each slot holds. One classification, in the order that makes each
+answer specific: corrupt → layout (count, embedding slot) → order → drift (same layers, not
+the same numbers) → shift by one layer → default layers → other layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hstrace.findings import Finding
+from hstrace.replay.fingerprint import SAME_COS, UNRELATED_COS
+from hstrace.training.conventions import default_hf_indices
+
+# A recorded slot that matches no target layer this well is not a hidden state of the target.
+LAYER_MATCH_COS = 0.9
+
+
+def _sglang_ids(hf: list[int]) -> list[int]:
+    """SGLang's explicit `eagle_aux_hidden_state_layer_ids` (output of layer k = HF k+1)."""
+    return [h - 1 for h in hf]
+
+
+def _layers_fix(train_hf: list[int]) -> str:
+    return (
+        f"make serving capture the training layers (HF hidden_states {train_hf}): in the draft "
+        'config.json set "eagle_config": {"eagle_aux_hidden_state_layer_ids": '
+        f"{_sglang_ids(train_hf)}}} for SGLang (it adds +1), or {train_hf} for vLLM; "
+        "or regenerate the training data with the layers serving captures"
+    )
+
+
+def _finding(code: str, summary: str, evidence: dict[str, Any], fix: str) -> list[Finding]:
+    return [Finding(code, summary, evidence=evidence, fix=fix)]
+
+
+def capture_slots(ctx) -> list[Finding]:
+    cfg = ctx.cfg
+    width = ctx.serving_width
+    if cfg is not None and width == cfg.hidden_size and width != ctx.fc_in:
+        return []  # one H-wide state instead of the concat: fc-skipped, a draft-input fault
+    health = ctx.serving_health
+    if health is not None:
+        bad = [i for i, h in enumerate(health) if h.corrupt]
+        if bad:
+            h = health[bad[0]]
+            kind = "all-zero" if h.zero_rows > 0.5 else "constant (identical rows)"
+            return _finding(
+                "hidden-corrupt",
+                f"serving aux slot(s) {bad} are {kind}: the capture did not track the tokens",
+                {
+                    "slots": bad,
+                    "zero_row_fraction": [round(x.zero_rows, 4) for x in health],
+                    "constant": [x.constant for x in health],
+                },
+                "the target's aux capture is inactive or stale (a CUDA-graph buffer captured "
+                "before the layers were configured, sglang PR #22836; a hybrid model that "
+                "writes nothing): rerun with --disable-cuda-graph to confirm, then upgrade",
+            )
+    if ctx.slots is None:
+        return []
+    serving, training = ctx.slots
+    ks, kt = serving.shape[1], training.shape[1]
+    m = ctx.slot_matrix
+    fps = ctx.layer_fingerprints
+    evidence: dict[str, Any] = {
+        "serving_slots": ks,
+        "training_slots": kt,
+        "slot_cos": np.round(m.cos, 4).tolist(),
+        "slot_rel_norm": np.round(m.rel_norm, 4).tolist(),
+    }
+    if fps is not None:
+        evidence["serving_layers"] = fps[0].layer
+        evidence["training_layers"] = fps[1].layer
+        evidence["serving_layer_cos"] = [round(c, 4) for c in fps[0].cos]
+    if ks != kt:
+        return _finding(
+            "slot-layout",
+            f"serving delivers {ks} aux slots, the training data has {kt}",
+            evidence,
+            "train and serve on the same slots: compare the capture list with the stored slots "
+            "(a final-state or embedding slot counted as aux is the usual cause)",
+        )
+    diag = np.diag(m.cos)
+    if (diag >= SAME_COS).all():
+        return []
+    crossed = ctx.crossed_requests
+    if crossed:
+        i, j, c = crossed[0]
+        return _finding(
+            "hidden-corrupt",
+            f"serving aux rows of request {i} are the training rows of request {j} "
+            f"(cos {c:.4f}): rows crossed between requests",
+            {**evidence, "crossed": [list(x) for x in crossed[:10]]},
+            "the capture writes rows of another request (batch indexing after a reorder or "
+            "padding): check the row order of the aux buffer against the batch's requests",
+        )
+    best = m.cos.argmax(axis=1)
+    if sorted(best.tolist()) == list(range(ks)) and (m.cos[np.arange(ks), best] >= SAME_COS).all():
+        return _finding(
+            "aux-order",
+            f"serving concatenates the aux slots in order {best.tolist()} of the training order",
+            {**evidence, "serving_slot_is_training_slot": best.tolist()},
+            "concatenate the aux states in ascending layer order on both sides (engines capture "
+            "inside the layer loop; the training pipeline must not follow the id list's order), "
+            f"or permute fc.weight's input blocks by {best.tolist()}",
+        )
+    train_hf = ctx.training_layers
+    if fps is not None:
+        s_layers, t_layers = fps[0].layer, fps[1].layer
+        unmatched = [i for i, c in enumerate(fps[0].cos) if c < LAYER_MATCH_COS]
+        if unmatched and (m.cos[unmatched].max(axis=1) < UNRELATED_COS).all():
+            return _finding(
+                "hidden-corrupt",
+                f"serving aux slot(s) {unmatched} match no layer of the target and no training "
+                "slot: they are not the target's hidden states for these tokens",
+                evidence,
+                "check which tensor the capture returns for these rows (truncation, wrong rows, "
+                "a pipeline-parallel layer index restarting at 0)",
+            )
+        if 0 in t_layers and 0 not in s_layers:
+            return _finding(
+                "slot-layout",
+                f"the training data's slot {t_layers.index(0)} is the embedding (HF index 0) "
+                f"while serving captures layers {s_layers}: the stored layout "
+                f"{t_layers} was read as aux layers",
+                evidence,
+                "train on the layers serving captures (drop the embedding slot and read the "
+                "last stored slot as the teacher, not as aux), or capture the embedding in "
+                "serving (SGLang id -1, 0.5.22+)",
+            )
+        if s_layers == t_layers:
+            return _drift(evidence, diag)
+        d = np.array(s_layers) - np.array(t_layers)
+        if len(set(d.tolist())) == 1 and abs(int(d[0])) == 1:
+            return _finding(
+                "aux-layer-shift",
+                f"serving captured HF layers {s_layers}, training used {t_layers}: every slot "
+                f"is shifted by {int(d[0]):+d} layer (a layer-id convention read off by one)",
+                {**evidence, "shift": int(d[0])},
+                _layers_fix(t_layers),
+            )
+        if ctx.target is not None and s_layers == default_hf_indices(ctx.target.num_layers):
+            return _finding(
+                "aux-layers-default",
+                f"serving captured the default layers {s_layers}; the drafter was trained on "
+                f"{t_layers}: the configured aux layer ids were not applied",
+                evidence,
+                _layers_fix(t_layers),
+            )
+        return _finding(
+            "slot-layout",
+            f"serving captured HF layers {s_layers}, training stored {t_layers}",
+            evidence,
+            _layers_fix(t_layers),
+        )
+    # Without a target: only the slot matrix and the static audit's labels remain.
+    if (diag >= 0.95).all() and np.allclose(np.diag(m.rel_norm), 1.0, atol=0.1):
+        return _drift(evidence, diag)
+    captured = (ctx.static.get("capture") or {}).get("layers_to_capture")
+    if captured and train_hf and len(captured) == len(train_hf):
+        d = np.array(sorted(captured)) - np.array(train_hf)
+        evidence.update({"static_layers_to_capture": captured, "training_layers": train_hf})
+        if len(set(d.tolist())) == 1 and abs(int(d[0])) == 1:
+            return _finding(
+                "aux-layer-shift",
+                f"serving captured layers {sorted(captured)} (static audit), training used "
+                f"{train_hf}: shifted by {int(d[0]):+d}",
+                {**evidence, "shift": int(d[0])},
+                _layers_fix(train_hf),
+            )
+    return _finding(
+        "slot-layout",
+        "serving aux slots do not match the training slots on the same tokens "
+        f"(diagonal cos {np.round(diag, 3).tolist()})",
+        evidence,
+        "give --target DIR to fingerprint each slot against the target's layers",
+    )
+
+
+def _drift(evidence: dict[str, Any], diag: np.ndarray) -> list[Finding]:
+    return _finding(
+        "target-drift",
+        "serving and training aux hold the same layers but differ beyond precision noise "
+        f"(per-slot cos {np.round(diag, 4).tolist()}, bf16 noise would give > {SAME_COS})",
+        {**evidence, "diag_cos": np.round(diag, 6).tolist()},
+        "serve the same target weights, dtype and quantisation as at data generation (FP8 or "
+        "another checkpoint drifts), or regenerate the training hidden states with the "
+        "serving target",
+    )
+
+
+def slot_zero_is_embedding(ctx) -> bool | None:
+    """Whether the training data's slot 0 equals the embedding of its tokens (needs only the
+    drafter's embedding, which speculators copies from the target)."""
+    if ctx.drafter is None or not ctx.aligned:
+        return None
+    a = ctx.aligned[0]
+    emb = ctx.drafter.embed_tokens.weight[torch.as_tensor(a.sample.input_ids[: a.n]).long()]
+    slot = a.sample.aux[: a.n, 0].float()
+    if emb.shape != slot.shape:
+        return None
+    cos = torch.nn.functional.cosine_similarity(emb.float(), slot, dim=-1).mean()
+    return bool(cos >= SAME_COS)

@@ -1,0 +1,63 @@
+"""Stage `weights`: checkpoint tensors the engine never loaded.
+
+Evidence from two sides: the static audit's load record (keys dropped, parameters never
+loaded), and the draft logits: on identical recorded inputs the engine disagrees with the
+reference and no single what-if explains it (random or uninitialised weights look like that).
+"""
+
+from __future__ import annotations
+
+from hstrace.findings import Finding
+from hstrace.replay.compare import AGREE_TOP1
+
+FIX = (
+    "rename the checkpoint keys to the names the engine maps (SGLang: fc.*, midlayer.* or "
+    "layers.0.*, norm.*, lm_head.*, d2t); unknown keys are dropped silently and the parameters "
+    "keep their initial values — `hstrace check DRAFTER` lists each key and what took it"
+)
+
+
+def weights_dropped(ctx) -> list[Finding]:
+    audit = ctx.static.get("weights") or {}
+    dropped = list(audit.get("dropped_keys") or [])
+    unloaded = list(audit.get("unloaded_parameters") or [])
+    agreement = ctx.agreement
+    runtime = {}
+    if agreement is not None:
+        runtime = {
+            "engine_vs_reference_top1": round(agreement.top1, 4),
+            "engine_vs_reference_max_logprob_diff": round(agreement.max_logprob_diff, 4),
+        }
+    if dropped or unloaded:
+        return [
+            Finding(
+                "weights-dropped",
+                f"the engine did not load {len(unloaded)} drafter parameters "
+                f"({len(dropped)} checkpoint keys dropped)",
+                evidence={
+                    "dropped_keys": dropped[:20],
+                    "unloaded_parameters": unloaded[:20],
+                    **runtime,
+                },
+                fix=FIX,
+            )
+        ]
+    whatif = ctx.metrics.get("whatif") or {}
+    if (
+        agreement is not None
+        and agreement.top1 < AGREE_TOP1
+        and whatif.get("ran")
+        and not whatif.get("reproduced_by")
+    ):
+        return [
+            Finding(
+                "weights-dropped",
+                "on identical recorded inputs the engine's draft logits disagree with the "
+                f"reference ({agreement.top1:.0%} top-1 agreement) and no single misreading "
+                "reproduces them; weights the engine did not load are the usual cause",
+                evidence={**runtime, "whatif_best": (whatif.get("results") or [None])[0]},
+                fix=FIX,
+                severity="warning",
+            )
+        ]
+    return []

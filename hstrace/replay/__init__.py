@@ -1,0 +1,18 @@
+"""Replay: put serving next to training through one reference drafter and find where they part.
+
+Pure parts (tensors in, numbers out): `align` (serving requests to training samples by token
+ids), `fingerprint` (which slot holds which hidden state), `compare` (engine vs reference
+draft outputs, judged against fp32), `whatif` (which misreading reproduces the engine),
+`step0` (batched reference forwards). I/O: `serving` (reads a trace), `run` (`replay()`).
+"""
+
+from hstrace.replay.result import ReplayResult
+
+
+def replay(*args, **kwargs) -> ReplayResult:  # noqa: D103 - see hstrace.replay.run.replay
+    from hstrace.replay.run import replay as _replay
+
+    return _replay(*args, **kwargs)
+
+
+__all__ = ["ReplayResult", "replay"]

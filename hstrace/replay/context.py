@@ -1,0 +1,434 @@
+"""The replay context: aligned serving/training tensors, the drafter, the static audit, and the
+evidence computed from them once and shared by every check (`hstrace.diagnose`).
+
+Every piece of evidence is a lazily computed property; a check that needs what is missing
+(no target model, no draft rows, widths that do not fit the drafter) gets `None` and records
+why in `skipped`, so the report says what it could not check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import torch
+
+from hstrace.replay.align import Coverage, Match
+from hstrace.replay.compare import LogitAgreement, agreement, compare_topk
+from hstrace.replay.fingerprint import (
+    LayerFingerprint,
+    SlotHealth,
+    SlotMatrix,
+    layer_fingerprint,
+    rows_of_other_requests,
+    slot_health,
+    slot_matrix,
+)
+from hstrace.replay.serving import ServingData, ServingRequest
+from hstrace.replay.step0 import Step0Input, step0_logits
+from hstrace.replay.target import ReferenceTarget
+
+
+@dataclass
+class Aligned:
+    serving: ServingRequest
+    sample: Any  # hstrace.training.TrainingSample
+    n: int  # aligned positions 0..n-1, present on both sides
+
+
+@dataclass
+class EngineRows:
+    """Every recorded draft-extend row that the reference can replay, concatenated."""
+
+    items: list[Step0Input]  # per request, as recorded
+    expected_ids: list[torch.Tensor]  # per request: committed token t+1 for row t (-1: unknown)
+    topk_draft_ids: torch.Tensor  # [R, k]
+    topk_target_ids: torch.Tensor | None
+    topk_logprobs: torch.Tensor | None
+    positions: torch.Tensor  # [R] recorded positions
+    index: torch.Tensor  # [R] the row's sequence index
+
+
+class ReplayContext:
+    def __init__(
+        self,
+        serving: ServingData,
+        samples: list[Any],
+        matches: list[Match],
+        coverage: Coverage,
+        drafter: torch.nn.Module | None,
+        load_report: Any = None,
+        target: ReferenceTarget | None = None,
+        training_kind: str = "training",
+        progress: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self.serving = serving
+        self.samples = samples
+        self.matches = matches
+        self.coverage = coverage
+        self.drafter = drafter.eval() if drafter is not None else None
+        self.load_report = load_report
+        self.target = target
+        self.training_kind = training_kind
+        self.skipped: dict[str, str] = {}
+        self.metrics: dict[str, Any] = {}
+        self._progress = progress
+
+    # -- basics -----------------------------------------------------------------------------
+    @property
+    def static(self) -> dict[str, Any]:
+        return self.serving.static
+
+    @property
+    def cfg(self) -> Any:
+        return self.drafter.cfg if self.drafter is not None else None
+
+    @property
+    def slot_width(self) -> int | None:
+        if self.cfg is not None:
+            return int(self.cfg.aux_width)
+        if self.samples:
+            return int(self.samples[0].aux.shape[-1])
+        return None
+
+    @property
+    def fc_in(self) -> int | None:
+        return int(self.cfg.num_aux * self.cfg.aux_width) if self.cfg is not None else None
+
+    def skip(self, what: str, why: str) -> None:
+        self.skipped.setdefault(what, why)
+
+    def tick(self, label: str, n: int) -> None:
+        if self._progress is not None:
+            self._progress(label, n)
+
+    # -- alignment ----------------------------------------------------------------------------
+    @cached_property
+    def aligned(self) -> list[Aligned]:
+        out = []
+        for m in self.matches:
+            req, sample = self.serving.requests[m.serving], self.samples[m.training]
+            rows = len(req.aux) if req.aux is not None else 0
+            n = min(m.length, rows, int(sample.aux.shape[0]))
+            if n > 0:
+                out.append(Aligned(req, sample, n))
+        return out
+
+    @cached_property
+    def serving_width(self) -> int | None:
+        widths = {int(r.aux.shape[-1]) for r in self.serving.requests if r.aux is not None}
+        return widths.pop() if len(widths) == 1 else None
+
+    @cached_property
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(serving [N, Ks, Ht], training [N, Kt, Ht]) over all aligned tokens."""
+        ht = self.slot_width
+        if not self.aligned or ht is None or self.serving_width is None:
+            self.skip("slot fingerprints", "no aligned tokens with recorded aux hidden states")
+            return None
+        if self.serving_width % ht:
+            self.skip(
+                "slot fingerprints",
+                f"serving aux width {self.serving_width} is not a multiple of the slot width {ht}",
+            )
+            return None
+        s = torch.cat([a.serving.aux[: a.n].float().reshape(a.n, -1, ht) for a in self.aligned])
+        t = torch.cat([a.sample.aux[: a.n].float() for a in self.aligned])
+        return s, t
+
+    @cached_property
+    def slot_matrix(self) -> SlotMatrix | None:
+        return slot_matrix(*self.slots) if self.slots is not None else None
+
+    @cached_property
+    def serving_health(self) -> list[SlotHealth] | None:
+        ht = self.slot_width
+        rows = [r.aux.float() for r in self.serving.requests if r.aux is not None]
+        if not rows or ht is None or self.serving_width is None or self.serving_width % ht:
+            return None
+        x = torch.cat(rows)
+        return slot_health(x.reshape(len(x), -1, ht))
+
+    @cached_property
+    def crossed_requests(self) -> list[tuple[int, int, float]]:
+        ht = self.slot_width
+        if self.slots is None or ht is None:
+            return []
+        s = [a.serving.aux[: a.n].float().reshape(a.n, -1, ht) for a in self.aligned]
+        t = [a.sample.aux[: a.n].float() for a in self.aligned]
+        if s and s[0].shape[1] != t[0].shape[1]:
+            return []
+        return rows_of_other_requests(s, t)
+
+    @cached_property
+    def target_layers(self) -> torch.Tensor | None:
+        """[N, L+1, Ht] reference target forward on the aligned tokens."""
+        if self.target is None:
+            self.skip("layer fingerprints", "no target model (give --target DIR)")
+            return None
+        if not self.aligned:
+            return None
+        out = []
+        for a in self.aligned:
+            out.append(
+                self.target.forward(torch.as_tensor(a.sample.input_ids[: a.n]).long()).layers
+            )
+            self.tick("target forward", a.n)
+        return torch.cat(out)
+
+    @cached_property
+    def layer_fingerprints(self) -> tuple[LayerFingerprint, LayerFingerprint] | None:
+        """(serving slots, training slots) each matched to a target layer."""
+        if self.slots is None or self.target_layers is None:
+            return None
+        if self.slots[0].shape[-1] != self.target_layers.shape[-1]:
+            self.skip("layer fingerprints", "slot width differs from the target's hidden size")
+            return None
+        return (
+            layer_fingerprint(self.slots[0], self.target_layers),
+            layer_fingerprint(self.slots[1], self.target_layers),
+        )
+
+    # -- the drafter on recorded inputs ----------------------------------------------------------
+    @cached_property
+    def engine_requests(self) -> list[ServingRequest]:
+        return [
+            r
+            for r in self.serving.requests
+            if r.draft is not None and r.draft.topk_draft_ids is not None
+        ]
+
+    @cached_property
+    def training_layers(self) -> list[int] | None:
+        """HF indices of the training slots: fingerprinted when the target is at hand, else as
+        the data or the drafter config says."""
+        if self.layer_fingerprints is not None:
+            return list(self.layer_fingerprints[1].layer)
+        from hstrace.training.conventions import BEFORE_LAYER, OUTPUT_OF_LAYER, hf_index
+
+        if self.samples and self.samples[0].slot_layer_ids:
+            conv = (self.samples[0].provenance or {}).get("layer_id_convention", BEFORE_LAYER)
+            return [hf_index(i, conv) for i in self.samples[0].slot_layer_ids]
+        if self.cfg is not None and self.cfg.aux_layer_ids:
+            dialect = str(getattr(self.load_report, "dialect", ""))
+            conv = OUTPUT_OF_LAYER if dialect == "specforge" else BEFORE_LAYER
+            return [hf_index(i, conv) for i in self.cfg.aux_layer_ids]
+        return None
+
+    @cached_property
+    def engine_rows(self) -> EngineRows | None:
+        reqs = self.engine_requests
+        if not reqs:
+            self.skip("engine vs reference", "the trace has no draft_extend rows with top-k")
+            return None
+        items, expected = [], []
+        for r in reqs:
+            d = r.draft
+            items.append(
+                Step0Input(torch.as_tensor(d.input_ids), d.hidden_in, torch.as_tensor(d.positions))
+            )
+            nxt = torch.full((len(d.input_ids),), -1, dtype=torch.long)
+            idx = d.index + 1
+            ok = idx < len(r.tokens)
+            nxt[torch.as_tensor(ok)] = torch.as_tensor(r.tokens[idx[ok]]).long()
+            expected.append(nxt)
+
+        def cat(name: str) -> torch.Tensor | None:
+            parts = [getattr(r.draft, name) for r in reqs]
+            return torch.cat(parts) if all(p is not None for p in parts) else None
+
+        return EngineRows(
+            items=items,
+            expected_ids=expected,
+            topk_draft_ids=cat("topk_draft_ids"),
+            topk_target_ids=cat("topk_target_ids"),
+            topk_logprobs=cat("topk_logprobs"),
+            positions=torch.cat([torch.as_tensor(r.draft.positions) for r in reqs]),
+            index=torch.cat([torch.as_tensor(r.draft.index) for r in reqs]),
+        )
+
+    def run_drafter(
+        self, model: torch.nn.Module, items: list[Step0Input], dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Concatenated step-0 logits [R, Vd] of `model` on `items`."""
+        logits = step0_logits(model, items, dtype=dtype, on_batch=lambda n: self.tick("drafter", n))
+        return torch.cat(logits) if logits else torch.zeros(0, 0)
+
+    @cached_property
+    def fc_inputs_fit(self) -> bool:
+        rows = self.engine_rows
+        return (
+            rows is not None
+            and self.fc_in is not None
+            and all(it.aux.shape[-1] == self.fc_in for it in rows.items)
+        )
+
+    @cached_property
+    def reference_logits(self) -> torch.Tensor | None:
+        """fp32 reference on exactly the recorded draft inputs (when fc can take them)."""
+        if self.drafter is None or self.engine_rows is None:
+            return None
+        if not self.fc_inputs_fit:
+            self.skip(
+                "engine vs reference",
+                f"recorded draft hidden input is not {self.fc_in} wide (fc's input)",
+            )
+            return None
+        return self.run_drafter(self.drafter, self.engine_rows.items)
+
+    @cached_property
+    def agreement(self) -> LogitAgreement | None:
+        if self.reference_logits is None:
+            return None
+        rows = self.engine_rows
+        lowp = self.run_drafter(self.bf16_drafter, rows.items, dtype=torch.bfloat16)
+        return compare_topk(rows.topk_draft_ids, rows.topk_logprobs, self.reference_logits, lowp)
+
+    @cached_property
+    def bf16_drafter(self) -> torch.nn.Module:
+        return self.variant().to(torch.bfloat16)
+
+    def variant(self, **changes: Any) -> torch.nn.Module:
+        """A copy of the drafter with config changes (flags, rope, window), same weights."""
+        from hstrace.drafter import Eagle3Drafter
+
+        cfg = dataclasses.replace(self.drafter.cfg, **changes)
+        model = Eagle3Drafter(cfg)
+        model.load_state_dict(self.drafter.state_dict(), strict=False)
+        return model.eval()
+
+    @cached_property
+    def engine_top1(self) -> torch.Tensor | None:
+        return (
+            self.engine_rows.topk_draft_ids[:, 0].long() if self.engine_rows is not None else None
+        )
+
+    # -- accuracy ------------------------------------------------------------------------------
+    def map_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.drafter.draft_to_target(draft_ids)
+
+    @cached_property
+    def acc0_serving(self) -> float | None:
+        """Step-0 accuracy on the serving capture with the committed tokens: argmax (mapped to
+        target ids) == the committed token two ahead (aux row t, fed token t+1, predicts t+2)."""
+        if self.drafter is None or self.fc_in is None:
+            return None
+        items, labels = [], []
+        for r in self.serving.requests:
+            if r.aux is None or r.aux.shape[-1] != self.fc_in:
+                continue
+            n = min(len(r.aux), len(r.tokens) - 2)
+            if n <= 0:
+                continue
+            tok = torch.as_tensor(r.tokens).long()
+            items.append(Step0Input(tok[1 : n + 1], r.aux[:n], torch.arange(n)))
+            labels.append(tok[2 : n + 2])
+        if not items:
+            self.skip("serving step-0 accuracy", "serving aux width does not fit the drafter's fc")
+            return None
+        pred = self.map_to_target(self.run_drafter(self.drafter, items).argmax(-1))
+        return agreement(pred, torch.cat(labels))
+
+    @cached_property
+    def training_step0(self) -> dict[str, Any] | None:
+        """Step-0 on the aligned training tensors: logits, labels (token t+2), loss mask."""
+        if self.drafter is None or not self.aligned:
+            return None
+        items, labels, masks, idx = [], [], [], []
+        for a in self.aligned:
+            s = a.sample
+            n = min(a.n, int(s.input_ids.shape[0])) - 2
+            if n <= 0:
+                continue
+            tok = torch.as_tensor(s.input_ids).long()
+            aux = s.aux_concat if hasattr(s, "aux_concat") else s.aux.flatten(1)
+            if aux.shape[-1] != self.fc_in:
+                self.skip(
+                    "training step-0 accuracy",
+                    f"training aux width {aux.shape[-1]} != fc input {self.fc_in}",
+                )
+                return None
+            items.append(Step0Input(tok[1 : n + 1], aux[:n], torch.arange(n)))
+            labels.append(tok[2 : n + 2])
+            masks.append(torch.as_tensor(s.loss_mask[2 : n + 2]).bool())
+            idx.append((a, n))
+        if not items:
+            return None
+        logits = self.run_drafter(self.drafter, items)
+        return {
+            "logits": logits,
+            "labels": torch.cat(labels),
+            "mask": torch.cat(masks),
+            "rows": idx,
+        }
+
+    @cached_property
+    def acc0_training(self) -> float | None:
+        ts = self.training_step0
+        if ts is None:
+            return None
+        pred = self.map_to_target(ts["logits"].argmax(-1))
+        m = ts["mask"] if ts["mask"].any() else torch.ones_like(ts["mask"])
+        return agreement(pred[m], ts["labels"][m])
+
+    @cached_property
+    def acc0_serving_aligned(self) -> float | None:
+        """Step-0 accuracy on the serving capture, restricted to the aligned tokens (same rows,
+        same labels as `acc0_training`, so the two are directly comparable)."""
+        ts = self.training_step0
+        if ts is None or self.serving_width != self.fc_in:
+            return None
+        items = []
+        for a, n in ts["rows"]:
+            tok = torch.as_tensor(a.sample.input_ids).long()
+            items.append(Step0Input(tok[1 : n + 1], a.serving.aux[:n], torch.arange(n)))
+        pred = self.map_to_target(self.run_drafter(self.drafter, items).argmax(-1))
+        m = ts["mask"] if ts["mask"].any() else torch.ones_like(ts["mask"])
+        return agreement(pred[m], ts["labels"][m])
+
+    @cached_property
+    def teacher(self) -> dict[str, Any] | None:
+        """The library's teacher on the aligned training rows, in both norm readings."""
+        if self.target is None or self.training_step0 is None:
+            return None
+        ts = self.training_step0
+        lasts = []
+        for a, n in ts["rows"]:
+            last = a.sample.last
+            if last is None:
+                self.skip("teacher test", "the training data stores no final state")
+                return None
+            lasts.append(last[1 : n + 1].float())
+        last = torch.cat(lasts)
+        with torch.inference_mode():
+            normed = self.target.norm(last)
+        head = self.target.lm_head.float()
+        return {
+            "last": last,
+            "as_pre": normed @ head.T,  # the stored state is pre-norm: norm, then lm_head
+            "as_post": last @ head.T,  # the stored state is post-norm: lm_head only
+            "claimed": getattr(a.sample, "last_norm", None),
+        }
+
+    def metrics_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.metrics)
+        for name in ("acc0_training", "acc0_serving", "acc0_serving_aligned"):
+            value = getattr(self, name, None)
+            if value is not None:
+                out[name] = round(float(value), 6)
+        if self.agreement is not None:
+            a = self.agreement.to_json()
+            out["engine_vs_reference_top1"] = a["top1_agreement"]
+            out["engine_vs_reference_topk"] = a["topk_agreement"]
+            out["engine_vs_reference_max_logprob_diff"] = a["max_logprob_diff"]
+            out["engine_vs_reference"] = a
+        if self.serving.accept_lens:
+            out["mean_accept_len"] = round(float(np.mean(self.serving.accept_lens)), 6)
+            out["accept_len_convention"] = (
+                "accepted draft tokens per verify, excluding the bonus token"
+            )
+        return out

@@ -1,0 +1,174 @@
+"""`replay()`: open everything, align, build the context, run the checks, assemble the result.
+
+This is the only module of the replay that touches files (trace, training dir, checkpoints,
+target); everything it calls is pure and testable on tensors.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hstrace.errors import CheckpointError, HstraceError, TraceError, TrainingDataError
+from hstrace.findings import Finding
+from hstrace.replay.align import align
+from hstrace.replay.context import ReplayContext
+from hstrace.replay.result import ReplayResult
+from hstrace.replay.serving import ServingData, read_serving
+from hstrace.replay.step0 import threads_for
+from hstrace.replay.target import ReferenceTarget
+
+Progress = Callable[[str, int], None]
+
+
+def _is_trace(path: Path) -> bool:
+    return (path / "zarr.json").is_file() or path.suffix == ".zip"
+
+
+def _flag_value(command: list[str] | str | None, flag: str) -> str | None:
+    if not command:
+        return None
+    words = shlex.split(command) if isinstance(command, str) else list(command)
+    for i, w in enumerate(words):
+        if w == flag and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith(flag + "="):
+            return w.split("=", 1)[1]
+    return None
+
+
+def drafter_path_from_trace(meta: dict[str, Any]) -> Path | None:
+    """The drafter the trace says it served: the static audit, else the server command line."""
+    static = meta.get("static") or {}
+    path = (static.get("drafter") or {}).get("path") or (static.get("draft_config") or {}).get(
+        "_name_or_path"
+    )
+    if not path:
+        for cmd in (static.get("server_cmd"), meta.get("command_line")):
+            path = path or _flag_value(cmd, "--speculative-draft-model-path")
+    return Path(path) if path else None
+
+
+def target_path_from_trace(meta: dict[str, Any]) -> Path | None:
+    static = meta.get("static") or {}
+    path = (static.get("target") or {}).get("path")
+    if not path:
+        for cmd in (static.get("server_cmd"), meta.get("command_line")):
+            path = path or _flag_value(cmd, "--model-path") or _flag_value(cmd, "--model")
+    return Path(path) if path else None
+
+
+def _training_side(against: Path) -> tuple[list[Any], str, dict[str, Any]]:
+    """Training samples, or the requests of a second trace presented as samples."""
+    from hstrace.training import TrainingSample, open_training
+
+    if _is_trace(against):
+        from hstrace.trace import open_trace
+
+        with open_trace(against) as other:
+            data = read_serving(other)
+        samples = []
+        for i, r in enumerate(data.requests):
+            if r.aux is None:
+                continue
+            ht = int((data.aux_attrs or {}).get("slot_width") or 0)
+            aux = r.aux
+            width = aux.shape[-1]
+            ht = ht if ht and width % ht == 0 else width
+            samples.append(
+                TrainingSample(
+                    index=i,
+                    input_ids=torch.as_tensor(r.tokens[: len(aux)]).long(),
+                    loss_mask=torch.ones(len(aux), dtype=torch.bool),
+                    aux=aux.reshape(len(aux), -1, ht),
+                    last=None,
+                    last_norm=None,
+                    slot_layer_ids=None,
+                    provenance={"format": "trace", "path": str(against)},
+                )
+            )
+        return samples, "trace", {"format": "trace"}
+    td = open_training(against)
+    return list(td.samples()), "training", {"format": td.format, "samples": len(td)}
+
+
+def replay(
+    trace_path: Path,
+    against: Path,
+    drafter_path: Path | None = None,
+    target_path: Path | None = None,
+    progress: Progress | None = None,
+) -> ReplayResult:
+    from hstrace.diagnose import diagnose
+    from hstrace.drafter import load_drafter
+    from hstrace.trace import open_trace
+
+    trace_path, against = Path(trace_path), Path(against)
+    if not against.exists():
+        raise TrainingDataError(f"--against {against}: no such training dir or trace")
+    with open_trace(trace_path) as trace:
+        serving: ServingData = read_serving(trace)
+    samples, kind, training_info = _training_side(against)
+    if not samples:
+        raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")
+
+    drafter_path = drafter_path or drafter_path_from_trace(serving.meta)
+    if drafter_path is None:
+        raise CheckpointError("the trace does not name its drafter; give --drafter CKPT")
+    if not Path(drafter_path).is_dir():
+        raise CheckpointError(f"drafter {drafter_path}: not a checkpoint directory")
+    drafter, report = load_drafter(Path(drafter_path))
+
+    target_path = target_path or target_path_from_trace(serving.meta)
+    target = None
+    if target_path is not None and Path(target_path).is_dir():
+        target = ReferenceTarget(Path(target_path))
+
+    matches, coverage = align(
+        [r.tokens for r in serving.requests], [s.input_ids.numpy() for s in samples]
+    )
+    ctx = ReplayContext(
+        serving,
+        samples,
+        matches,
+        coverage,
+        drafter,
+        load_report=report,
+        target=target,
+        training_kind=kind,
+        progress=progress,
+    )
+    if not ctx.aligned:
+        ctx.skip("alignment", "no serving request shares its leading tokens with a training sample")
+    with torch.inference_mode(), threads_for(drafter.cfg.hidden_size):
+        findings: list[Finding] = diagnose(ctx)
+    fingerprints: dict[str, Any] = {}
+    if ctx.slot_matrix is not None:
+        fingerprints["serving_x_training"] = ctx.slot_matrix.to_json()
+    if ctx.layer_fingerprints is not None:
+        fingerprints["serving_layers"] = ctx.layer_fingerprints[0].to_json()
+        fingerprints["training_layers"] = ctx.layer_fingerprints[1].to_json()
+    return ReplayResult(
+        findings=findings,
+        metrics=ctx.metrics_json(),
+        coverage=coverage.to_json(),
+        fingerprints=fingerprints,
+        inputs={
+            "trace": str(trace_path),
+            "engine": serving.meta.get("engine"),
+            "against": str(against),
+            "against_kind": kind,
+            "training": training_info,
+            "drafter": str(drafter_path),
+            "drafter_dialect": getattr(report, "dialect", None),
+            "target": str(target_path) if target is not None else None,
+        },
+        skipped=dict(ctx.skipped),
+    )
+
+
+__all__ = ["replay", "HstraceError", "TraceError"]

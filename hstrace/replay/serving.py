@@ -1,0 +1,201 @@
+"""What serving did, per request, read back from a trace (the only I/O of the replay side).
+
+From the `target` table: the committed tokens by position and the aux hidden states the target
+captured for them (a verify round commits its first 1 + accept_len rows; the rest were rejected
+drafts). From `draft_extend`: what the drafter received per position (token ids, positions,
+hidden input) and what it produced (top-k in draft and target space, log-probs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hstrace.errors import TraceError
+from hstrace.trace.schema import MODE_VERIFY
+
+
+@dataclass
+class DraftRows:
+    """Draft-extend rows of one request, one per position, sorted by position."""
+
+    positions: np.ndarray  # [R] int64, the positions the engine fed
+    input_ids: np.ndarray  # [R] int64, the token ids the engine fed
+    hidden_in: torch.Tensor  # [R, W] what the drafter received as hidden input
+    topk_draft_ids: torch.Tensor | None = None  # [R, k]
+    topk_target_ids: torch.Tensor | None = None  # [R, k]
+    topk_logprobs: torch.Tensor | None = None  # [R, k]
+    # The committed sequence's index of each row (row r sits at sequence index index[r]).
+    index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+@dataclass
+class ServingRequest:
+    key: int
+    tokens: np.ndarray  # committed token ids, by sequence index
+    aux: torch.Tensor | None  # [P, K*H] target capture of the first P committed positions
+    position_base: int = 0  # the position of tokens[0]
+    draft: DraftRows | None = None
+
+
+@dataclass
+class ServingData:
+    requests: list[ServingRequest]
+    meta: dict[str, Any]
+    aux_attrs: dict[str, Any] = field(default_factory=dict)
+    accept_lens: list[int] = field(default_factory=list)
+
+    @property
+    def static(self) -> dict[str, Any]:
+        return self.meta.get("static") or {}
+
+
+def _col(table: Any, axis: str, name: str) -> Any:
+    cols = table.columns.get(axis, [])
+    return table.column(axis, name) if name in cols else None
+
+
+def _np(x: Any) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        return x.numpy()
+    return np.asarray(x)
+
+
+def _torch(x: Any) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
+
+
+def _per_request_blocks(table: Any, count_col: str = "n_tok"):
+    """Yield (step, req_key, tok_start, tok_stop) for every request block of every step."""
+    off_req = table.offsets("req")
+    off_tok = table.offsets("tok")
+    keys = _np(table.column("req", "req_key")).astype(np.int64)
+    counts = _np(table.column("req", count_col)).astype(np.int64)
+    for s in range(table.num_steps):
+        start = int(off_tok[s])
+        for r in range(int(off_req[s]), int(off_req[s + 1])):
+            yield s, int(keys[r]), start, start + int(counts[r])
+            start += int(counts[r])
+
+
+def read_serving(trace: Any, rank: int = 0) -> ServingData:
+    """Per-request serving data of one rank of an open trace (`hstrace.trace.open_trace`)."""
+    if rank not in trace.ranks:
+        raise TraceError(f"trace has no rank {rank} (ranks: {trace.ranks})")
+    view = trace.rank(rank)
+    target = view.table("target")
+    if target is None or target.num_steps == 0:
+        raise TraceError("trace has no target steps: nothing was served or the target tap was off")
+    accept = _accept_lens(view.table("verify"))
+
+    modes = _np(target.column("step", "mode")).astype(np.int64)
+    ids = _np(target.column("tok", "input_ids")).astype(np.int64)
+    pos = _np(target.column("tok", "positions")).astype(np.int64)
+    aux_all = _col(target, "tok", "aux_hidden")
+    rows: dict[int, dict[int, int]] = {}  # key -> position -> tok row (the committed one)
+    seen_verify: dict[int, int] = {}
+    for s, key, a, b in _per_request_blocks(target):
+        n_keep = b - a
+        if modes[s] == MODE_VERIFY and key in accept:
+            i = seen_verify.get(key, 0)
+            seen_verify[key] = i + 1
+            if i < len(accept[key]):
+                n_keep = min(n_keep, 1 + accept[key][i])
+        by_pos = rows.setdefault(key, {})
+        for row in range(a, a + n_keep):
+            by_pos[int(pos[row])] = row
+
+    drafts = _draft_rows(view.table("draft_extend"))
+    requests = []
+    for key, by_pos in rows.items():
+        positions = np.array(sorted(by_pos), dtype=np.int64)
+        # Only the contiguous run from the first position is a sequence we can align.
+        contiguous = np.flatnonzero(np.diff(positions) != 1)
+        if contiguous.size:
+            positions = positions[: contiguous[0] + 1]
+        idx = np.array([by_pos[p] for p in positions], dtype=np.int64)
+        aux = _torch(aux_all[idx]) if aux_all is not None else None
+        req = ServingRequest(
+            key=key,
+            tokens=ids[idx],
+            aux=aux,
+            position_base=int(positions[0]) if len(positions) else 0,
+        )
+        if key in drafts:
+            req.draft = _index_draft(drafts[key], req)
+        requests.append(req)
+
+    attrs: dict[str, Any] = {}
+    if hasattr(target, "column_attrs"):
+        try:
+            attrs = dict(target.column_attrs("tok", "aux_hidden"))
+        except (KeyError, TraceError):
+            attrs = {}
+    flat_accept = [a for v in accept.values() for a in v]
+    return ServingData(
+        requests=requests, meta=dict(trace.meta), aux_attrs=attrs, accept_lens=flat_accept
+    )
+
+
+def _accept_lens(verify: Any) -> dict[int, list[int]]:
+    if verify is None or verify.num_steps == 0:
+        return {}
+    off_req = verify.offsets("req")
+    keys = _np(verify.column("req", "req_key")).astype(np.int64)
+    lens = _np(verify.column("req", "accept_len")).astype(np.int64)
+    out: dict[int, list[int]] = {}
+    for s in range(verify.num_steps):
+        for r in range(int(off_req[s]), int(off_req[s + 1])):
+            out.setdefault(int(keys[r]), []).append(int(lens[r]))
+    return out
+
+
+def _draft_rows(table: Any) -> dict[int, dict[str, Any]]:
+    if table is None or table.num_steps == 0:
+        return {}
+    cols = {
+        name: _col(table, "tok", name)
+        for name in (
+            "input_ids",
+            "positions",
+            "hidden_in",
+            "topk_draft_ids",
+            "topk_target_ids",
+            "topk_logprobs",
+        )
+    }
+    if cols["hidden_in"] is None or cols["positions"] is None:
+        return {}
+    positions = _np(cols["positions"]).astype(np.int64)
+    per_key: dict[int, dict[int, int]] = {}
+    for _s, key, a, b in _per_request_blocks(table):
+        by_pos = per_key.setdefault(key, {})
+        for row in range(a, b):
+            by_pos[int(positions[row])] = row  # a later extend of the same position wins
+    out = {}
+    for key, by_pos in per_key.items():
+        idx = np.array([by_pos[p] for p in sorted(by_pos)], dtype=np.int64)
+        out[key] = {n: (c[idx] if c is not None else None) for n, c in cols.items()}
+    return out
+
+
+def _index_draft(cols: dict[str, Any], req: ServingRequest) -> DraftRows:
+    """Draft rows whose position lies within the committed sequence (the engine's own positions
+    may be shifted; the sequence index is the row's rank among the request's draft rows)."""
+    n = min(len(cols["positions"]), len(req.tokens))
+
+    def cut(x: Any) -> torch.Tensor | None:
+        return _torch(x[:n]) if x is not None else None
+
+    return DraftRows(
+        positions=_np(cols["positions"][:n]).astype(np.int64),
+        input_ids=_np(cols["input_ids"][:n]).astype(np.int64),
+        hidden_in=_torch(cols["hidden_in"][:n]),
+        topk_draft_ids=cut(cols["topk_draft_ids"]),
+        topk_target_ids=cut(cols["topk_target_ids"]),
+        topk_logprobs=cut(cols["topk_logprobs"]),
+        index=np.arange(n, dtype=np.int64),
+    )

@@ -1,0 +1,89 @@
+"""A reference forward of the target model (HF transformers, fp32 on CPU) for fingerprints.
+
+`layers(ids)` gives the residual stream after k decoder layers for k = 0..N (0 = embeddings,
+N = the final state *before* the final norm, which HF's own tuple does not expose), so a stored
+or recorded slot can be named by the physical layer it holds. `post_norm(ids)` is the input of
+lm_head, for the teacher test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hstrace.errors import HstraceError
+
+
+@dataclass
+class TargetForward:
+    layers: torch.Tensor  # [T, N+1, H]
+    post_norm: torch.Tensor  # [T, H]
+    logits: torch.Tensor  # [T, V]
+
+
+class ReferenceTarget:
+    def __init__(self, path: Path) -> None:
+        try:
+            from transformers import AutoModelForCausalLM
+        except ImportError as exc:
+            raise HstraceError(
+                "the target forward needs transformers (pip install 'hstrace[reference]')"
+            ) from exc
+        if not (Path(path) / "config.json").is_file():
+            raise HstraceError(f"target model dir {path} has no config.json")
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+        except (OSError, ValueError, KeyError) as exc:
+            raise HstraceError(f"cannot load the target model from {path}: {exc}") from exc
+        self.model.eval()
+        self.path = Path(path)
+        self.num_layers = int(self.model.config.num_hidden_layers)
+        self.hidden_size = int(self.model.config.hidden_size)
+        self.rope_theta = _rope_theta(self.model.config)
+        self._cache: dict[bytes, TargetForward] = {}
+
+    @property
+    def embed(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def norm(self) -> torch.nn.Module:
+        return self.model.model.norm
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor) -> TargetForward:
+        key = ids.numpy().tobytes()
+        if key in self._cache:
+            return self._cache[key]
+        captured: dict[str, torch.Tensor] = {}
+        hook = self.norm.register_forward_hook(
+            lambda _m, inp, out: captured.update(pre=inp[0], post=out)
+        )
+        try:
+            out = self.model(ids.long()[None], output_hidden_states=True)
+        finally:
+            hook.remove()
+        states = list(out.hidden_states[: self.num_layers]) + [captured["pre"]]
+        result = TargetForward(
+            layers=torch.stack([s[0] for s in states], dim=1).float(),
+            post_norm=captured["post"][0].float(),
+            logits=out.logits[0].float(),
+        )
+        if len(self._cache) >= 8:  # the engine asks again for the same sequence right away
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[key] = result
+        return result
+
+
+def _rope_theta(config: object) -> float | None:
+    theta = getattr(config, "rope_theta", None)
+    if theta is None:
+        params = getattr(config, "rope_parameters", None) or {}
+        theta = params.get("rope_theta") if isinstance(params, dict) else None
+    return float(theta) if theta is not None else None

@@ -1,0 +1,126 @@
+"""Terminal, Markdown and JSON renderings of a `ReplayResult`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from hstrace.findings import STAGES
+from hstrace.replay.result import ReplayResult
+
+# Metrics shown in the summary table, in dataflow order, with the convention they follow.
+METRIC_LABELS: dict[str, str] = {
+    "acc0_training": "step-0 acc, training tensors (argmax == next token in data)",
+    "acc0_training_teacher": "step-0 acc, training tensors (library teacher, draft vocab)",
+    "acc0_serving": "step-0 acc, serving tensors (argmax == next committed token)",
+    "engine_vs_reference_top1": "engine vs reference, draft-space top-1 agreement",
+    "engine_vs_reference_topk": "engine vs reference, top-k overlap",
+    "engine_vs_reference_max_logprob_diff": "engine vs reference, max |logprob diff| (fp32 judge)",
+    "target_space_top1": "engine target ids vs reference d2t mapping, top-1 agreement",
+    "mean_accept_len": "serving mean accept length (excl. bonus)",
+}
+
+
+def _evidence_line(evidence: dict[str, Any], limit: int = 6) -> str:
+    parts = []
+    for k, v in list(evidence.items())[:limit]:
+        if isinstance(v, float):
+            v = f"{v:.4g}"
+        elif isinstance(v, list | dict) and len(str(v)) > 60:
+            v = str(v)[:57] + "..."
+        parts.append(f"{k}={v}")
+    return ", ".join(parts)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+def render_terminal(result: ReplayResult, console: Console | None = None) -> None:
+    console = console or Console()
+    v = result.verdict
+    flow = " → ".join(f"[bold red]{s}[/]" if s == v.stage else s for s in STAGES)
+    style = "red" if result.faults else "green"
+    body = f"[bold]{v.code}[/] ({v.stage})\n{v.summary}"
+    if v.fix:
+        body += f"\n\n[bold]fix:[/] {v.fix}"
+    console.print(Panel(body, title="verdict: first divergence", border_style=style))
+    console.print(flow)
+    if result.findings:
+        table = Table(title="findings (dataflow order)")
+        for col in ("stage", "code", "severity", "summary", "evidence"):
+            table.add_column(col, overflow="fold")
+        for f in result.findings:
+            table.add_row(f.stage, f.code, f.severity, f.summary, _evidence_line(f.evidence))
+        console.print(table)
+    metrics = Table(title="metrics")
+    metrics.add_column("metric")
+    metrics.add_column("value", justify="right")
+    for key, label in METRIC_LABELS.items():
+        if key in result.metrics and result.metrics[key] is not None:
+            metrics.add_row(label, _fmt(result.metrics[key]))
+    console.print(metrics)
+    cov = result.coverage
+    if cov:
+        console.print(
+            f"coverage: {cov.get('aligned_requests', 0)}/{cov.get('serving_requests', 0)} requests "
+            f"aligned ({cov.get('exact', 0)} exact, {cov.get('prefix', 0)} prefix), "
+            f"{cov.get('aligned_tokens', 0)}/{cov.get('serving_tokens', 0)} tokens"
+        )
+    for name, why in result.skipped.items():
+        console.print(f"[yellow]not checked[/]: {name}: {why}")
+
+
+def render_markdown(result: ReplayResult) -> str:
+    v = result.verdict
+    lines = [
+        "# hstrace replay",
+        "",
+        f"**Verdict: `{v.code}`** (stage `{v.stage}`, {v.severity}): {v.summary}",
+        "",
+    ]
+    if v.fix:
+        lines += [f"**Fix:** {v.fix}", ""]
+    lines += ["Dataflow: " + " → ".join(f"**{s}**" if s == v.stage else s for s in STAGES), ""]
+    if result.findings:
+        lines += [
+            "## Findings (dataflow order)",
+            "",
+            "| stage | code | severity | summary | fix |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for f in result.findings:
+            lines.append(
+                f"| {f.stage} | `{f.code}` | {f.severity} | {_md(f.summary)} | {_md(f.fix)} |"
+            )
+        lines.append("")
+        for f in result.findings:
+            if f.evidence:
+                lines.append(f"- `{f.code}` evidence: {_md(_evidence_line(f.evidence, 20))}")
+        lines.append("")
+    lines += ["## Metrics", "", "| metric | value |", "| --- | --- |"]
+    for key, label in METRIC_LABELS.items():
+        if key in result.metrics and result.metrics[key] is not None:
+            lines.append(f"| {label} | {_fmt(result.metrics[key])} |")
+    lines.append("")
+    if result.coverage:
+        lines += ["## Coverage", ""]
+        lines += [f"- {k}: {v}" for k, v in result.coverage.items()]
+        lines.append("")
+    if result.skipped:
+        lines += ["## Not checked", ""]
+        lines += [f"- {k}: {why}" for k, why in result.skipped.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _md(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_json(result: ReplayResult) -> str:
+    return json.dumps(result.to_json(), indent=2, sort_keys=False)
