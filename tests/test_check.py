@@ -172,3 +172,34 @@ def test_applies_to_parser():
         and applies(f, "vllm", "0.11")
     )
     assert applies(Finding("rope-mismatch", "x"), "sglang", "0.4.0")
+
+
+def _specforge_data(root, width: int) -> None:
+    rows = root / "rows_0-2000"
+    rows.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        T = 10
+        torch.save(
+            {
+                "input_ids": torch.randint(0, 97, (T,), generator=g),
+                "loss_mask": torch.ones(T, dtype=torch.long),
+                "aux_hidden_state": torch.randn(1, T, 3 * width, generator=g),
+                "hidden_state": torch.randn(1, T, width, generator=g),
+            },
+            rows / f"data_{i}.ckpt",
+        )
+
+
+def test_against_training_data(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(_model(), ck, dialect="specforge", include_embed=True)
+    _specforge_data(tmp_path / "ok", width=32)
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--against", str(tmp_path / "ok"))
+    train = doc["metrics"]["training"]
+    assert rc == 0 and train["format"] == "specforge" and len(train["acc_vs_data"]) == 3
+    assert all(0.0 <= a <= 1.0 for a in train["acc_vs_data"])
+    _specforge_data(tmp_path / "wide", width=40)
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--against", str(tmp_path / "wide"))
+    assert rc == 1 and codes(doc) == ["slot-layout"]
+    assert doc["findings"][0]["evidence"]["stored_width"] == 40
