@@ -175,3 +175,43 @@ def write_demo_trace(
         proposals = drafting(new_toks, new_pos)
     w.close()
     return path
+
+
+def copy_trace(src: Path, dst: Path, transform=None, engine: str | None = None) -> Path:
+    """Rewrite `src` event by event through the real writer, passing each column through
+    `transform(table, axis, column, value) -> value` (a controlled perturbation)."""
+    from hstrace.bundle.select import plan_rank
+    from hstrace.trace import open_trace
+
+    tr = open_trace(src)
+    meta = tr.root_meta
+    eng = dict(meta["engine"])
+    if engine:
+        eng["name"] = engine
+    create_trace(dst, engine=eng, command_line=meta["command_line"], static=meta["static"])
+    for r in tr.ranks:
+        view = tr.rank(r)
+        w = TraceWriter(dst, rank=r, process=False)
+        for ev in plan_rank(view, r).events:
+            t = view.table(ev.table)
+            axes = {}
+            for axis, cols in t.step(ev.step).items():
+                axes[axis] = {}
+                for col, v in cols.items():
+                    v = (
+                        v
+                        if isinstance(v, torch.Tensor)
+                        else torch.from_numpy(np.ascontiguousarray(v))
+                    )
+                    if transform is not None:
+                        v = transform(ev.table, axis, col, v)
+                    axes[axis][col] = v[0] if axis == "step" else v
+            attrs = {
+                f"tok/{c}": {
+                    k: x for k, x in t._arrays[("tok", c)].attrs.items() if k != "hstrace_dtype"
+                }
+                for c in t.columns.get("tok", [])
+            }
+            w.write(ev.table, column_attrs=attrs, **axes)
+        w.close()
+    return dst
