@@ -6,6 +6,11 @@ cd "$(dirname "$0")/.."
 python3 -m pip install -q -c scripts/constraints-cpu.txt -e '.[test]'
 # speculators (numerical cross-check of the reference drafter) without its CUDA/vLLM-side deps.
 python3 -m pip install -q --no-deps -r scripts/requirements-crosscheck-nodeps.txt
+# Headless Chromium for the HTML-report render test (tests/test_html_report.py); root only.
+if ! command -v chromium >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+  (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core) >/dev/null 2>&1 \
+    || echo "chromium could not be installed; the HTML render test will skip" >&2
+fi
 python3 -m pytest -q "$@"
 # The real-SGLang tests (-m sglang) run in their own venv (sglang's deps would replace CPU torch);
 # built once by scripts/sglang-venv.sh and reused. HSTRACE_SKIP_SGLANG=1 skips this part.
