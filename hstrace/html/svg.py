@@ -124,11 +124,14 @@ def line_chart(
         body.append(
             f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11">{_fmt(v)}</text>'
         )
-    for i in range(6):
-        v = x0 + (x1 - x0) * i / 5
-        x = PAD_L + plot_w * i / 5
+    integral = all(float(x).is_integer() for x in xs)
+    n_ticks = max(1, min(5, int(x1 - x0))) if integral else 5
+    for i in range(n_ticks + 1):
+        v = x0 + (x1 - x0) * i / n_ticks
+        v = round(v) if integral else round(v, 1)
+        x = PAD_L + plot_w * (v - x0) / (x1 - x0)
         body.append(
-            f'<text x="{x:.1f}" y="{H - PAD_B + 14}" text-anchor="middle" font-size="11">{_fmt(round(v, 1))}</text>'
+            f'<text x="{x:.1f}" y="{H - PAD_B + 14}" text-anchor="middle" font-size="11">{_fmt(v)}</text>'
         )
     body.append(
         f'<line x1="{PAD_L}" y1="{H - PAD_B}" x2="{W - PAD_R}" y2="{H - PAD_B}" stroke="#333"/>'
@@ -172,9 +175,9 @@ def heatmap(
 ) -> str:
     """Cells coloured white (lo) to dark blue (hi), value printed when cells are big enough."""
     rows, cols = len(matrix), max((len(r) for r in matrix), default=0)
-    cell = max(8.0, min(56.0, 420 / max(1, cols), 300 / max(1, rows)))
-    w = int(PAD_L + 40 + cols * cell + PAD_R + 40)
-    h = int(PAD_T + rows * cell + PAD_B + 30)
+    cell = max(8.0, min(72.0, 420 / max(1, cols), 240 / max(1, rows)))
+    w = max(W, int(PAD_L + 40 + cols * cell + PAD_R + 40))
+    h = max(H, int(PAD_T + rows * cell + PAD_B + 30))
     body = []
     for i, row in enumerate(matrix):
         y = PAD_T + i * cell
