@@ -11,8 +11,6 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from hstrace.errors import HstraceError
-
 
 def reproduce_line(out: Path, opts: Any) -> str:
     cmd = ["hstrace", "replay", out.name]
@@ -24,12 +22,10 @@ def reproduce_line(out: Path, opts: Any) -> str:
 
 
 def _run_replay(store: Path, opts: Any) -> Any:
-    """The replay room's entry point on the subset; None when replay is not built yet."""
-    try:
-        from hstrace.replay import run_replay  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return run_replay(str(store), against=opts.against, drafter=opts.drafter)
+    """The replay room's entry point, run on the bundled subset itself."""
+    from hstrace.replay import replay
+
+    return replay(store, Path(opts.against), Path(opts.drafter) if opts.drafter else None)
 
 
 def write_report(
@@ -56,20 +52,11 @@ def write_report(
             + "\n"
         )
     if opts.against:
-        result = _run_replay(store, opts)
-        if result is not None:
-            from hstrace.report import render_markdown
+        from hstrace.report import render_markdown
 
-            md = render_markdown(result)
-            return (
-                md + redaction_note + f"\n\nReproduce: `{reproduce}`\n",
-                "replay",
-                result.to_json(),
-            )
-        if opts.against:
-            raise HstraceError(
-                "--against needs `hstrace replay`, which is not available in this build"
-            )
+        result = _run_replay(store, opts)
+        md = render_markdown(result)
+        return (md + redaction_note + f"\n\nReproduce: `{reproduce}`\n", "replay", result.to_json())
     with open_trace(store) as tr:
         meta = tr.meta
         eng = meta.get("engine") or {}
