@@ -79,7 +79,9 @@ def test_sigkill_writer_keeps_committed_prefix(tmp_path):
     for trial in range(20):
         path = tmp_path / f"crash{trial}.zarr"
         create_trace(path, engine={"name": "test"})
-        w = TraceWriter(path, rank=0, tail_flush_s=0.2, slots=8, slot_bytes=256 << 10)
+        w = TraceWriter(
+            path, rank=0, tail_flush_s=0.2, staging_bytes=4 << 20, max_part_bytes=256 << 10
+        )
         stop, written = threading.Event(), [0]
         producer = threading.Thread(target=_produce, args=(w, stop, written))
         producer.start()

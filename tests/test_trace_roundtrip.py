@@ -110,8 +110,10 @@ def test_every_stream_round_trips(tmp_path, process):
         path, engine={"name": "test", "version": "1"}, command_line=["pytest"], static={"root": 1}
     )
     events = _events()
-    # Small slots so that the 3200-token prefill is split across several slots.
-    with TraceWriter(path, rank=0, process=process, slots=4, slot_bytes=256 << 10) as w:
+    # Small parts so that the 3200-token prefill is split into several staging parts.
+    with TraceWriter(
+        path, rank=0, process=process, staging_bytes=2 << 20, max_part_bytes=256 << 10
+    ) as w:
         for table, axes in events:
             assert w.write(table, **axes)
         w.update_static({"drafter": {"hash": "abc"}})
@@ -149,7 +151,7 @@ def test_all_bf16_bit_patterns_come_back_exact(tmp_path):
     create_trace(path, engine={"name": "test"})
     bits = np.arange(65536, dtype=np.uint16).view(np.int16).reshape(256, 256)
     h = torch.from_numpy(bits.copy()).view(torch.bfloat16)
-    with TraceWriter(path, rank=0, slot_bytes=64 << 10) as w:  # also split across slots
+    with TraceWriter(path, rank=0, max_part_bytes=64 << 10) as w:  # also split into parts
         w.write(
             "target",
             step={"mode": 0},
@@ -243,7 +245,7 @@ def test_drop_policy_counts_dropped_steps(tmp_path):
     path = tmp_path / "drop.zarr"
     create_trace(path, engine={"name": "test"})
     n_written = 300
-    with TraceWriter(path, rank=0, on_full="drop", slots=1, slot_bytes=1 << 20) as w:
+    with TraceWriter(path, rank=0, on_full="drop", staging_bytes=1 << 20) as w:
         kept = [
             w.write(
                 "target",

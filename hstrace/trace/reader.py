@@ -185,6 +185,11 @@ class TableView:
             steps = min(steps, committed - 1)
         steps = max(steps, 0)
         for axis, arr in self._off_arrays.items():
+            # A writer killed before its first commit of data has not even the leading 0 on
+            # disk: that is an empty table, not a corrupt one.
+            if steps == 0:
+                self._offsets[axis] = np.zeros(1, np.int64)
+                continue
             off = self._read(arr, 0, steps + 1, f"off_{axis}")
             if off.shape[0] != steps + 1 or off[0] != 0 or np.any(np.diff(off) < 0):
                 raise TraceError(

@@ -1,9 +1,10 @@
 """The producer side: `TraceWriter.write` copies tensors into staging and returns.
 
-In process mode (the default) the copy goes into a shared-memory ring of slots and a small
+In process mode (the default) the copy goes into a shared-memory byte ring and a small
 message goes down a pipe to the rank's writer process, which does all compression and I/O.
 The serving thread pays a memcpy (or an async D2H copy on CUDA) plus a pipe write. A step
-larger than one slot is split by rows across several slots. In-process mode
+larger than `max_part_bytes` (a prefill of thousands of tokens) is split by rows into several
+parts. In-process mode
 (`process=False`) writes through the same RankRecorder on the caller's thread: same on-disk
 result, for tests and the CPU reference engine.
 """
@@ -17,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
@@ -113,7 +113,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 class TraceWriter:
     """Writes one rank's events into an existing trace (see `create_trace`).
 
-    on_full: what `write` does when every staging slot is in use: "block" waits for the
+    on_full: what `write` does when the staging ring is full: "block" waits for the
     writer process; "drop" drops the step and counts it (per table) in the trace.
     """
 
@@ -124,8 +124,8 @@ class TraceWriter:
         on_full: str = "block",
         tail_flush_s: float = 2.0,
         process: bool = True,
-        slots: int = 32,
-        slot_bytes: int = 4 << 20,
+        staging_bytes: int = 256 << 20,
+        max_part_bytes: int = 16 << 20,
     ) -> None:
         if on_full not in ("block", "drop"):
             raise TraceError(f"on_full must be 'block' or 'drop', got {on_full!r}")
@@ -143,12 +143,18 @@ class TraceWriter:
 
             self._rec = RankRecorder(self.path, self.rank, tail_flush_s=tail_flush_s)
             return
-        self._slot_bytes = _align(int(slot_bytes))
-        self._shm = SharedMemory(create=True, size=self._slot_bytes * int(slots))
+        self._ring_bytes = _align(int(staging_bytes))
+        self._part_bytes = min(_align(int(max_part_bytes)), self._ring_bytes // 2)
+        _check_shm_room(self._ring_bytes)
+        self._shm = SharedMemory(create=True, size=self._ring_bytes)
         self._ring = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
         self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
-        self._free = deque(range(int(slots)))
-        self._pending_control: list[tuple] = []  # control replies read while waiting for slots
+        # FIFO byte ring: bytes [tail, head) (monotonic counters) are in flight to the writer,
+        # which hands back the counter of each part it has consumed.
+        self._head = 0
+        self._tail = 0
+        self.stats = {"parts": 0, "blocked_parts": 0, "blocked_s": 0.0}
+        self._pending_control: list[tuple] = []  # control replies read while waiting for room
         self._announced: set[str] = set()
         self._pinned = False
         self._completer: _CudaCompleter | None = None
@@ -159,7 +165,6 @@ class TraceWriter:
             str(self.rank),
             str(float(tail_flush_s)),
             self._shm.name,
-            str(self._slot_bytes),
         ]
         args += [str(data_r.fileno()), str(free_w.fileno())]
         env = dict(os.environ)
@@ -284,14 +289,14 @@ class TraceWriter:
         spec: dict,
         column_attrs: dict | None,
     ) -> bool:
-        parts = _pack(cols, counts, self._slot_bytes, table)
+        parts = _pack(cols, counts, self._part_bytes, table)
         announce = table not in self._announced
-        for i, layout in enumerate(parts):
-            slot = self._acquire(may_drop=(i == 0 and self.on_full == "drop"))
-            if slot is None:
+        for i, (layout, nbytes_part) in enumerate(parts):
+            # A step is dropped whole or not at all: only its first part may be refused.
+            base = self._allocate(nbytes_part, may_drop=(i == 0 and self.on_full == "drop"))
+            if base is None:
                 self.dropped[table] = self.dropped.get(table, 0) + 1
                 return False
-            base = slot * self._slot_bytes
             cuda = False
             msg_layout = []
             for axis, col, offset, r0, r1 in layout:
@@ -313,7 +318,8 @@ class TraceWriter:
             msg = (
                 "part",
                 table,
-                slot,
+                base,
+                self._head,
                 msg_layout,
                 counts if last else None,
                 spec if (announce and i == 0) else None,
@@ -355,21 +361,29 @@ class TraceWriter:
         except Exception:  # noqa: BLE001 - copies stay correct, only synchronous
             pass
 
-    def _acquire(self, may_drop: bool) -> int | None:
-        while not self._free and self._free_r.poll(0):
+    def _allocate(self, n: int, may_drop: bool) -> int | None:
+        """Offset of n contiguous free bytes in the ring (None: full and may_drop)."""
+        pos = self._head % self._ring_bytes
+        pad = self._ring_bytes - pos if pos + n > self._ring_bytes else 0  # never wrap a part
+        need = pad + n
+        while self._free_r.poll(0):
             self._take(self._recv_free())
-        if self._free:
-            return self._free.popleft()
-        if may_drop:
-            return None
-        while not self._free:
-            if self._free_r.poll(0.5):
-                self._take(self._recv_free())
-            elif self._proc.poll() is not None:
-                raise TraceError(
-                    f"{self.path}: the writer process of rank {self.rank} exited (code {self._proc.returncode})"
-                )
-        return self._free.popleft()
+        if self._head + need - self._tail > self._ring_bytes:
+            if may_drop:
+                return None
+            self.stats["blocked_parts"] += 1
+            t0 = time.perf_counter()
+            while self._head + need - self._tail > self._ring_bytes:
+                if self._free_r.poll(0.5):
+                    self._take(self._recv_free())
+                elif self._proc.poll() is not None:
+                    raise TraceError(
+                        f"{self.path}: the writer process of rank {self.rank} exited (code {self._proc.returncode})"
+                    )
+            self.stats["blocked_s"] += time.perf_counter() - t0
+        self.stats["parts"] += 1
+        self._head += need
+        return 0 if pad else pos
 
     def _recv_free(self) -> Any:
         try:
@@ -382,7 +396,7 @@ class TraceWriter:
 
     def _take(self, item: Any) -> None:
         if isinstance(item, int):
-            self._free.append(item)
+            self._tail = max(self._tail, item)
         else:
             self._pending_control.append(item)
 
@@ -419,8 +433,10 @@ class TraceWriter:
         self._shm.unlink()
 
 
-def _pack(cols: Columns, counts: dict[str, int], slot_bytes: int, table: str) -> list[list[tuple]]:
-    """Split a step's rows into slot-sized parts: [(axis, column, offset, r0, r1), ...] each."""
+def _pack(
+    cols: Columns, counts: dict[str, int], part_bytes: int, table: str
+) -> list[tuple[list[tuple], int]]:
+    """Split a step's rows into parts of at most part_bytes: ([(axis, column, offset, r0, r1)], bytes)."""
     parts: list[list[tuple]] = []
     cur: list[tuple] = []
     used = 0
@@ -430,22 +446,37 @@ def _pack(cols: Columns, counts: dict[str, int], slot_bytes: int, table: str) ->
         per_row = sum(row_bytes.values())
         r = 0
         while r < n:
-            room = slot_bytes - used - ALIGN * len(cc)
+            room = part_bytes - used - ALIGN * len(cc)
             k = min(n - r, room // per_row if per_row else n - r)
             if k <= 0:
                 if not cur:
                     raise TraceError(
-                        f"table {table!r}: one row of axis {axis!r} ({per_row} B) is larger than a staging slot ({slot_bytes} B)"
+                        f"table {table!r}: one row of axis {axis!r} ({per_row} B) is larger than a staging part ({part_bytes} B)"
                     )
-                parts.append(cur)
+                parts.append((cur, used))
                 cur, used = [], 0
                 continue
             for c, b in row_bytes.items():
                 cur.append((axis, c, used, r, r + k))
                 used += _align(k * b)
             r += k
-    parts.append(cur)
+    parts.append((cur, used))
     return parts
+
+
+def _check_shm_room(n: int) -> None:
+    # Touching shared memory beyond what /dev/shm holds is a SIGBUS in the serving process,
+    # so refuse up front with a message instead (Docker's default /dev/shm is 64 MB).
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return
+    room = st.f_bavail * st.f_frsize
+    if room < n:
+        raise TraceError(
+            f"/dev/shm has {room >> 20} MiB free, the trace writer needs {n >> 20} MiB of staging; "
+            "enlarge /dev/shm (docker --shm-size) or pass a smaller staging_bytes"
+        )
 
 
 def _describe(spec: dict) -> str:

@@ -2,12 +2,15 @@
 
 Imports no torch: it only needs numpy and zarr, so it starts fast and stays small. Protocol
 (all over two one-way pipes, in order):
-  producer -> writer  ("part", table, slot, layout, counts|None, spec|None, column_attrs|None, dropped)
+  producer -> writer  ("part", table, offset, end, layout, counts|None, spec|None, column_attrs|None, dropped)
                       ("static", dict) | ("error", tap, message) | ("flush",) | ("close",)
-  writer -> producer  ("ready",) | ("failed", message) once at start; then slot ids (int) as
-                      slots free up; ("flushed",) / ("closed",) answering flush / close.
-`layout` lists (axis, column, byte offset in the slot, rows); dtype and row shape come from the
-table's spec, sent with the first step of each table.
+  writer -> producer  ("ready",) | ("failed", message) once at start; then, for each part
+                      consumed, its `end` (int: the producer's ring counter after that part, so
+                      the bytes before it are free again); ("flushed",) / ("closed",) answering
+                      flush / close.
+A part occupies ring bytes [offset, offset + size); `layout` lists (axis, column, byte offset
+within the part, rows); dtype and row shape come from the table's spec, sent with the first
+step of each table.
 """
 
 from __future__ import annotations
@@ -25,17 +28,16 @@ from hstrace.errors import HstraceError
 
 
 def main(argv: list[str]) -> None:
-    """Entry point: `python -m hstrace.trace.writer_process PATH RANK TAIL_S SHM SLOT_BYTES DATA_FD FREE_FD`.
+    """Entry point: `python -m hstrace.trace.writer_process PATH RANK TAIL_S SHM DATA_FD FREE_FD`.
 
     Started with subprocess rather than multiprocessing's spawn, which would re-import the
     parent's __main__ (a server launcher inside SGLang, a test runner, a user script)."""
-    path, rank, tail_s, shm_name, slot_bytes, data_fd, free_fd = argv
+    path, rank, tail_s, shm_name, data_fd, free_fd = argv
     writer_main(
         path,
         int(rank),
         float(tail_s),
         shm_name,
-        int(slot_bytes),
         Connection(int(data_fd)),
         Connection(int(free_fd)),
     )
@@ -64,7 +66,6 @@ def writer_main(
     rank: int,
     tail_flush_s: float,
     shm_name: str,
-    slot_bytes: int,
     data_r: Connection,
     free_w: Connection,
 ) -> None:
@@ -78,12 +79,12 @@ def writer_main(
     shm = _Ring(shm_name)
     try:
         free_w.send(("ready",))
-        _loop(rec, shm, slot_bytes, data_r, free_w)
+        _loop(rec, shm, data_r, free_w)
     finally:
         shm.close()
 
 
-def _loop(rec, shm: _Ring, slot_bytes: int, data_r: Connection, free_w: Connection) -> None:
+def _loop(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
     while True:
         deadline = rec.next_deadline()
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -100,13 +101,13 @@ def _loop(rec, shm: _Ring, slot_bytes: int, data_r: Connection, free_w: Connecti
             return
         kind = msg[0]
         if kind == "part":
-            _, table, slot, layout, counts, spec, column_attrs, dropped = msg
+            _, table, offset, end, layout, counts, spec, column_attrs, dropped = msg
             try:
-                _write_part(rec, shm, slot * slot_bytes, table, layout, counts, spec, column_attrs)
+                _write_part(rec, shm, offset, table, layout, counts, spec, column_attrs)
             except HstraceError as exc:  # keep recording other tables; the error is in the trace
                 rec.note_error("writer", str(exc))
             finally:
-                free_w.send(slot)
+                free_w.send(end)
             if dropped is not None:
                 rec.set_dropped(dropped)
             rec.tick()
