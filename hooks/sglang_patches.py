@@ -77,7 +77,9 @@ class Recorder:
         for tw in writes:
             if tw.table not in self.streams:
                 continue
-            w.write(tw.table, step=tw.step, req=tw.req, tok=tw.tok, **tw.other)
+            # only the axes this table has (verify has no `tok`, requests no per-step columns)
+            axes = {"step": tw.step, "req": tw.req, "tok": tw.tok, **tw.other}
+            w.write(tw.table, **{axis: cols for axis, cols in axes.items() if cols})
 
     def run_tap(self, name: str, fn: Callable[[], None]) -> None:
         if name in self.disabled:
@@ -266,12 +268,15 @@ def wrap_prefill(original: Callable) -> Callable:
     @functools.wraps(original)
     def _draft_extend_for_prefill(self, *args, **kwargs):
         rec = REC
+        batch = args[0] if args else kwargs.get("batch")
+        # Read before the call: the original replaces `batch.input_ids` with the draft's
+        # shifted ids (a new tensor, so this reference keeps the target's ids).
+        target_ids = getattr(batch, "input_ids", None)
         result = original(self, *args, **kwargs)
         if rec is not None:
 
             def tap():
                 a = _bind(original, (self, *args), kwargs)
-                batch = a["batch"]
                 if batch.forward_mode.is_idle():
                     return
                 writes: list[taps.TableWrite] = []
@@ -279,7 +284,7 @@ def wrap_prefill(original: Callable) -> Callable:
                 if req is not None:
                     writes.append(req)
                 target, draft = taps.prefill_rows(
-                    batch, a["target_hidden_states"], a["next_token_ids"]
+                    batch, target_ids, batch.input_ids, a["target_hidden_states"]
                 )
                 lens = [int(n) for n in batch.extend_lens]
                 draft.tok.update(
@@ -302,8 +307,12 @@ def wrap_verify(original: Callable) -> Callable:
         verify_input = batch.spec_info  # read before the call: verify replaces it
         result = original(self, batch, *args, **kwargs)
         if rec is not None:
-            rec._last_verify_positions = verify_input.positions  # for the decode draft-extend
-            rec.run_tap("verify", lambda: rec.emit(taps.verify_rows(batch, verify_input, result)))
+
+            def tap():
+                if not batch.forward_mode.is_idle():
+                    rec.emit(taps.verify_rows(batch, verify_input, result))
+
+            rec.run_tap("verify", tap)
             rec.draft_step_index = 0
         return result
 
@@ -314,23 +323,28 @@ def wrap_decode_extend(original: Callable) -> Callable:
     @functools.wraps(original)
     def _draft_extend_for_decode(self, batch, batch_result, *args, **kwargs):
         rec = REC
+        seq_lens = getattr(batch, "seq_lens", None)  # before the call: the extend's prefix lengths
         result = original(self, batch, batch_result, *args, **kwargs)
         if rec is not None:
-            rec.run_tap(
-                "decode_extend",
-                lambda: rec.emit(
-                    [
-                        taps.decode_extend_rows(
-                            batch,
-                            batch_result,
-                            result,
-                            self.hot_token_id,
-                            self.speculative_num_draft_tokens,
-                            getattr(rec, "_last_verify_positions", None),
-                        )
-                    ]
-                ),
-            )
+            # The original returns None: it fills `batch_result.next_draft_input` in place, and
+            # leaves its exact inputs on the batch (`input_ids`, `spec_info.hidden_states`).
+            def tap():
+                if batch.forward_mode.is_idle():
+                    return
+                row = taps.decode_extend_rows(
+                    batch,
+                    batch_result,
+                    batch_result.next_draft_input,
+                    self.hot_token_id,
+                    int(self.speculative_num_draft_tokens),
+                    batch.input_ids,
+                    batch.spec_info.hidden_states,
+                    seq_lens,
+                    logprobs_known=int(self.topk) != 1,
+                )
+                rec.emit([row])
+
+            rec.run_tap("decode_extend", tap)
         return result
 
     return _draft_extend_for_decode

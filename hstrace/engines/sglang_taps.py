@@ -35,14 +35,17 @@ def _keys(rids: list[str]) -> torch.Tensor:
 
 
 def _extend_positions(batch: Any) -> torch.Tensor:
-    """Positions of an extend batch: each request continues from its cached prefix."""
-    prefix = [
-        len(r.prefix_indices) if getattr(r, "prefix_indices", None) is not None else 0
-        for r in batch.reqs
-    ]
+    """Positions of an extend batch: each request continues from its cached prefix
+    (`ScheduleBatch.prefix_lens`, what `ForwardBatch.init_new` builds positions from)."""
+    prefix = getattr(batch, "prefix_lens", None)
+    if prefix is None:
+        prefix = [
+            len(r.prefix_indices) if getattr(r, "prefix_indices", None) is not None else 0
+            for r in batch.reqs
+        ]
     return torch.cat(
         [
-            torch.arange(p, p + n, dtype=torch.int64)
+            torch.arange(int(p), int(p) + int(n), dtype=torch.int64)
             for p, n in zip(prefix, batch.extend_lens, strict=True)
         ]
     )
@@ -83,36 +86,36 @@ def requests_rows(batch: Any, seen: set[str]) -> TableWrite | None:
 
 
 def prefill_rows(
-    batch: Any, target_hidden_states: torch.Tensor, next_token_ids: torch.Tensor
+    batch: Any,
+    target_input_ids: torch.Tensor,
+    draft_input_ids: torch.Tensor,
+    target_hidden_states: torch.Tensor,
 ) -> list[TableWrite]:
     """Target prefill (the exact aux concat the drafter got) and the draft-extend inputs.
 
-    The draft-extend ids are the prefill ids shifted left by one per request with the sampled
-    token appended (what `_draft_extend_for_prefill` builds); hidden_in is the target concat.
+    `_draft_extend_for_prefill` replaces `batch.input_ids` with the ids shifted left by one per
+    request plus a tail token (the sampled token, or the next prompt token for a non-final
+    chunk); the hook hands over both tensors, so nothing is re-derived here.
     """
     rids = _rids(batch)
     lens = [int(n) for n in batch.extend_lens]
-    ids = batch.input_ids.to(torch.int64)
-    positions = _extend_positions(batch).to(ids.device)
-    shifted = []
-    start = 0
-    for i, n in enumerate(lens):
-        shifted.append(
-            torch.cat([ids[start + 1 : start + n], next_token_ids[i : i + 1].to(torch.int64)])
-        )
-        start += n
+    positions = _extend_positions(batch).to(target_input_ids.device)
     req = {"req_key": _keys(rids), "n_tok": torch.tensor(lens, dtype=torch.int64)}
     target = TableWrite(
         "target",
         step={"mode": 0},
         req=dict(req),
-        tok={"input_ids": ids, "positions": positions, "aux_hidden": target_hidden_states},
+        tok={
+            "input_ids": target_input_ids.to(torch.int64),
+            "positions": positions,
+            "aux_hidden": target_hidden_states,
+        },
     )
     draft = TableWrite(
         "draft_extend",
         req=dict(req),
         tok={
-            "input_ids": torch.cat(shifted),
+            "input_ids": draft_input_ids.to(torch.int64),
             "positions": positions,
             "hidden_in": target_hidden_states,
         },
@@ -121,22 +124,27 @@ def prefill_rows(
 
 
 def draft_extend_topk_rows(
-    draft_input: Any, hot_token_id: torch.Tensor | None, total: int, rows: torch.Tensor
+    draft_input: Any,
+    hot_token_id: torch.Tensor | None,
+    total: int,
+    rows: torch.Tensor,
+    logprobs_known: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The top-k the draft-extend produced (one per request, at row `rows[b]`), spread over the
-    extend's `total` token rows: rows without a top-k get ids -1 and log-prob -inf."""
+    extend's `total` token rows: rows without a top-k get ids -1 and log-prob -inf.
+
+    `logprobs_known=False` when SGLang took the argmax-only path (topk == 1 after a verify: it
+    sets `topk_p = 1` without computing a probability); those log-probs are stored as NaN rather
+    than as a made-up 0."""
     k = draft_input.topk_index.shape[-1]
+    device = draft_input.topk_index.device
     per_req = draft_topk(draft_input.topk_p, draft_input.topk_index, hot_token_id)
+    if not logprobs_known:
+        per_req["topk_logprobs"] = torch.full_like(per_req["topk_logprobs"], float("nan"))
     out = {
-        "topk_draft_ids": torch.full(
-            (total, k), -1, dtype=torch.int64, device=draft_input.topk_index.device
-        ),
-        "topk_target_ids": torch.full(
-            (total, k), -1, dtype=torch.int64, device=draft_input.topk_index.device
-        ),
-        "topk_logprobs": torch.full(
-            (total, k), float("-inf"), dtype=torch.float32, device=draft_input.topk_index.device
-        ),
+        "topk_draft_ids": torch.full((total, k), -1, dtype=torch.int64, device=device),
+        "topk_target_ids": torch.full((total, k), -1, dtype=torch.int64, device=device),
+        "topk_logprobs": torch.full((total, k), float("-inf"), dtype=torch.float32, device=device),
     }
     for name, value in per_req.items():
         out[name][rows.to(value.device)] = value
@@ -243,21 +251,34 @@ def decode_extend_rows(
     draft_input: Any,
     hot_token_id: torch.Tensor | None,
     num_draft_tokens: int,
-    verify_positions: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    hidden_in: torch.Tensor,
+    seq_lens: torch.Tensor,
+    logprobs_known: bool = True,
 ) -> TableWrite:
-    """Draft-extend after a verify: the drafter runs over every verified position (ids = the
-    target's predictions, hidden = the verify aux concat) and keeps the row of the last
-    accepted token per request."""
+    """Draft-extend after a verify: the drafter runs over all `num_draft_tokens` verified
+    positions of each request (ids = the target's predictions, hidden = the verify aux concat,
+    positions = seq_len + 0..ndt-1) and keeps the top-k of the last accepted row
+    (`select_index = b*ndt + accept_lens[b] - 1`); `draft_input` is the next `EagleDraftInput`,
+    filled in place by `_draft_extend_for_decode`."""
     rids = _rids(batch)
     bs = len(rids)
-    accept_lens = result.accept_lens.to(torch.int64)
-    rows = torch.arange(bs, dtype=torch.int64) * num_draft_tokens + accept_lens.cpu() - 1
-    total = bs * num_draft_tokens
-    tok: dict[str, Any] = {"input_ids": result.next_token_ids.to(torch.int64)}
-    if verify_positions is not None:
-        tok["positions"] = verify_positions.to(torch.int64)
-    tok["hidden_in"] = result.logits_output.hidden_states
-    tok.update(draft_extend_topk_rows(draft_input, hot_token_id, total, rows))
+    device = input_ids.device
+    accept_lens = result.accept_lens.to(device=device, dtype=torch.int64)
+    base = torch.arange(bs, dtype=torch.int64, device=device) * num_draft_tokens
+    rows = base + accept_lens - 1  # stays on the device: no sync with the serving stream
+    offsets = torch.arange(num_draft_tokens, dtype=torch.int64, device=device)
+    positions = (seq_lens.to(device=device, dtype=torch.int64)[:, None] + offsets).reshape(-1)
+    tok: dict[str, Any] = {
+        "input_ids": input_ids.to(torch.int64),
+        "positions": positions,
+        "hidden_in": hidden_in,
+    }
+    tok.update(
+        draft_extend_topk_rows(
+            draft_input, hot_token_id, bs * num_draft_tokens, rows, logprobs_known
+        )
+    )
     return TableWrite(
         "draft_extend",
         req={
