@@ -105,6 +105,10 @@ def test_unmatched_prompts_and_bundles(base, tmp_path):
     z = make_bundle(base, tmp_path / "b.zip", BundleOptions()).path
     out = run_cli("diff", str(base), str(z))
     assert out.returncode == 0, out.stdout + out.stderr
+    # a bundle with hashed ids no longer aligns with the plain trace, and diff says why
+    r = make_bundle(base, tmp_path / "r.zip", BundleOptions(redact=("ids",), salt=b"s" * 16)).path
+    res = diff_traces(open_trace(base), open_trace(r))
+    assert res.first.stage == "prompt ids" and any("salted hashes" in n for n in res.notes)
 
 
 def test_bad_input_exits_2(tmp_path, base):

@@ -107,6 +107,7 @@ class DiffResult:
     only_b: list[str]
     first: Difference | None
     streams: list[StreamStats]
+    notes: list[str] = field(default_factory=list)
 
     @property
     def identical(self) -> bool:
@@ -131,6 +132,7 @@ class DiffResult:
             "dataflow_order": list(STAGES),
             "first_difference": self.first.to_json() if self.first else None,
             "streams": [s.to_json() for s in self.streams],
+            "notes": list(self.notes),
         }
 
 
@@ -210,7 +212,27 @@ def diff_traces(ta: Any, tb: Any, *, rank: int = 0, ulps: float = DEFAULT_ULPS) 
         only_b=[x.rid for x in only_b],
         first=first,
         streams=ordered,
+        notes=_redaction_notes(ta, tb),
     )
+
+
+def _redaction_notes(ta: Any, tb: Any) -> list[str]:
+    """Redacted bundles compare only with traces redacted the same way: say so up front."""
+    notes = []
+    for tr, side in ((ta, "A"), (tb, "B")):
+        r = ((tr.meta.get("static") or {}).get("bundle") or {}).get("redaction") or {}
+        modes = r.get("modes") or []
+        if "ids" in modes:
+            notes.append(
+                f"{side}'s token ids are salted hashes (--redact ids, salt sha256 "
+                f"{str(r.get('salt_sha256'))[:12]}...); they align only with a trace redacted with the same salt"
+            )
+        if "hidden" in modes:
+            notes.append(
+                f"{side}'s hidden states were replaced by per-slot statistics and sketches "
+                "(--redact hidden); hidden-state streams cannot be compared"
+            )
+    return notes
 
 
 def _side(tr: Any) -> dict[str, Any]:

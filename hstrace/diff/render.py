@@ -18,6 +18,7 @@ def render_text(res: DiffResult) -> str:
         ),
         f"tolerance: {res.tolerance.describe()}",
         "dataflow order: " + " -> ".join(STAGES),
+        *[f"note: {n}" for n in res.notes],
         "",
     ]
     if res.first is None:
