@@ -25,6 +25,10 @@ ColumnSpec = dict[str, dict[str, tuple[str, str, tuple[int, ...]]]]
 
 # Commit at most this often when only whole units were written (tail flushes always commit).
 COMMIT_INTERVAL_S = 0.25
+# While the writer is draining a backlog, tail flushes wait up to this many times the age
+# limit: a partial unit that keeps growing would otherwise be rewritten again and again,
+# slowing the writer further exactly when it is already behind.
+BACKLOG_AGE_FACTOR = 4.0
 
 
 class TableLog:
@@ -212,12 +216,13 @@ class RankRecorder:
         ages = [log.dirty_since for log in self._all_logs() if log.dirty_since is not None]
         return min(ages) + self.tail_flush_s if ages else None
 
-    def tick(self, now: float | None = None) -> None:
+    def tick(self, now: float | None = None, backlog: bool = False) -> None:
         """Tail-flush columns whose oldest staged row is too old; commit what became durable."""
         now = time.monotonic() if now is None else now
+        max_age = self.tail_flush_s * (BACKLOG_AGE_FACTOR if backlog else 1.0)
         flushed = False
         for log in self._all_logs():
-            if log.needs_tail_flush(now, self.tail_flush_s):
+            if log.needs_tail_flush(now, max_age):
                 flushed |= log.flush_tail()
         units = sum(log.units_written for log in self._all_logs())
         if flushed or (

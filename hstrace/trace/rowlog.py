@@ -38,6 +38,7 @@ class RowLog:
         self.dtype = np.dtype(dtype)
         row_bytes = self.dtype.itemsize * math.prod(self.row_shape)
         chunk_rows, shard_rows = unit_rows(row_bytes)
+        self.chunk_rows = chunk_rows
         self.unit = shard_rows or chunk_rows
         extra = {"shards": (shard_rows, *self.row_shape)} if shard_rows else {}
         self.arr = group.create_array(
@@ -101,13 +102,18 @@ class RowLog:
         return self.dirty_since is not None and now - self.dirty_since >= max_age_s
 
     def flush_tail(self) -> bool:
-        """Write the staged partial unit; the next whole-unit write replaces the same key."""
+        """Write the staged partial unit; the next whole-unit write replaces the same key.
+
+        In a shard, inner chunks that an earlier tail flush already wrote whole are not
+        re-encoded: the write starts at the first inner chunk that gained rows."""
         if self.dirty_since is None:
             return False
         if self.fill:
+            done = max(0, self.tail_stored - self.flushed)
+            a = done // self.chunk_rows * self.chunk_rows
             start = self.flushed
             self._ensure_capacity(start + self.fill)
-            self.arr[start : start + self.fill] = self.buf[: self.fill]
+            self.arr[start + a : start + self.fill] = self.buf[a : self.fill]
             self.tail_stored = start + self.fill
         self.dirty_since = None
         return True

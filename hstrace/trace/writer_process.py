@@ -110,7 +110,7 @@ def _loop(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
                 free_w.send(end)
             if dropped is not None:
                 rec.set_dropped(dropped)
-            rec.tick()
+            rec.tick(backlog=data_r.poll(0))
         elif kind == "static":
             rec.update_static(msg[1])
         elif kind == "error":
