@@ -72,6 +72,19 @@ class Recorder:
         w.update_static(items)
         w.flush()  # the audit must be on disk even if the server dies right after loading
 
+    def main_process_static(self, items: dict[str, Any]) -> None:
+        """Static facts found in SGLang's main process (which has no trace writer: rank 0's
+        belongs to the scheduler): a line in the launcher's status file, merged into the
+        trace's `static` when the run ends."""
+        import json
+        import os
+
+        status = self.cfg.get("status")
+        if not status:
+            return
+        with open(status, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps({"pid": os.getpid(), "static": items}, default=str) + "\n")
+
     def emit(self, writes: list[taps.TableWrite]) -> None:
         w = self.writer()
         for tw in writes:
@@ -264,6 +277,46 @@ def wrap_worker_init(original: Callable) -> Callable:
     return __init__
 
 
+def wrap_resolve_once(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def resolve_once(self):
+        # Resolution runs once, in the main process; spawned schedulers get it pickled.
+        already = getattr(self, "_resolution_finished", False)
+        result = original(self)
+        rec = REC
+        if rec is None or already or not getattr(self, "speculative_algorithm", None):
+            return result
+        try:
+            from sglang.srt.arg_groups.model_override_base import resolving_view
+
+            view = resolving_view(self)
+            names = {
+                "num_steps": "speculative_num_steps",
+                "topk": "speculative_eagle_topk",
+                "num_draft_tokens": "speculative_num_draft_tokens",
+            }
+            raw = {k: getattr(self, f) for k, f in names.items()}
+            eff = {k: getattr(view, f) for k, f in names.items()}
+            settings = audit.spec_settings(raw, eff)
+            rec.main_process_static(
+                {
+                    "spec_resolution": settings,
+                    "findings_spec_resolution": [
+                        f.to_json() for f in audit.spec_findings(settings)
+                    ],
+                }
+            )
+        except Exception as exc:  # never stop the server over an audit
+            message = f"{type(exc).__name__}: {exc}"
+            try:
+                rec.main_process_static({"tap_errors": {"spec_resolution": message}})
+            except Exception:
+                print(f"hstrace: tap spec_resolution disabled: {message}", file=sys.stderr)
+        return result
+
+    return resolve_once
+
+
 def wrap_prefill(original: Callable) -> Callable:
     @functools.wraps(original)
     def _draft_extend_for_prefill(self, *args, **kwargs):
@@ -391,6 +444,7 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "LlamaForCausalLMEagle3.load_weights": wrap_load_weights,
     "LlamaForCausalLM.set_eagle3_layers_to_capture": wrap_set_layers,
     "EAGLEWorkerV2.__init__": wrap_worker_init,
+    "ServerArgs.resolve_once": wrap_resolve_once,
     "EagleDraftWorker._draft_extend_for_prefill": wrap_prefill,
     "EAGLEWorkerV2.verify": wrap_verify,
     "EagleDraftWorker._draft_extend_for_decode": wrap_decode_extend,

@@ -31,7 +31,7 @@ def test_every_patch_point_exists_with_its_signature() -> None:
     import sglang
 
     points = patch_points_for(check_supported_version(sglang.__version__))
-    assert len(points) == 7
+    assert len(points) == 8
     for point in points:
         cls_name, attr = point.qualname.split(".")
         cls = getattr(importlib.import_module(point.module), cls_name)

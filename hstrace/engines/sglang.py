@@ -141,7 +141,7 @@ class SGLangEngine(Engine):
         if error is not None:
             result.error = f"{error}: {last_error_lines(log_text)}"
         result.ok = error is None
-        self._finish_trace(out, result)
+        self._finish_trace(out, result, status)
         return result
 
     def _wait_healthy(self, proc: subprocess.Popen, base: str, timeout_s: float) -> str | None:
@@ -222,12 +222,21 @@ class SGLangEngine(Engine):
             except ProcessLookupError:
                 pass
 
-    def _finish_trace(self, out: Path, result: RecordResult) -> None:
-        """Say in the trace how the run ended (the ranks' writers close their own groups)."""
+    def _finish_trace(self, out: Path, result: RecordResult, status: Path | None = None) -> None:
+        """Say in the trace how the run ended (the ranks' writers close their own groups), and
+        merge the static facts SGLang's main process left in the status file (it has no writer)."""
         import zarr
 
         root = zarr.open_group(str(out), mode="r+")
         meta = dict(root.attrs.get("hstrace", {}))
+        static = dict(meta.get("static") or {})
+        for line in status.read_text().splitlines() if status and status.exists() else []:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            static.update(entry.get("static") or {})
+        meta["static"] = static
         meta["record"] = {
             "ok": result.ok,
             "error": result.error,

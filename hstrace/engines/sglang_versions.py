@@ -77,6 +77,15 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         _END,
         ("static.spec",),
     ),
+    # main process: server-argument resolution (0.5.13+ keeps the user's value in the field and
+    # the adjusted one in a side stash; this also runs on CPU, unlike the worker's __init__)
+    PatchPoint(
+        "sglang.srt.server_args:ServerArgs.resolve_once",
+        ("self",),
+        _V,
+        _END,
+        ("static.spec_resolution",),
+    ),
     # per-step taps at worker boundaries (they run whether or not CUDA graphs are used)
     PatchPoint(
         f"{_W2}:EagleDraftWorker._draft_extend_for_prefill",
