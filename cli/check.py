@@ -1,4 +1,5 @@
-"""`hstrace check DRAFTER [--against TRAINING_DIR] [--json]`: load report + static findings."""
+"""`hstrace check DRAFTER [--against TRAINING_DIR [--target TARGET_DIR]] [--json]`: load report,
+static findings, and the drafter's accuracy on the training tensors."""
 
 from __future__ import annotations
 
@@ -12,22 +13,33 @@ from hstrace.findings import Finding, in_dataflow_order
 
 
 def _metrics_from_training(
-    model: Any, report: Any, path: str
+    model: Any, report: Any, path: str, target: str | None, samples: int, steps: int
 ) -> tuple[list[Finding], dict[str, Any]]:
-    from hstrace.check import training_findings
+    from hstrace.check import load_target_embedding, training_findings
+    from hstrace.metrics import TargetHead
+    from hstrace.training import open_training
 
-    try:
-        from hstrace.training import open_training
-    except ImportError:
-        return [], {"skipped": "training readers (hstrace.training) not available in this build"}
     td = open_training(path)  # TrainingDataError (one line) for a bad dir
-    if "embed_tokens.weight" in report.missing:
-        found, metrics = training_findings(model, td, max_samples=1, steps=0)
-        metrics["skipped"] = (
-            "the checkpoint carries no embedding (SpecForge/EAGLE save none); accuracy needs the target's"
+    head = None
+    if target is not None:
+        head = TargetHead.from_pretrained(target)  # CheckpointError (one line) for a bad dir
+        if "embed_tokens.weight" in report.missing:
+            emb = load_target_embedding(target)
+            if tuple(emb.shape) != tuple(model.embed_tokens.weight.shape):
+                from hstrace.errors import CheckpointError
+
+                raise CheckpointError(
+                    f"{target}: target embedding {list(emb.shape)} does not fit the drafter's {list(model.embed_tokens.weight.shape)}"
+                )
+            model.embed_tokens.weight.data.copy_(emb)
+    elif "embed_tokens.weight" in report.missing:
+        found, info = training_findings(model, td, report.dialect, max_samples=1, steps=0)
+        info["skipped"] = (
+            "accuracy needs the target's embedding, which this checkpoint does not carry "
+            f"({report.dialect} saves none): pass --target TARGET_DIR"
         )
-        return found, metrics
-    return training_findings(model, td)
+        return found, info
+    return training_findings(model, td, report.dialect, head=head, max_samples=samples, steps=steps)
 
 
 @click.command(name="check")
@@ -37,7 +49,28 @@ def _metrics_from_training(
     "against",
     type=click.Path(),
     default=None,
-    help="Training data dir to compare the stored slots and compute metrics.",
+    help="Training data dir: compare the stored slots and report the drafter's accuracy on it.",
+)
+@click.option(
+    "--target",
+    type=click.Path(),
+    default=None,
+    help="The target's HF checkpoint dir: its lm_head/norm rebuild the teacher, its embedding "
+    "feeds drafters saved without one (SpecForge, EAGLE).",
+)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Training samples to evaluate (the first N).",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1, max=16),
+    default=3,
+    show_default=True,
+    help="Draft steps K for per-position accuracy and acceptance length.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option(
@@ -54,6 +87,9 @@ def _metrics_from_training(
 def check(
     drafter: str,
     against: str | None,
+    target: str | None,
+    samples: int,
+    steps: int,
     as_json: bool,
     dialect: str | None,
     sglang_version: str | None,
@@ -65,7 +101,9 @@ def check(
     model, report = load_drafter(drafter, dialect=dialect)
     findings, metrics = static_findings(report, model)
     if against:
-        more, metrics["training"] = _metrics_from_training(model, report, against)
+        more, metrics["training"] = _metrics_from_training(
+            model, report, against, target, samples, steps
+        )
         findings += more
     if sglang_version:
         findings = [f for f in findings if applies(f, "sglang", sglang_version)]
@@ -86,29 +124,101 @@ def check(
 
 def _print_rich(report: Any, findings: list[Finding], metrics: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    con = Console(file=sys.stdout)
-    con.print(
-        f"[bold]{report.path}[/]  dialect [cyan]{report.dialect}[/] ({report.dialect_source}), weights {report.weight_file}"
-    )
-    con.print(
-        f"tensors: {len(report.key_map)} in checkpoint, {len(report.unmapped)} unmapped; parameters: {len(report.loaded)} loaded, {len(report.missing)} not loaded {report.missing or ''}"
-    )
-    flags = Table("flag", "value", "source", title="flags")
-    for name, (value, source) in report.flags.items():
-        flags.add_row(name, str(value), source)
-    con.print(flags)
+    con = Console(file=sys.stdout, highlight=False)
+    _print_header(con, report, metrics)
     if not findings:
         con.print("[green]no findings[/]")
     for f in findings:
         color = {"fault": "red", "warning": "yellow", "info": "blue"}[f.severity]
         scope = f"  [dim](applies to {f.applies_to})[/]" if f.applies_to else ""
-        con.print(f"[{color}]{f.severity}[/] [bold]{f.code}[/] [{f.stage}] {f.summary}{scope}")
-        con.print(
-            f"    evidence: {json.dumps(f.evidence, default=str)}", markup=False, highlight=False
-        )
-        con.print(f"    fix: {f.fix}", markup=False, highlight=False)
+        con.print(f"[{color}]{f.severity}[/] [bold]{f.code}[/] [{f.stage}] ", end="")
+        con.print(f.summary, markup=False, end="")
+        con.print(scope)
+        con.print(f"    evidence: {json.dumps(f.evidence, default=str)}", markup=False)
+        con.print(f"    fix: {f.fix}", markup=False)
     train = metrics.get("training")
     if train:
-        con.print(f"training: {json.dumps(train, default=str)}", markup=False, highlight=False)
+        _print_training(con, train)
+
+
+def _print_header(con: Any, report: Any, metrics: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    con.print(
+        f"[bold]{report.path}[/]  dialect [cyan]{report.dialect}[/] ({report.dialect_source}), "
+        f"weights {report.weight_file}"
+    )
+    not_loaded = ", ".join(report.missing) if report.missing else "none"
+    con.print(
+        f"tensors: {len(report.key_map)} in checkpoint, {len(report.unmapped)} unmapped; "
+        f"parameters: {len(report.loaded)} loaded, not loaded: {not_loaded}",
+        markup=False,
+    )
+    if "embed_tokens.weight" in report.missing:
+        con.print(
+            "  [dim](no embedding in the checkpoint, as SpecForge/EAGLE save it: engines use the "
+            "target's)[/]"
+        )
+    vocab = metrics.get("vocab", {})
+    if vocab:
+        mapped = "d2t present" if vocab.get("d2t_present") else "no d2t"
+        con.print(
+            f"vocab: draft {vocab.get('draft_vocab_size')} of target {vocab.get('vocab_size')}, {mapped}"
+        )
+    flags = Table("flag", "value", "source", title="flags", title_justify="left")
+    for name, (value, source) in report.flags.items():
+        flags.add_row(name, str(value), source)
+    con.print(flags)
+
+
+def _fmt(x: Any) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _print_training(con: Any, train: dict[str, Any]) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from hstrace.check import SHORT_CONVENTIONS
+
+    con.print(
+        f"[bold]training data[/] ({train.get('format')}): first {train.get('samples')} samples, "
+        f"{train.get('rows', 0)} loss-masked rows, K = {train.get('steps')} draft steps"
+    )
+    if "skipped" in train:
+        con.print(f"  metrics skipped: {escape(train['skipped'])}")
+        return
+    if "per_position" not in train:
+        return
+    con.print(f"  teacher: {escape(train['teacher'])}")
+    con.print(
+        "  rows: drafter row t sees aux[t] and token t+1, predicts token t+2; counted where "
+        "loss_mask[t+1]",
+        markup=False,
+    )
+    t = Table("metric", "value", "convention", title_justify="left", box=None, padding=(0, 2, 0, 0))
+    for name in ("acc0_teacher", "acc0_target", "acc0_data", "teacher_agrees_with_data"):
+        m = train.get(name)
+        if m:
+            value = f"{_fmt(m['value'])} ({m['correct']}/{m['total']})"
+            t.add_row(name, value, escape(SHORT_CONVENTIONS[name]))
+    pp = train["per_position"]
+    for kind in ("uncond", "full", "cond"):
+        t.add_row(
+            f"per-position {kind}",
+            " ".join(_fmt(v) for v in pp[kind]),
+            escape(SHORT_CONVENTIONS[kind]),
+        )
+    al = train["accept_len"]
+    t.add_row(
+        "accept_len (sim.)",
+        f"{al['value']:.3f}",
+        escape(SHORT_CONVENTIONS["accept_len"]),
+    )
+    con.print(t)
+    con.print(
+        f"  per-position reference: {escape(pp['reference'])}; without the bonus "
+        f"{al['value_without_bonus']:.3f}, SpecForge simulated_acc_len (no +1) "
+        f"{al['specforge_simulated_acc_len']:.3f}; full wording: --json"
+    )

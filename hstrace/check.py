@@ -12,13 +12,25 @@ embedding; the target's lm_head when `draft_vocab_size` is absent.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hstrace.drafter.checkpoint import LoadReport
 from hstrace.drafter.model import Eagle3Drafter
+from hstrace.errors import CheckpointError
 from hstrace.findings import Finding
+from hstrace.metrics import (
+    Accuracy,
+    TargetHead,
+    accuracy_draft_space,
+    accuracy_target_space,
+    per_position_accuracy,
+    reference_ids,
+    simulated_acceptance_length,
+)
+from hstrace.training.conventions import BEFORE_LAYER, OUTPUT_OF_LAYER, hf_index
 
 SGLANG_ALL = "sglang<=0.5.23"
 
@@ -340,58 +352,234 @@ def static_findings(rep: LoadReport, model: Eagle3Drafter) -> tuple[list[Finding
     return found, {"vocab": vinfo}
 
 
-def training_findings(
-    model: Eagle3Drafter, td: Any, max_samples: int = 8, steps: int = 3
-) -> tuple[list[Finding], dict[str, Any]]:
-    """Stored slots vs the config, and teacher-forced accuracy against the data's own next tokens
-    (`acc_vs_data_k`: step-k draft, mapped to target ids, == the token k+2 after the aux row,
-    over loss-masked rows; a teacher-free figure, so it states its convention)."""
-    cfg, out = model.cfg, []
-    n = min(len(td), max_samples)
-    if n == 0:
-        return [], {"samples": 0}
-    first = td[0]
+# --- `--against TRAINING_DIR`: the drafter on the training tensors --------------------------------
+
+# The dialect's own layer-id convention for `aux_layer_ids` (training-formats.md §1).
+_DIALECT_CONVENTION = {
+    "speculators": BEFORE_LAYER,
+    "specforge": OUTPUT_OF_LAYER,
+    "eagle": BEFORE_LAYER,
+}
+
+CONVENTIONS = {
+    "acc0_teacher": "step 0, draft space: argmax of the drafter vs argmax of the library's teacher "
+    "restricted to the draft vocab (teacher[..., t2d]) at position t+1; rows with loss_mask[t+1] "
+    "(speculators full_acc_0 / acc0_spec)",
+    "acc0_target": "step 0, target space: drafter argmax mapped by d2t vs the target's full-vocab "
+    "argmax at position t+1, rebuilt from the stored final state (what greedy verification "
+    "accepts; SpecForge acc_0 up to its mask shift); rows with loss_mask[t+1]",
+    "acc0_data": "step 0, target space: drafter argmax mapped by d2t vs the token stored in the "
+    "data at t+2 (needs no target; equals acc0_target only on the target's own greedy outputs); "
+    "rows with loss_mask[t+1], the last stored position excluded",
+    "teacher_agrees_with_data": "sanity: target's full-vocab argmax at t+1 == stored token t+2, "
+    "same rows; low means the stored final state is not the target's last layer",
+    "per_position": "teacher-forced over K steps (step k feeds the stored tokens, predicts the "
+    "token at t+2+k), target space vs {reference}; uncond[k] = step k alone over its rows "
+    "(SpecForge/EAGLE acc_k), full[k] = correct at every step 0..k over step-0 rows "
+    "(speculators full_acc_k = a greedy chain's per-position acceptance), cond[k] = full[k]/full[k-1]",
+    "accept_len": "simulated acceptance length of a greedy chain of K drafts = 1 + sum_k full[k]; "
+    "the bonus token IS counted (SGLang spec_accept_length / accept_len, vLLM mean acceptance "
+    "length); hstrace traces' accept_len excludes it (= value - 1); SpecForge's "
+    "simulated_acc_len is sum_k prod_j<=k uncond[j] with no +1",
+}
+
+
+# One line each, for the terminal; `CONVENTIONS` has the full wording (and goes into --json).
+SHORT_CONVENTIONS = {
+    "acc0_teacher": "step 0, draft space, vs the library's teacher within the draft vocab at t+1 "
+    "(speculators full_acc_0)",
+    "acc0_target": "step 0, target space, vs the target's full-vocab argmax at t+1 "
+    "(SpecForge acc_0; what greedy verification accepts)",
+    "acc0_data": "step 0, target space, vs the token stored at t+2 (needs no target)",
+    "teacher_agrees_with_data": "sanity: the target's argmax at t+1 == the token stored at t+2",
+    "uncond": "step k alone, teacher-forced (SpecForge/EAGLE acc_k)",
+    "full": "steps 0..k all correct (speculators full_acc_k; greedy per-position acceptance)",
+    "cond": "full[k] / full[k-1] (speculators cond_acc_k)",
+    "accept_len": "1 + sum_k full[k]: bonus token counted (SGLang accept_len); a trace's "
+    "accept_len = this - 1",
+}
+
+
+def load_target_embedding(path: str | Path) -> torch.Tensor:
+    """`model.embed_tokens.weight` of an HF target dir (SpecForge/EAGLE drafters carry none)."""
+    from safetensors import SafetensorError, safe_open
+
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+    if not files:
+        raise CheckpointError(f"{root}: not a target checkpoint dir (no *.safetensors)")
+    for f in files:
+        try:
+            with safe_open(str(f), "pt") as st:
+                if "model.embed_tokens.weight" in st.keys():
+                    return st.get_tensor("model.embed_tokens.weight").float()
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{f}: cannot read tensors ({exc})") from None
+    raise CheckpointError(f"{root}: target checkpoint lacks model.embed_tokens.weight")
+
+
+def _metric(acc: Accuracy, name: str) -> dict[str, Any]:
+    return {
+        "value": acc.value if acc.total else None,
+        "correct": acc.correct,
+        "total": acc.total,
+        "convention": CONVENTIONS[name],
+        "short": SHORT_CONVENTIONS[name],
+    }
+
+
+def _slot_findings(model: Eagle3Drafter, dialect: str, first: Any) -> list[Finding]:
+    """Stored slots vs what the drafter's fc takes: count and width, then (where the data names
+    them) the physical layers, compared as HF hidden_states indices."""
+    cfg = model.cfg
     n_slots, width = int(first.aux.shape[1]), int(first.aux.shape[2])
+    evidence = {
+        "stored_slots": n_slots,
+        "stored_width": width,
+        "fc_slots": cfg.num_aux,
+        "fc_width": cfg.aux_width,
+        "stored_layer_ids": first.slot_layer_ids,
+        "config_layer_ids": cfg.aux_layer_ids,
+        "provenance": first.provenance,
+    }
     if (n_slots, width) != (cfg.num_aux, cfg.aux_width):
-        out.append(
+        return [
             Finding(
                 "slot-layout",
                 f"training data stores {n_slots} aux slots of width {width}; the drafter's fc takes {cfg.num_aux} of width {cfg.aux_width}",
-                {
-                    "stored_slots": n_slots,
-                    "stored_width": width,
-                    "fc_slots": cfg.num_aux,
-                    "fc_width": cfg.aux_width,
-                    "stored_layer_ids": first.slot_layer_ids,
-                    "config_layer_ids": cfg.aux_layer_ids,
-                    "provenance": first.provenance,
-                },
+                evidence,
                 "Check which stored slots the trainer fed (speculators: all but the last; the last is the teacher's state).",
             )
+        ]
+    stored, conv = first.slot_layer_ids, first.provenance.get("layer_id_convention")
+    if stored is None or cfg.aux_layer_ids is None or conv is None:
+        return []
+    data_hf = [hf_index(i, conv) for i in stored]
+    drafter_hf = [hf_index(i, _DIALECT_CONVENTION[dialect]) for i in cfg.aux_layer_ids]
+    if data_hf == drafter_hf:
+        return []
+    return [
+        Finding(
+            "slot-layout",
+            f"training data stores HF hidden_states {data_hf}, the drafter's config names {drafter_hf}: one of them is not what the drafter was trained or will be served on",
+            {**evidence, "stored_hf_indices": data_hf, "config_hf_indices": drafter_hf},
+            "Use data captured at the drafter's layers, or fix eagle_aux_hidden_state_layer_ids to the layers it was trained on (mind each library's id convention).",
+            severity="warning",
         )
-        return out, {"samples": n, "format": getattr(td, "format", None)}
-    hits, total = [0] * steps, [0] * steps
+    ]
+
+
+def _data_reference(ids: torch.Tensor) -> torch.Tensor:
+    """Row t's stored next-next token ids[t+2]; -1 where the data has none."""
+    ref = torch.full_like(ids, -1)
+    if ids.shape[0] > 2:
+        ref[:-2] = ids[2:]
+    return ref
+
+
+def _padded(rows: list[torch.Tensor], fill: Any) -> torch.Tensor:
+    out = torch.full((len(rows), max(r.shape[0] for r in rows)), fill, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
+
+
+def training_findings(
+    model: Eagle3Drafter,
+    td: Any,
+    dialect: str = "speculators",
+    head: TargetHead | None = None,
+    max_samples: int = 16,
+    steps: int = 3,
+) -> tuple[list[Finding], dict[str, Any]]:
+    """Run the drafter (teacher-forced, `steps` TTT steps) on the first `max_samples` training
+    samples and report accuracy metrics, each with its convention (`CONVENTIONS`). `head` (the
+    target's final norm + lm_head) rebuilds the library's teacher from the stored final state;
+    without it only the teacher-free metrics (vs the stored tokens) are reported."""
+    n = min(len(td), max_samples)
+    info: dict[str, Any] = {"format": getattr(td, "format", None), "samples": n, "steps": steps}
+    if n == 0:
+        return [], info
+    first = td[0]
+    found = _slot_findings(model, dialect, first)
+    if any(f.severity == "fault" for f in found):
+        return found, info  # the drafter's fc cannot consume these slots
     dtype = next(model.parameters()).dtype
+    t2d = model.t2d
+    a_teacher = a_target = a_data = a_sanity = Accuracy(0, 0)
+    hits: list[list[torch.Tensor]] = [[] for _ in range(steps)]
+    masks: list[torch.Tensor] = []
+    use_teacher = head is not None and first.last is not None
     with torch.no_grad():
         for i in range(n):
             s = td[i]
-            x, mask = s.input_ids.long(), s.loss_mask.bool()
-            T = x.shape[0] - 1
-            if T < 2:
+            ids, mask = s.input_ids.long(), s.loss_mask.bool()
+            if ids.shape[0] < 3:
                 continue
-            outs = model.ttt(x[1:], s.aux_concat[:-1].to(dtype), steps=steps)
-            for k, o in enumerate(outs):
-                rows = T - 1 - k  # row t predicts x[t+2+k]
-                if rows <= 0:
-                    continue
-                pred = model.draft_to_target(o.logits[:rows].argmax(-1))
-                m = mask[2 + k : 2 + k + rows]
-                hits[k] += int(((pred == x[2 + k : 2 + k + rows]) & m).sum())
-                total[k] += int(m.sum())
-    acc = [h / t if t else None for h, t in zip(hits, total, strict=True)]
-    return out, {
-        "samples": n,
-        "format": getattr(td, "format", None),
-        "acc_vs_data": acc,
-        "acc_vs_data_convention": "teacher-forced, unconditional, target-space draft argmax vs the data's next token, loss-masked rows",
+            next_ids = torch.cat([ids[1:], ids.new_zeros(1)])  # row t: token t+1
+            outs = model.ttt(next_ids, s.aux_concat.to(dtype), steps=steps)
+            data_ref = _data_reference(ids)
+            data_mask = mask.clone()
+            data_mask[-1] = False  # position T-1 scores token T, which is not stored
+            drafted = [model.draft_to_target(o.logits.argmax(-1)) for o in outs]
+            a_data += accuracy_target_space(drafted[0], data_ref, data_mask)
+            if use_teacher:
+                assert head is not None and s.last is not None and s.last_norm is not None
+                teacher = head.teacher_logits(s.last, s.last_norm)
+                a_teacher += accuracy_draft_space(outs[0].logits.float(), teacher[..., t2d], mask)
+                a_target += accuracy_target_space(drafted[0], reference_ids(teacher, 0), mask)
+                a_sanity += accuracy_target_space(reference_ids(teacher, 0), data_ref, data_mask)
+                refs = [reference_ids(teacher, k) for k in range(steps)]
+                masks.append(mask)
+            else:
+                refs = [
+                    torch.cat([data_ref[k:], data_ref.new_full((k,), -1)]) for k in range(steps)
+                ]
+                masks.append(data_mask)
+            for k in range(steps):
+                hits[k].append(drafted[k] == refs[k])
+    if not masks:
+        return found, info
+    mask_b = _padded(masks, False)
+    pp = per_position_accuracy([_padded(h, False) for h in hits], mask_b)
+    reference = (
+        "the target's full-vocab argmax at t+1+k (rebuilt from the stored final state)"
+        if use_teacher
+        else "the stored token at t+2+k (no target given)"
+    )
+    info["rows"] = int(mask_b[:, 1:].sum())
+    info["teacher"] = (
+        f"target lm_head({'norm(last)' if first.last_norm == 'pre' else 'last'}) from the stored "
+        f"{first.last_norm}-norm final state"
+        if use_teacher
+        else "none: pass --target to rebuild the library's teacher"
+    )
+    if use_teacher:
+        info["acc0_teacher"] = _metric(a_teacher, "acc0_teacher")
+        info["acc0_target"] = _metric(a_target, "acc0_target")
+    info["acc0_data"] = _metric(a_data, "acc0_data")
+    if use_teacher:
+        info["teacher_agrees_with_data"] = _metric(a_sanity, "teacher_agrees_with_data")
+    info["per_position"] = {
+        "uncond": pp.uncond,
+        "full": pp.full,
+        "cond": pp.cond,
+        "reference": reference,
+        "convention": CONVENTIONS["per_position"].format(reference=reference),
     }
+    info["accept_len"] = {
+        "value": simulated_acceptance_length(pp.full, count_bonus=True),
+        "bonus_counted": True,
+        "value_without_bonus": simulated_acceptance_length(pp.full, count_bonus=False),
+        "specforge_simulated_acc_len": _specforge_sim_len(pp.uncond),
+        "convention": CONVENTIONS["accept_len"],
+    }
+    return found, info
+
+
+def _specforge_sim_len(uncond: list[float]) -> float:
+    total, prod = 0.0, 1.0
+    for a in uncond:
+        prod *= a
+        total += prod
+    return total
