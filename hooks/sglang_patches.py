@@ -197,6 +197,7 @@ def _audit_draft(rec: Recorder, model: Any, wa: audit.WeightsAudit) -> None:
             "draft_config": on_disk or raw,
             "draft_class": type(model).__name__,
             "aux_layers": source,
+            "aux_layer_ids": source["read_by_sglang"],
             "fc_width": audit.fc_width(fc.in_features, target_hidden, num_aux)
             if fc is not None
             else None,
@@ -265,7 +266,7 @@ def wrap_worker_init(original: Callable) -> Callable:
                 rec.spec_topk = int(self.topk)
                 rec.static(
                     {
-                        "spec": settings,
+                        "spec": {**settings["effective"], **settings},
                         "findings_spec": [f.to_json() for f in audit.spec_findings(settings)],
                         "cuda_graphs": not getattr(sa, "disable_cuda_graph", True),
                     }
@@ -300,6 +301,9 @@ def wrap_resolve_once(original: Callable) -> Callable:
             settings = audit.spec_settings(raw, eff)
             rec.main_process_static(
                 {
+                    # the contract's `spec` (effective values at the top) until the worker's own
+                    # record, taken later in the scheduler, supersedes it
+                    "spec": {**settings["effective"], **settings},
                     "spec_resolution": settings,
                     "findings_spec_resolution": [
                         f.to_json() for f in audit.spec_findings(settings)

@@ -16,5 +16,5 @@ python3 -m pytest -q "$@"
 # built once by scripts/sglang-venv.sh and reused. HSTRACE_SKIP_SGLANG=1 skips this part.
 if [[ -z "${HSTRACE_SKIP_SGLANG:-}" && $# -eq 0 ]]; then
   SGLANG_PY="$(bash scripts/sglang-venv.sh | tail -1)"
-  "$SGLANG_PY" -m pytest -q -m sglang tests/test_sglang_patch_points.py tests/test_sglang_record_cpu.py
+  "$SGLANG_PY" -m pytest -q -m sglang tests/test_sglang_*.py tests/conformance/test_engines.py
 fi

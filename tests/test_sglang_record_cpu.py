@@ -82,4 +82,9 @@ def test_record_on_cpu_writes_static_audit_before_sglang_dies(tmp_path: Path) ->
     assert static["aux_layers"]["read_by_sglang"] == [0, 1, 2]
     assert static["fc_width"]["match"] is True
     assert "model.safetensors" in static["checkpoint_sha256"]
+    # the main process resolved the server args: raw 8, effective num_steps + 1 = 4 (topk 1)
+    assert static["spec_resolution"]["adjusted"] == {
+        "num_draft_tokens": {"user": 8, "effective": 4}
+    }
+    assert static["findings_spec_resolution"][0]["code"] == "spec-params-adjusted"
     assert tr.meta["record"]["ok"] is False

@@ -99,7 +99,11 @@ class SGLangEngine(Engine):
             out,
             engine={"name": "sglang", "version": version},
             command_line=argv,
-            static={"sglang_version": version, "server_cmd": self.config.server_cmd},
+            static={
+                "engine_version": version,
+                "sglang_version": version,
+                "server_cmd": self.config.server_cmd,
+            },
         )
         work = Path(tempfile.mkdtemp(prefix="hstrace-record-"))
         write_sitecustomize(str(work))
@@ -235,7 +239,8 @@ class SGLangEngine(Engine):
                 entry = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            static.update(entry.get("static") or {})
+            for key, value in (entry.get("static") or {}).items():
+                static.setdefault(key, value)  # what the scheduler recorded itself comes first
         meta["static"] = static
         meta["record"] = {
             "ok": result.ok,
