@@ -90,6 +90,8 @@ class RecordResult:
     error: str | None = None
     # The engine's own per-request statistics (SGLang: meta_info spec_* fields), as a cross-check.
     request_metrics: list[dict[str, Any]] = field(default_factory=list)
+    # Wall seconds of the prompt-sending phase only (no startup): bench/ compares tokens/s.
+    send_wall_s: float | None = None
 
 
 class Engine(ABC):

@@ -106,16 +106,24 @@ class SGLangEngine(Engine):
             },
         )
         work = Path(tempfile.mkdtemp(prefix="hstrace-record-"))
-        write_sitecustomize(str(work))
         status = work / "status.jsonl"
         env = dict(os.environ)
-        env[ENV] = json.dumps(
-            {
-                "out": str(Path(out).resolve()),
-                "streams": sorted(options.streams),
-                "on_full": options.on_full,
-                "status": str(status),
-            }
+        # extra["baseline"]: the same launch and client without hooks (bench/gpu_e2e.sh's
+        # side-by-side overhead measurement); the trace then holds only the run outcome.
+        baseline = bool(self.config.extra.get("baseline"))
+        if not baseline:
+            write_sitecustomize(str(work))
+        env[ENV] = (
+            ""
+            if baseline
+            else json.dumps(
+                {
+                    "out": str(Path(out).resolve()),
+                    "streams": sorted(options.streams),
+                    "on_full": options.on_full,
+                    "status": str(status),
+                }
+            )
         )
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(work), env.get("PYTHONPATH", "")) if p)
         log_path = work / "server.log"
@@ -136,7 +144,9 @@ class SGLangEngine(Engine):
             try:
                 error = self._wait_healthy(proc, base, options.startup_timeout_s)
                 if error is None:
+                    started = time.perf_counter()
                     error = self._send(proc, base, prompts, options, result)
+                    result.send_wall_s = time.perf_counter() - started
             finally:
                 self._shutdown(proc)
         log_text = log_path.read_text(errors="replace")
@@ -248,5 +258,7 @@ class SGLangEngine(Engine):
             "prompts_sent": result.prompts_sent,
             "prompts_completed": result.prompts_completed,
             "request_metrics": result.request_metrics,
+            "send_wall_s": result.send_wall_s,
+            "hooks": not self.config.extra.get("baseline"),
         }
         root.attrs["hstrace"] = meta
