@@ -148,6 +148,7 @@ class TraceWriter:
         _check_shm_room(self._ring_bytes)
         self._shm = SharedMemory(create=True, size=self._ring_bytes)
         self._ring = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
+        self._ring_np = np.frombuffer(self._shm.buf, dtype=np.uint8)
         self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
         # FIFO byte ring: bytes [tail, head) (monotonic counters) are in flight to the writer,
         # which hands back the counter of each part it has consumed.
@@ -302,17 +303,15 @@ class TraceWriter:
             for axis, col, offset, r0, r1 in layout:
                 src = cols[axis][col][r0:r1]
                 nbytes = src.numel() * src.element_size()
-                dst = (
-                    self._ring[base + offset : base + offset + nbytes]
-                    .view(src.dtype)
-                    .view(src.shape)
-                )
+                lo, hi = base + offset, base + offset + nbytes
                 if src.is_cuda:
                     cuda = True
                     self._pin()
-                    dst.copy_(src, non_blocking=True)
-                else:
-                    dst.copy_(src)
+                    self._ring[lo:hi].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+                elif nbytes:
+                    # A plain single-threaded memcpy: torch's copy_ fans out to its intra-op
+                    # threads, which on a busy host stalls the serving thread for tens of ms.
+                    self._ring_np[lo:hi] = _bytes_of(src)
                 msg_layout.append((axis, col, offset, r1 - r0))
             last = i == len(parts) - 1
             msg = (
@@ -428,7 +427,7 @@ class TraceWriter:
         except subprocess.TimeoutExpired:
             self._proc.kill()  # only after close or a failed start: nothing left to save
             self._proc.wait()
-        del self._ring
+        del self._ring, self._ring_np
         self._shm.close()
         self._shm.unlink()
 
@@ -462,6 +461,11 @@ def _pack(
             r += k
     parts.append((cur, used))
     return parts
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as a flat uint8 numpy view (a copy only if it is not contiguous)."""
+    return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
 def _check_shm_room(n: int) -> None:
