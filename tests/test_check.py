@@ -4,6 +4,7 @@ bad input exits 2 with one line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,9 +198,107 @@ def test_against_training_data(tmp_path, capsys):
     _specforge_data(tmp_path / "ok", width=32)
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--against", str(tmp_path / "ok"))
     train = doc["metrics"]["training"]
-    assert rc == 0 and train["format"] == "specforge" and len(train["acc_vs_data"]) == 3
-    assert all(0.0 <= a <= 1.0 for a in train["acc_vs_data"])
+    assert rc == 0 and train["format"] == "specforge" and train["steps"] == 3
+    assert "acc0_teacher" not in train and "--target" in train["teacher"]  # no target given
+    acc0, pp, al = train["acc0_data"], train["per_position"], train["accept_len"]
+    assert acc0["total"] == 2 * (10 - 2) and acc0["convention"] and "t+2" in acc0["convention"]
+    assert len(pp["uncond"]) == len(pp["full"]) == 3 and "stored token" in pp["reference"]
+    # without a target the chain is scored against the stored tokens: step 0 is acc0_data
+    assert pp["full"][0] == pytest.approx(acc0["value"]) == pytest.approx(pp["uncond"][0])
+    assert all(b <= a + 1e-12 for a, b in zip(pp["full"], pp["full"][1:], strict=False))
+    assert al["bonus_counted"] is True and "bonus" in al["convention"]
+    assert al["value"] == pytest.approx(1 + sum(pp["full"]))
+    assert al["value_without_bonus"] == pytest.approx(al["value"] - 1)
     _specforge_data(tmp_path / "wide", width=40)
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--against", str(tmp_path / "wide"))
     assert rc == 1 and codes(doc) == ["slot-layout"]
     assert doc["findings"][0]["evidence"]["stored_width"] == 40
+
+
+def test_against_without_embedding_says_how(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(_model(), ck, dialect="specforge")  # SpecForge saves no embedding
+    _specforge_data(tmp_path / "ok", width=32)
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--against", str(tmp_path / "ok"))
+    assert rc == 0 and "--target" in doc["metrics"]["training"]["skipped"]
+    rc, out, _ = run_check(capsys, str(ck), "--against", str(tmp_path / "ok"))
+    assert rc == 0 and "metrics skipped" in out and "--target" in out
+
+
+def test_against_bad_target_exits_2(tmp_path, capsys):
+    ck = tmp_path / "ck"
+    save_drafter(_model(), ck, dialect="specforge")
+    _specforge_data(tmp_path / "ok", width=32)
+    (tmp_path / "tgt").mkdir()
+    rc, _, err = run_check(
+        capsys, str(ck), "--against", str(tmp_path / "ok"), "--target", str(tmp_path / "tgt")
+    )
+    assert rc == 2 and err.startswith("hstrace: error: ") and err.count("\n") == 1
+
+
+WORLD = Path(__file__).resolve().parents[1] / "traces" / "tiny-world"
+
+
+def _world_check(capsys, dialect: str, fmt: str, *extra: str):
+    return run_check(
+        capsys,
+        str(WORLD / f"drafter-{dialect}"),
+        "--against",
+        str(WORLD / f"training-{fmt}"),
+        "--target",
+        str(WORLD / "target"),
+        "--sglang-version",
+        "0.5.23",
+        *extra,
+    )
+
+
+@pytest.mark.slow
+def test_tiny_world_dialects_and_formats_agree(capsys):
+    if not (WORLD / "MANIFEST.json").is_file():
+        pytest.skip("the tiny world is not built (python traces/tiny-world/build.py)")
+    acc: dict[tuple[str, str], dict] = {}
+    for dialect in ("speculators", "specforge"):
+        for fmt in ("speculators", "speculators-legacy", "specforge"):
+            rc, doc, _ = _world_check(capsys, dialect, fmt, "--json")
+            train = doc["metrics"]["training"]
+            assert rc == 0 and train["format"] == fmt, (dialect, fmt, doc["findings"])
+            acc[dialect, fmt] = train
+            for name in ("acc0_teacher", "acc0_target", "acc0_data"):
+                assert train[name]["value"] >= 0.6, (dialect, fmt, name, train[name])
+            if fmt == "speculators-legacy":  # its datagen stores the outputs of layers 2,4,5
+                f = [f for f in doc["findings"] if f["code"] == "slot-layout"]
+                assert f and f[0]["evidence"]["stored_hf_indices"] == [3, 5, 6]
+                assert f[0]["evidence"]["config_hf_indices"] == [2, 4, 5]
+            else:
+                assert doc["findings"] == [], (dialect, fmt)
+    # the same physical slots (HF 2,4,5) in two formats, the same bf16 weights in two dialects:
+    # identical step-0 accuracy, up to the formats' own storage precision (both bf16 here)
+    same = [
+        acc[d, f]["acc0_teacher"]["value"]
+        for d in ("speculators", "specforge")
+        for f in ("speculators", "specforge")
+    ]
+    assert max(same) - min(same) <= 0.01, same
+    same_t = [
+        acc[d, f]["acc0_target"]["value"]
+        for d in ("speculators", "specforge")
+        for f in ("speculators", "specforge")
+    ]
+    assert max(same_t) - min(same_t) <= 0.01, same_t
+    # the dialects load the same drafter: exactly the same numbers on the same data
+    for f in ("speculators", "speculators-legacy", "specforge"):
+        assert acc["speculators", f]["per_position"] == acc["specforge", f]["per_position"]
+
+
+@pytest.mark.slow
+def test_tiny_world_rich_output_reads(capsys, monkeypatch):
+    if not (WORLD / "MANIFEST.json").is_file():
+        pytest.skip("the tiny world is not built (python traces/tiny-world/build.py)")
+    monkeypatch.setenv("COLUMNS", "240")  # one line per row, so the text can be matched
+    rc, out, _ = _world_check(capsys, "specforge", "specforge")
+    assert rc == 0 and "no findings" in out
+    for text in ("acc0_teacher", "acc0_target", "acc0_data", "per-position full", "accept_len"):
+        assert text in out
+    assert "bonus token counted" in out and "speculators full_acc_0" in out
+    assert "loss_mask[t+1]" in out  # brackets survive rich markup
