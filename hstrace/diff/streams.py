@@ -104,7 +104,7 @@ def request_lives(trace: Any, rank: int) -> dict[int, RequestLife]:
             if name == "target" and "mode" in step[STEP_AXIS]:
                 kind = (
                     "target:prefill"
-                    if int(np.asarray(step[STEP_AXIS]["mode"])[0]) == 0
+                    if int(np.asarray(step[STEP_AXIS]["mode"]).reshape(-1)[0]) == 0
                     else "target:verify"
                 )
             for i, k in enumerate(keys.tolist()):
