@@ -15,7 +15,6 @@ import torch
 
 from hstrace.engines.sglang_audit import spec_findings
 from hstrace.findings import CODES, Finding
-from hstrace.replay.compare import AGREE_TOP1
 from hstrace.replay.step0 import Step0Input
 from hstrace.replay.whatif import WhatIf, reproducing, search
 
@@ -63,8 +62,8 @@ def static_load_findings(ctx) -> list[Finding]:
 
 
 # -- the what-if search ----------------------------------------------------------------------
-def _argmax(ctx, model: torch.nn.Module, items: list[Step0Input]) -> torch.Tensor:
-    return ctx.run_drafter(model, items).argmax(-1)
+def _logits(ctx, model: torch.nn.Module, items: list[Step0Input]) -> torch.Tensor:
+    return ctx.run_drafter(model, items)
 
 
 def _no_fc(ctx) -> torch.nn.Module:
@@ -124,7 +123,7 @@ def whatif_list(ctx) -> list[WhatIf]:
                 f"the engine behaves as if {flag}={not trained}; the drafter was trained with "
                 f'{flag}={trained}: set "{key}": {str(trained).lower()} in the draft config.json '
                 "and serve with an engine version that reads it",
-                lambda flag=flag, trained=trained: _argmax(
+                lambda flag=flag, trained=trained: _logits(
                     ctx, ctx.variant(**{flag: not trained}), items
                 ),
             )
@@ -137,7 +136,7 @@ def whatif_list(ctx) -> list[WhatIf]:
                 "rope-mismatch",
                 f"the engine uses rope_theta={theta:g}; the drafter was trained with "
                 f'{cfg.rope_theta:g}: set "rope_theta": {cfg.rope_theta:g} in the draft config.json',
-                lambda theta=theta: _argmax(ctx, ctx.variant(rope_theta=theta), items),
+                lambda theta=theta: _logits(ctx, ctx.variant(rope_theta=theta), items),
             )
         longest = max(len(it.input_ids) for it in items)
         windows: list[int | None] = [None] if cfg.sliding_window is not None else []
@@ -158,7 +157,7 @@ def whatif_list(ctx) -> list[WhatIf]:
                 f"the engine's drafter uses {served}; it was trained with {trained}: set "
                 f'"sliding_window" ({cfg.sliding_window}) and "layer_types" in the draft config '
                 "so the engine attends like training",
-                lambda window=window: _argmax(ctx, ctx.variant(sliding_window=window), items),
+                lambda window=window: _logits(ctx, ctx.variant(sliding_window=window), items),
             )
         if (
             ctx.target is not None
@@ -171,7 +170,7 @@ def whatif_list(ctx) -> list[WhatIf]:
                     "the engine replaces the drafter's trained embed_tokens with the target's "
                     "(SGLang set_embed); serve with an engine that loads the draft embedding, or "
                     "train with the target's embedding frozen (embed_requires_grad: false)",
-                    lambda: _argmax(ctx, _with_target_embedding(ctx), items),
+                    lambda: _logits(ctx, _with_target_embedding(ctx), items),
                 )
         for shift in (-1, 1):
             add(
@@ -179,7 +178,7 @@ def whatif_list(ctx) -> list[WhatIf]:
                 "token-shift",
                 f"the engine pairs aux row t with token t{1 + shift:+d} instead of t+1: feed the "
                 "token that follows each aux row (EAGLE-3 pairing)",
-                lambda shift=shift: _argmax(ctx, ctx.drafter, _shifted_tokens(ctx, shift)),
+                lambda shift=shift: _logits(ctx, ctx.drafter, _shifted_tokens(ctx, shift)),
             )
         for shift in (-1, 1):
             add(
@@ -187,7 +186,7 @@ def whatif_list(ctx) -> list[WhatIf]:
                 "aux-layer-shift",
                 f"the engine fed aux layers shifted by {shift:+d} from training: fix the layer-id "
                 "convention (SGLang adds +1 to explicit ids)",
-                lambda shift=shift: _argmax(ctx, ctx.drafter, _shifted_layers(ctx, shift)),
+                lambda shift=shift: _logits(ctx, ctx.drafter, _shifted_layers(ctx, shift)),
             )
     else:
         widths = {int(it.aux.shape[-1]) for it in items}
@@ -197,7 +196,7 @@ def whatif_list(ctx) -> list[WhatIf]:
                 "fc-skipped",
                 "the drafter got one H-wide state and skipped fc: serve with "
                 "--speculative-algorithm EAGLE3 so the target delivers the aux concat",
-                lambda: _argmax(ctx, _no_fc(ctx), items),
+                lambda: _logits(ctx, _no_fc(ctx), items),
             )
     return found
 
@@ -206,12 +205,17 @@ def whatif_findings(ctx) -> list[Finding]:
     if ctx.drafter is None or ctx.engine_rows is None:
         return []
     base = ctx.agreement
-    if base is not None and base.top1 >= AGREE_TOP1:
-        ctx.metrics["whatif"] = {"ran": False, "reason": "engine agrees with the reference"}
+    if base is not None and base.agrees and base.within_noise:
+        ctx.metrics["whatif"] = {
+            "ran": False,
+            "reason": "engine matches the reference within the fp32-judged tolerance",
+        }
         return []
     baseline = base.top1 if base is not None else 0.0
-    results = search(whatif_list(ctx), ctx.engine_top1)
-    best = reproducing(results, baseline)
+    rows = ctx.engine_rows
+    results = search(whatif_list(ctx), rows.topk_draft_ids.long(), rows.topk_logprobs)
+    tolerance = base.tolerance if base is not None else _tolerance_without_baseline(ctx)
+    best = reproducing(results, baseline, tolerance)
     ctx.metrics["whatif"] = {
         "ran": True,
         "baseline_top1": round(baseline, 6),
@@ -222,6 +226,9 @@ def whatif_findings(ctx) -> list[Finding]:
         return []
     evidence: dict[str, Any] = {
         "what_if": best.name,
+        "max_logprob_diff_with_it": round(best.max_logprob_diff, 6),
+        "max_logprob_diff_without_it": round(base.max_logprob_diff, 6) if base else None,
+        "tolerance": round(tolerance, 6) if tolerance is not None else None,
         "agreement_with_engine": round(best.agreement, 4),
         "reference_agreement_without_it": round(baseline, 4),
         "runner_up": results[1].to_json() if len(results) > 1 else None,
@@ -237,6 +244,28 @@ def whatif_findings(ctx) -> list[Finding]:
             fix=best.fix,
         )
     ]
+
+
+def _tolerance_without_baseline(ctx) -> float | None:
+    """When the reference cannot run on the recorded inputs at all (fc skipped), the noise
+    floor comes from the reference on the training-side inputs (same drafter, same dtypes)."""
+    ts = ctx.training_step0
+    if ts is None:
+        return None
+    from hstrace.replay.compare import NOISE_MULTIPLE, gathered_logprobs
+
+    items = [
+        Step0Input(
+            torch.as_tensor(a.sample.input_ids[1 : n + 1]).long(),
+            a.sample.aux_concat[:n],
+            torch.arange(n),
+        )
+        for a, n in ts["rows"]
+    ]
+    low = ctx.run_drafter(ctx.bf16_drafter, items, dtype=torch.bfloat16)
+    ids = ts["logits"].topk(8, dim=-1).indices
+    noise = float((gathered_logprobs(low, ids) - gathered_logprobs(ts["logits"], ids)).abs().max())
+    return NOISE_MULTIPLE * noise + 1e-4
 
 
 def _agreement_by_distance(ctx) -> dict[str, Any]:

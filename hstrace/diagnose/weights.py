@@ -8,7 +8,6 @@ reference and no single what-if explains it (random or uninitialised weights loo
 from __future__ import annotations
 
 from hstrace.findings import Finding
-from hstrace.replay.compare import AGREE_TOP1
 
 FIX = (
     "rename the checkpoint keys to the names the engine maps (SGLang: fc.*, midlayer.* or "
@@ -45,7 +44,7 @@ def weights_dropped(ctx) -> list[Finding]:
     whatif = ctx.metrics.get("whatif") or {}
     if (
         agreement is not None
-        and agreement.top1 < AGREE_TOP1
+        and not (agreement.agrees and agreement.within_noise)
         and whatif.get("ran")
         and not whatif.get("reproduced_by")
     ):

@@ -2,8 +2,9 @@
 
 Each what-if is one hypothesis about the engine (a norm flag read the other way, `d2t` read as
 a direct table, aux layers shifted by one, tokens shifted by one, ...), expressed as a function
-that re-runs the reference under that hypothesis and returns the ids it would have produced on
-the recorded rows. The one that reproduces the engine's ids names the fault.
+that re-runs the reference under that hypothesis and returns its draft logits on the recorded
+rows. The one whose log-probs match the engine's within the fp32-judged tolerance names the
+fault. The one that reproduces the engine's ids names the fault.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hstrace.replay.compare import AGREE_TOP1, WHATIF_MARGIN, agreement
+from hstrace.replay.compare import AGREE_TOP1, WHATIF_MARGIN, agreement, gathered_logprobs
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class WhatIf:
     name: str  # e.g. "norm_before_residual=False"
     code: str  # the finding code it would confirm
     fix: str
-    run: Callable[[], torch.Tensor]  # ids under the hypothesis, same rows as the engine's
+    run: Callable[[], torch.Tensor]  # draft logits [R, Vd] under the hypothesis, same rows
 
 
 @dataclass(frozen=True)
@@ -29,32 +30,58 @@ class WhatIfResult:
     name: str
     code: str
     fix: str
-    agreement: float
+    agreement: float  # top-1 agreement with the engine
+    max_logprob_diff: float  # at the engine's top-k ids (NaN when it recorded no log-probs)
 
     def to_json(self) -> dict[str, object]:
-        return {"name": self.name, "code": self.code, "agreement": round(self.agreement, 6)}
+        return {
+            "name": self.name,
+            "code": self.code,
+            "agreement": round(self.agreement, 6),
+            "max_logprob_diff": round(self.max_logprob_diff, 6),
+        }
 
 
-def search(whatifs: Sequence[WhatIf], engine_ids: torch.Tensor) -> list[WhatIfResult]:
-    """Every hypothesis scored by argmax agreement with the engine, best first."""
+def search(
+    whatifs: Sequence[WhatIf],
+    engine_ids: torch.Tensor,
+    engine_logprobs: torch.Tensor | None = None,
+) -> list[WhatIfResult]:
+    """Every hypothesis scored against the engine's recorded top-k, best first (smallest
+    log-prob difference, then highest argmax agreement)."""
     results = []
     for w in whatifs:
         try:
-            ids = w.run()
+            logits = w.run()
         except (ValueError, RuntimeError, IndexError):
-            # A hypothesis that cannot even run on this drafter (e.g. no input_norm weight to
-            # apply) cannot be what the engine did.
+            # A hypothesis that cannot even run on this drafter (e.g. mutually exclusive
+            # flags) cannot be what the engine did.
             continue
-        results.append(WhatIfResult(w.name, w.code, w.fix, agreement(ids, engine_ids)))
-    return sorted(results, key=lambda r: -r.agreement)
+        top1 = agreement(logits.argmax(-1), engine_ids[:, 0])
+        diff = float("nan")
+        if engine_logprobs is not None:
+            ref = gathered_logprobs(logits, engine_ids)
+            diff = float((engine_logprobs.float() - ref).abs().max())
+        results.append(WhatIfResult(w.name, w.code, w.fix, top1, diff))
+    return sorted(
+        results,
+        key=lambda r: (
+            r.max_logprob_diff if r.max_logprob_diff == r.max_logprob_diff else 1e9,
+            -r.agreement,
+        ),
+    )
 
 
-def reproducing(results: Sequence[WhatIfResult], baseline: float) -> WhatIfResult | None:
-    """The best hypothesis if it reproduces the engine and clearly beats the plain reference."""
-    if (
-        results
-        and results[0].agreement >= AGREE_TOP1
-        and results[0].agreement >= baseline + WHATIF_MARGIN
-    ):
-        return results[0]
+def reproducing(
+    results: Sequence[WhatIfResult], baseline: float, tolerance: float | None
+) -> WhatIfResult | None:
+    """The best hypothesis if it reproduces the engine: its log-probs within the fp32-judged
+    tolerance (when the engine recorded log-probs), else a clear argmax win."""
+    if not results:
+        return None
+    best = results[0]
+    if tolerance is not None and best.max_logprob_diff == best.max_logprob_diff:
+        return best if best.max_logprob_diff <= tolerance and best.agreement >= AGREE_TOP1 else None
+    if best.agreement >= AGREE_TOP1 and best.agreement >= baseline + WHATIF_MARGIN:
+        return best
     return None
