@@ -128,7 +128,7 @@ def _print_rich(report: Any, findings: list[Finding], metrics: dict[str, Any]) -
     con = Console(file=sys.stdout, highlight=False)
     _print_header(con, report, metrics)
     if not findings:
-        con.print("[green]no findings[/]")
+        con.print("[green]no findings[/] (static checks: weights, flags, vocab map, aux slots)")
     for f in findings:
         color = {"fault": "red", "warning": "yellow", "info": "blue"}[f.severity]
         scope = f"  [dim](applies to {f.applies_to})[/]" if f.applies_to else ""
@@ -140,6 +140,8 @@ def _print_rich(report: Any, findings: list[Finding], metrics: dict[str, Any]) -
     train = metrics.get("training")
     if train:
         _print_training(con, train)
+    else:
+        con.print("[dim]accuracy on training data: --against TRAINING_DIR --target TARGET_DIR[/]")
 
 
 def _print_header(con: Any, report: Any, metrics: dict[str, Any]) -> None:
@@ -166,10 +168,32 @@ def _print_header(con: Any, report: Any, metrics: dict[str, Any]) -> None:
         con.print(
             f"vocab: draft {vocab.get('draft_vocab_size')} of target {vocab.get('vocab_size')}, {mapped}"
         )
-    flags = Table("flag", "value", "source", title="flags", title_justify="left")
+    ids = report.flags.get("aux_layer_ids", (None, ""))[0]
+    if ids:
+        from hstrace.check import DIALECT_CONVENTION
+        from hstrace.training.conventions import hf_index
+
+        conv = DIALECT_CONVENTION[report.dialect]
+        con.print(
+            f"aux layers: ids {ids} ({conv.replace('_', ' ')} k, the {report.dialect} convention) "
+            f"= HF hidden_states {[hf_index(int(i), conv) for i in ids]}",
+            markup=False,
+        )
+    flags = Table("flag", "value", "source", "meaning", title="flags", title_justify="left")
     for name, (value, source) in report.flags.items():
-        flags.add_row(name, str(value), source)
+        flags.add_row(name, str(value), source, _FLAG_MEANING.get(name, ""))
     con.print(flags)
+
+
+# What the flags hstrace names for their effect mean in the libraries' own words.
+_FLAG_MEANING = {
+    "logits_use_norm": "norm before lm_head (SpecForge norm_output)",
+    "feed_normed": "next step gets norm(h) (speculators/vLLM norm_output)",
+    "norm_before_residual": "residual = hidden_norm(h) (speculators)",
+    "norm_before_fc": "one norm over the aux concat (input_norm)",
+    "fc_norm": "one norm per aux slot before fc",
+    "qk_norm": "per-head q/k norm (qwen3 draft)",
+}
 
 
 def _fmt(x: Any) -> str:

@@ -355,7 +355,7 @@ def static_findings(rep: LoadReport, model: Eagle3Drafter) -> tuple[list[Finding
 # --- `--against TRAINING_DIR`: the drafter on the training tensors --------------------------------
 
 # The dialect's own layer-id convention for `aux_layer_ids` (training-formats.md §1).
-_DIALECT_CONVENTION = {
+DIALECT_CONVENTION = {
     "speculators": BEFORE_LAYER,
     "specforge": OUTPUT_OF_LAYER,
     "eagle": BEFORE_LAYER,
@@ -455,7 +455,7 @@ def _slot_findings(model: Eagle3Drafter, dialect: str, first: Any) -> list[Findi
     if stored is None or cfg.aux_layer_ids is None or conv is None:
         return []
     data_hf = [hf_index(i, conv) for i in stored]
-    drafter_hf = [hf_index(i, _DIALECT_CONVENTION[dialect]) for i in cfg.aux_layer_ids]
+    drafter_hf = [hf_index(i, DIALECT_CONVENTION[dialect]) for i in cfg.aux_layer_ids]
     if data_hf == drafter_hf:
         return []
     return [
