@@ -84,6 +84,19 @@ def test_bundle_embeds_the_real_verdict_and_reproduces(world, runs, tmp_path):
         cwd=tmp_path,
     )
     assert again.returncode == 1 and json.loads(again.stdout)["verdict"]["code"] == verdict
+    # hidden states redacted: the verdict comes from the same steps before redaction, and says so
+    red = run_cli(
+        "bundle", str(swapped), "-o", str(tmp_path / "red.zip"), "--redact", "hidden", *args
+    )
+    assert red.returncode == 0, red.stderr
+    info = bundle_info(tmp_path / "red.zip")
+    assert (
+        info["manifest"]["replay"]["verdict"]["code"] == verdict
+        and "before redaction" in info["report"]
+    )
+    # hashed ids cannot be replayed (and the evidence could quote clear ids): refused up front
+    ids = run_cli("bundle", str(swapped), "-o", str(tmp_path / "ids.zip"), "--redact", "ids", *args)
+    assert ids.returncode == 2 and "--redact ids cannot be combined with --against" in ids.stderr
     ok = run_cli("bundle", str(clean), "-o", str(tmp_path / "ok.zip"), *args)
     assert (
         ok.returncode == 0

@@ -174,6 +174,13 @@ def make_bundle(
         raise HstraceError(f"{out.parent}: output directory does not exist")
     trace = open_checked(trace_path)
     how = Redaction(ids="ids" in opts.redact, hidden="hidden" in opts.redact)
+    if how.ids and opts.against:
+        # The drafter cannot embed hashed ids, and a verdict computed on the clear ids could
+        # quote them in its evidence: the two do not go together.
+        raise HstraceError(
+            "--redact ids cannot be combined with --against: replay needs the clear token ids and "
+            "its evidence may quote them; bundle without --against, or drop --redact ids"
+        )
     salt_written = None
     if how.ids:
         if opts.salt is None:
@@ -347,7 +354,20 @@ def _build_once(
     )
     redaction_info = {**redaction_info, "dropped_columns": stats.dropped_columns}
     reproduce = reproduce_line(out, opts)
-    report_md, report_kind, replay_json = write_report(store, opts, how, reproduce)
+    replay_store = store
+    if opts.against and how.modes:
+        # Redacted hidden states cannot be replayed; the verdict is computed on the same subset
+        # before redaction (its evidence is numbers: cosines, norms, rates), and REPORT.md says so.
+        replay_store = work / "clear.zarr"
+        write_subset(
+            trace,
+            replay_store,
+            chosen,
+            Redaction(),
+            extra_static={},
+            column_attrs=_column_attrs_reader(trace),
+        )
+    report_md, report_kind, replay_json = write_report(replay_store, opts, how, reproduce)
     extras = {
         f"{mf.BUNDLE_DIR}/zarr.json": _GROUP_JSON.encode(),
         mf.REPORT: report_md.encode(),

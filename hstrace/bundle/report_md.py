@@ -37,20 +37,23 @@ def write_report(
 
     redaction_note = ""
     if how.modes:
-        redaction_note = (
-            f"\n> Redacted: {', '.join(how.modes)}."
-            + (
-                " Token ids are salted hashes (alignment works with the same salt)."
-                if how.ids
-                else ""
+        redaction_note = f"\n> Redacted: {', '.join(how.modes)}."
+        if how.ids:
+            redaction_note += (
+                " Token ids are salted hashes: they align with training data hashed with the same"
+                " salt (hstrace.bundle.redact.hash_token_ids); the drafter cannot run on them."
             )
-            + (
-                " Hidden states were replaced by per-slot statistics and sketches; checks that need them cannot run."
-                if how.hidden
-                else ""
+        if how.hidden:
+            redaction_note += (
+                " Hidden states were replaced by per-slot statistics and 32-d sketches; checks that"
+                " need the states cannot run on this zip."
             )
-            + "\n"
-        )
+            if opts.against:
+                redaction_note += (
+                    " The verdict above was computed on the same steps before redaction, so"
+                    " replaying this zip reproduces only the checks that do not need hidden states."
+                )
+        redaction_note += "\n"
     if opts.against:
         from hstrace.report import render_markdown
 
