@@ -21,6 +21,7 @@ Check = Callable[..., list[Finding]]
 CHECKS: tuple[Check, ...] = (
     config.spec_params,
     config.static_load_findings,
+    config.checkpoint_findings,
     config.whatif_findings,
     weights.weights_dropped,
     vocab.vocab_mapping,

@@ -61,6 +61,22 @@ def static_load_findings(ctx) -> list[Finding]:
     return out
 
 
+def checkpoint_findings(ctx) -> list[Finding]:
+    """`hstrace check`'s static checks on the drafter checkpoint (reused, not rewritten), kept
+    when they apply to the engine and version that recorded the trace."""
+    if ctx.drafter is None or ctx.load_report is None:
+        return []
+    from hstrace.check import applies, static_findings
+
+    engine = ctx.serving.meta.get("engine") or {}
+    name, version = str(engine.get("name", "")), str(engine.get("version", ""))
+    found, _ = static_findings(ctx.load_report, ctx.drafter)
+    kept = [f for f in found if applies(f, name, version)]
+    for f in kept:
+        f.evidence.setdefault("source", "hstrace check (static, on the checkpoint)")
+    return kept
+
+
 # -- the what-if search ----------------------------------------------------------------------
 def _logits(ctx, model: torch.nn.Module, items: list[Step0Input]) -> torch.Tensor:
     return ctx.run_drafter(model, items)
