@@ -48,55 +48,77 @@ def _storage(t: torch.Tensor) -> tuple[str, str]:
     return name, name
 
 
-def _as_tensor(value: Any, where: str) -> torch.Tensor:
+def _as_rows(value: Any, where: str) -> tuple[Any, str | None]:
+    """(CPU numpy array or CUDA tensor, logical dtype if it differs from the storage dtype).
+
+    CPU data becomes a numpy view right away: numpy's copies are single-threaded memcpys,
+    while torch's fan out to intra-op threads (tens of ms of stalls on a busy host)."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        t = value.detach()
+        if t.is_cuda:
+            return t, ("bfloat16" if t.dtype == torch.bfloat16 else None)
+        if t.dtype == torch.bfloat16:
+            return _contiguous(t.view(torch.uint16).numpy()), "bfloat16"
+        return _contiguous(t.numpy()), None
     try:
-        if isinstance(value, np.ndarray):
-            return torch.from_numpy(np.ascontiguousarray(value))
-        return torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError) as exc:
+        return _contiguous(np.asarray(value)), None
+    except (TypeError, ValueError) as exc:
         raise TraceError(
-            f"{where}: cannot convert {type(value).__name__} to a tensor ({exc})"
+            f"{where}: cannot convert {type(value).__name__} to an array ({exc})"
         ) from exc
 
 
-def normalise(table: str, axes: dict[str, dict[str, Any] | None], seq: int, t_ns: int) -> Columns:
-    """{axis: {column: tensor with rows on dim 0}}; step-axis values are one row each."""
-    check_name("table", table)
+def _contiguous(a: np.ndarray) -> np.ndarray:
+    # Not np.ascontiguousarray: it turns a 0-d scalar into shape (1,).
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def normalise(
+    table: str, axes: dict[str, dict[str, Any] | None], seq: int, t_ns: int
+) -> tuple[Columns, dict[str, str]]:
+    """({axis: {column: rows on dim 0}}, {"axis/column": logical dtype} for bf16 columns).
+    Step-axis values are one row each; rows are numpy arrays, or tensors on CUDA."""
     out: Columns = {}
+    logical: dict[str, str] = {}
     for axis, cols in axes.items():
         if cols is None:
             continue
-        check_name("axis", axis)
         out[axis] = {}
         for col, value in cols.items():
-            check_name("column", col)
-            t = _as_tensor(value, f"table {table!r} column {axis}/{col}")
+            a, ld = _as_rows(value, f"table {table!r} column {axis}/{col}")
+            if ld is not None:
+                logical[f"{axis}/{col}"] = ld
             if axis == STEP_AXIS:
-                t = t.reshape(1, *t.shape)
-            elif t.dim() == 0:
+                a = a.reshape(1, *a.shape)
+            elif a.ndim == 0:
                 raise TraceError(
                     f"table {table!r} column {axis}/{col}: needs a row dimension, got a scalar"
                 )
-            out[axis][col] = t
+            out[axis][col] = a
     step = out.setdefault(STEP_AXIS, {})
-    step.setdefault("seq", torch.tensor([seq], dtype=torch.int64))
-    step.setdefault("t_ns", torch.tensor([t_ns], dtype=torch.int64))
-    return out
+    if "seq" not in step:
+        step["seq"] = np.array([seq], np.int64)
+    if "t_ns" not in step:
+        step["t_ns"] = np.array([t_ns], np.int64)
+    return out, logical
 
 
-def spec_of_tensors(cols: Columns) -> dict[str, dict[str, tuple[str, str, tuple[int, ...]]]]:
-    return {
-        axis: {c: (*_storage(t), tuple(int(x) for x in t.shape[1:])) for c, t in cc.items()}
-        for axis, cc in cols.items()
-    }
+def spec_of(
+    cols: Columns, logical: dict[str, str]
+) -> dict[str, dict[str, tuple[str, str, tuple[int, ...]]]]:
+    spec: dict[str, dict[str, tuple[str, str, tuple[int, ...]]]] = {}
+    for axis, cc in cols.items():
+        spec[axis] = {}
+        for c, a in cc.items():
+            storage = _storage(a)[0] if isinstance(a, torch.Tensor) else str(a.dtype)
+            spec[axis][c] = (storage, logical.get(f"{axis}/{c}", storage), tuple(a.shape[1:]))
+    return spec
 
 
 def counts_of(table: str, cols: Columns) -> dict[str, int]:
     counts: dict[str, int] = {}
     for axis, cc in cols.items():
-        lens = {c: int(t.shape[0]) for c, t in cc.items()}
+        lens = {c: int(a.shape[0]) for c, a in cc.items()}
         if len(set(lens.values())) > 1:
             raise TraceError(
                 f"table {table!r}: columns on axis {axis!r} have different row counts {lens}"
@@ -105,9 +127,15 @@ def counts_of(table: str, cols: Columns) -> dict[str, int]:
     return counts
 
 
-def to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu().contiguous()
+def to_numpy(a: Any) -> np.ndarray:
+    if isinstance(a, np.ndarray):
+        return a
+    t = a.detach().cpu().contiguous()
     return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _nbytes(a: Any) -> int:
+    return a.nbytes if isinstance(a, np.ndarray) else a.numel() * a.element_size()
 
 
 class TraceWriter:
@@ -205,21 +233,27 @@ class TraceWriter:
             if self._closed:
                 raise TraceError(f"{self.path}: rank {self.rank} writer is closed")
             seq, self._seq = self._seq, self._seq + 1
-            cols = normalise(
+            cols, logical = normalise(
                 table,
                 {STEP_AXIS: step or {}, "req": req, "tok": tok, **other_axes},
                 seq,
                 time.time_ns(),
             )
             counts = counts_of(table, cols)
-            spec = spec_of_tensors(cols)
-            known = self._specs.setdefault(table, spec)
+            spec = spec_of(cols, logical)
+            known = self._specs.get(table)
+            if known is None:
+                check_name("table", table)
+                for axis, cc in spec.items():
+                    check_name("axis", axis)
+                    for col in cc:
+                        check_name("column", col)
+                known = self._specs[table] = spec
             if known != spec:
                 raise TraceError(
                     f"table {table!r}: columns {_describe(spec)} differ from the first write's {_describe(known)}"
                 )
             if not self.process:
-                logical = {f"{a}/{c}": s[1] for a, cc in spec.items() for c, s in cc.items()}
                 self._rec.write_step(
                     table,
                     {a: {c: to_numpy(t) for c, t in cc.items()} for a, cc in cols.items()},
@@ -302,16 +336,16 @@ class TraceWriter:
             msg_layout = []
             for axis, col, offset, r0, r1 in layout:
                 src = cols[axis][col][r0:r1]
-                nbytes = src.numel() * src.element_size()
+                nbytes = _nbytes(src)
                 lo, hi = base + offset, base + offset + nbytes
-                if src.is_cuda:
+                if isinstance(src, torch.Tensor):  # on CUDA
                     cuda = True
                     self._pin()
                     self._ring[lo:hi].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
                 elif nbytes:
                     # A plain single-threaded memcpy: torch's copy_ fans out to its intra-op
                     # threads, which on a busy host stalls the serving thread for tens of ms.
-                    self._ring_np[lo:hi] = _bytes_of(src)
+                    self._ring_np[lo:hi] = src.reshape(-1).view(np.uint8)
                 msg_layout.append((axis, col, offset, r1 - r0))
             last = i == len(parts) - 1
             msg = (
@@ -441,7 +475,7 @@ def _pack(
     used = 0
     for axis, cc in cols.items():
         n = counts[axis]
-        row_bytes = {c: t[0].numel() * t.element_size() if n else 0 for c, t in cc.items()}
+        row_bytes = {c: _nbytes(a) // n if n else 0 for c, a in cc.items()}
         per_row = sum(row_bytes.values())
         r = 0
         while r < n:
@@ -461,11 +495,6 @@ def _pack(
             r += k
     parts.append((cur, used))
     return parts
-
-
-def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes as a flat uint8 numpy view (a copy only if it is not contiguous)."""
-    return t.contiguous().view(-1).view(torch.uint8).numpy()
 
 
 def _check_shm_room(n: int) -> None:
