@@ -461,6 +461,11 @@ class TraceWriter:
         except subprocess.TimeoutExpired:
             self._proc.kill()  # only after close or a failed start: nothing left to save
             self._proc.wait()
+        if self._pinned:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._ring.data_ptr())
+            except Exception:  # noqa: BLE001 - the mapping goes away with the segment anyway
+                pass
         del self._ring, self._ring_np
         self._shm.close()
         self._shm.unlink()
