@@ -233,14 +233,15 @@ class ReferenceChain:
         delivered = 1 if k.skip_fc else len(self.layers)
         return {
             "engine_version": __version__,
+            # Paths as the user gave them (relative paths keep a committed example portable).
             "target": {
-                "path": str(self.target_dir.resolve()),
+                "path": str(self.target_dir),
                 "num_layers": self.target.num_layers,
                 "hidden_size": self.target.hidden_size,
                 "vocab_size": self.vocab_size,
             },
             "drafter": {
-                "path": str(self.drafter_dir.resolve()),
+                "path": str(self.drafter_dir),
                 "dialect": getattr(self.report, "dialect", None),
             },
             "draft_config": on_disk,

@@ -62,6 +62,17 @@ def target_path_from_trace(meta: dict[str, Any]) -> Path | None:
     return Path(path) if path else None
 
 
+def locate(path: Path | None, trace_path: Path) -> Path | None:
+    """A path recorded in a trace: as is, else relative to one of the trace's parent dirs (a
+    committed example records paths relative to the repository root)."""
+    if path is None or path.exists() or path.is_absolute():
+        return path
+    for parent in Path(trace_path).resolve().parents:
+        if (parent / path).exists():
+            return parent / path
+    return path
+
+
 def _training_side(against: Path) -> tuple[list[Any], str, dict[str, Any]]:
     """Training samples, or the requests of a second trace presented as samples."""
     from hstrace.training import TrainingSample, open_training
@@ -116,17 +127,25 @@ def replay(
     if not samples:
         raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")
 
-    drafter_path = drafter_path or drafter_path_from_trace(serving.meta)
+    drafter_path = drafter_path or locate(drafter_path_from_trace(serving.meta), trace_path)
     if drafter_path is None:
         raise CheckpointError("the trace does not name its drafter; give --drafter CKPT")
     if not Path(drafter_path).is_dir():
         raise CheckpointError(f"drafter {drafter_path}: not a checkpoint directory")
     drafter, report = load_drafter(Path(drafter_path))
 
-    target_path = target_path or target_path_from_trace(serving.meta)
-    target = None
+    explicit_target = target_path is not None
+    if explicit_target and not Path(target_path).is_dir():
+        raise HstraceError(f"--target {target_path}: not a model directory")
+    target_path = target_path or locate(target_path_from_trace(serving.meta), trace_path)
+    target, target_note = None, None
     if target_path is not None and Path(target_path).is_dir():
-        target = ReferenceTarget(Path(target_path))
+        try:
+            target = ReferenceTarget(Path(target_path))
+        except HstraceError as exc:
+            if explicit_target:
+                raise
+            target_note = str(exc)  # the trace's target is optional evidence: go on without
 
     matches, coverage = align(
         [r.tokens for r in serving.requests], [s.input_ids.numpy() for s in samples]
@@ -142,6 +161,8 @@ def replay(
         training_kind=kind,
         progress=progress,
     )
+    if target_note:
+        ctx.skip("target model", target_note)
     if not ctx.aligned:
         ctx.skip("alignment", "no serving request shares its leading tokens with a training sample")
     with torch.inference_mode(), threads_for(drafter.cfg.hidden_size):
