@@ -237,3 +237,19 @@ def test_zip_bomb_and_truncation_are_refused(demo, tmp_path):
     out = run_cli("bundle", str(cut), "-o", str(tmp_path / "o.zip"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert str(cut) in out.stderr
+
+
+@pytest.mark.parametrize("window", [1, 3, 64])
+def test_windowed_steps_match_step_reads(demo, window):
+    from hstrace.bundle.stepcache import WindowedSteps
+
+    view = open_trace(demo).rank(0)
+    for name in view.tables:
+        t = view.table(name)
+        w = WindowedSteps(t, window=window)
+        for s in [*range(t.num_steps), 0]:  # forwards, then a jump back
+            a, b = t.step(s), w.step(s)
+            assert a.keys() == b.keys()
+            for axis in a:
+                for col in a[axis]:
+                    assert _same(a[axis][col], b[axis][col]), (name, s, axis, col)

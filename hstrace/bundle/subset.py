@@ -17,6 +17,7 @@ import torch
 
 from hstrace.bundle import redact as rd
 from hstrace.bundle.select import STEP_AXIS, Event, slice_requests
+from hstrace.bundle.stepcache import WindowedSteps
 
 
 @dataclass
@@ -131,6 +132,7 @@ def write_subset(
                 w.note_error(str(err.get("tap", "?")), str(err.get("message", "")))
             w.dropped = dict(getattr(view, "dropped_steps", None) or {})
             attrs_cache: dict[str, dict[str, dict[str, Any]]] = {}
+            readers: dict[str, WindowedSteps] = {}
             for ev, mask in events:
                 table = view.table(ev.table)
                 if ev.table not in attrs_cache:
@@ -139,7 +141,9 @@ def write_subset(
                         for axis, cols in table.columns.items()
                         for col in cols
                     }
-                rows = slice_requests(ev.table, table.step(ev.step), mask)
+                if ev.table not in readers:
+                    readers[ev.table] = WindowedSteps(table)
+                rows = slice_requests(ev.table, readers[ev.table].step(ev.step), mask)
                 axes, out_attrs = _redact_rows(ev.table, rows, attrs_cache[ev.table], how, dropped)
                 w.write(ev.table, column_attrs=out_attrs, **axes)
                 stats.events[ev.table] = stats.events.get(ev.table, 0) + 1

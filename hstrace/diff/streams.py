@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hstrace.bundle.select import REQ_AXIS, REQUEST_ROW_COUNTS, STEP_AXIS
+from hstrace.bundle.stepcache import WindowedSteps
 
 COMPARED_TABLES = ("target", "verify", "draft_extend", "draft_step")
 # Columns that identify rather than describe: never compared.
@@ -97,8 +98,9 @@ def request_lives(trace: Any, rank: int) -> dict[int, RequestLife]:
         if t is None:
             continue
         seq = np.asarray(t.column(STEP_AXIS, "seq"), dtype=np.int64)
+        steps = WindowedSteps(t)
         for s in range(t.num_steps):
-            step = t.step(s)
+            step = steps.step(s)
             keys = np.asarray(step.get(REQ_AXIS, {}).get("req_key", np.zeros(0)), dtype=np.int64)
             kind = name
             if name == "target" and "mode" in step[STEP_AXIS]:
