@@ -116,6 +116,11 @@ def _check_zip(path: Path) -> None:
             raise TraceError(
                 f"{path}: zip member {name!r} points outside the archive; refusing to read it"
             )
+    # Zip bombs (total size, inflation ratio), duplicate names, symlinks: judged from the
+    # central directory before zarr decompresses anything (bundle room, hstrace.bundle.safezip).
+    from hstrace.bundle.safezip import check_zip
+
+    check_zip(path)
 
 
 class RankView:
