@@ -1,0 +1,109 @@
+"""`hstrace replay` from the command line: exit codes 0 / 1 / 2, --json, --markdown, and bad
+input as one line (never a traceback). Runs on the committed example traces."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "traces" / "examples"
+TRAINING = REPO / "traces" / "tiny-world" / "training-speculators"
+pytestmark = pytest.mark.skipif(not EXAMPLES.is_dir(), reason="example traces not built")
+
+
+def hstrace(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hstrace", *args], capture_output=True, text=True, cwd=cwd
+    )
+
+
+def assert_one_line_error(run: subprocess.CompletedProcess, needle: str) -> None:
+    assert run.returncode == 2, run.stderr
+    assert "Traceback" not in run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("hstrace: error:")]
+    assert len(lines) == 1 and needle in lines[0], run.stderr
+
+
+def test_fault_exits_1_and_leads_with_the_verdict(tmp_path):
+    md = tmp_path / "report.md"
+    run = hstrace(
+        "replay",
+        str(EXAMPLES / "aux-layer-shift.zarr"),
+        "--against",
+        str(TRAINING),
+        "--markdown",
+        str(md),
+    )
+    assert run.returncode == 1, run.stderr
+    assert "aux-layer-shift" in run.stdout.split("findings")[0]  # the verdict comes first
+    text = md.read_text()
+    assert text.startswith("# hstrace replay") and "**Verdict: `aux-layer-shift`**" in text
+    assert "eagle_aux_hidden_state_layer_ids" in text  # the fix names the config key
+
+
+def test_clean_exits_0_with_json(tmp_path):
+    # From another directory: the trace's recorded drafter/target paths still resolve.
+    run = hstrace(
+        "replay", str(EXAMPLES / "clean.zarr"), "--against", str(TRAINING), "--json", cwd=tmp_path
+    )
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert data["schema_version"] == 1
+    assert data["verdict"]["code"] == "no-wiring-fault"
+    assert data["metrics"]["engine_vs_reference"]["within_noise"] is True
+    assert data["coverage"]["aligned_requests"] == 8
+    assert data["fingerprints"]["serving_layers"]["layer"] == [2, 4, 5]
+
+
+def test_against_a_trace(tmp_path):
+    run = hstrace(
+        "replay",
+        str(EXAMPLES / "aux-layer-shift.zarr"),
+        "--against",
+        str(EXAMPLES / "clean.zarr"),
+        "--json",
+    )
+    assert run.returncode == 1, run.stderr
+    assert json.loads(run.stdout)["verdict"]["code"] == "aux-layer-shift"
+
+
+def test_bad_inputs_exit_2(tmp_path):
+    trace = str(EXAMPLES / "clean.zarr")
+    assert_one_line_error(
+        hstrace("replay", str(tmp_path / "none.zarr"), "--against", str(TRAINING)), "no such trace"
+    )
+    assert_one_line_error(
+        hstrace("replay", trace, "--against", str(tmp_path / "nowhere")), "nowhere"
+    )
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(
+        hstrace("replay", trace, "--against", str(tmp_path / "empty")),
+        "unknown training-data layout",
+    )
+    assert_one_line_error(
+        hstrace("replay", trace, "--against", str(TRAINING), "--drafter", str(tmp_path / "empty")),
+        "empty",
+    )
+    broken = tmp_path / "broken.zarr"
+    shutil.copytree(EXAMPLES / "clean.zarr", broken)
+    (broken / "zarr.json").write_text("{not json")
+    assert_one_line_error(hstrace("replay", str(broken), "--against", str(TRAINING)), "broken.zarr")
+    usage = hstrace("replay", trace)
+    assert usage.returncode == 2 and "--against" in usage.stderr and "Traceback" not in usage.stderr
+
+
+def test_corrupt_drafter_checkpoint_exits_2(tmp_path):
+    """A drafter dir whose weights file is garbage is bad input: one line, exit 2."""
+    bad = tmp_path / "drafter"
+    shutil.copytree(REPO / "traces" / "tiny-world" / "drafter-speculators", bad)
+    (bad / "model.safetensors").write_bytes(b"\0" * 64)
+    run = hstrace(
+        "replay", str(EXAMPLES / "clean.zarr"), "--against", str(TRAINING), "--drafter", str(bad)
+    )
+    assert_one_line_error(run, "drafter")
