@@ -164,6 +164,7 @@ class TraceWriter:
         self.dropped: dict[str, int] = {}
         self._seq = 0
         self._specs: dict[str, dict] = {}
+        self._sigs: dict[str, tuple] = {}
         self._lock = threading.Lock()
         self._closed = False
         if not process:
@@ -240,16 +241,25 @@ class TraceWriter:
                 time.time_ns(),
             )
             counts = counts_of(table, cols)
-            spec = spec_of(cols, logical)
-            known = self._specs.get(table)
-            if known is None:
+            # Cheap signature check on the hot path; the string spec is built on first use.
+            # (np.dtype compares equal to its name, so CPU and CUDA writes of a table agree.)
+            sig = tuple(
+                (a, c, x.dtype if isinstance(x, np.ndarray) else _storage(x)[0], tuple(x.shape[1:]))
+                for a, cc in cols.items()
+                for c, x in cc.items()
+            )
+            sig += tuple(sorted(logical.items()))
+            if table not in self._specs:
                 check_name("table", table)
-                for axis, cc in spec.items():
+                for axis, cc in cols.items():
                     check_name("axis", axis)
                     for col in cc:
                         check_name("column", col)
-                known = self._specs[table] = spec
-            if known != spec:
+                self._specs[table] = spec_of(cols, logical)
+                self._sigs[table] = sig
+            spec = known = self._specs[table]
+            if sig != self._sigs[table]:
+                spec = spec_of(cols, logical)
                 raise TraceError(
                     f"table {table!r}: columns {_describe(spec)} differ from the first write's {_describe(known)}"
                 )
