@@ -33,10 +33,7 @@ def spec_params(ctx) -> list[Finding]:
     spec = ctx.static.get("spec")
     if not isinstance(spec, dict) or "adjusted" not in spec:
         return []
-    found = spec_findings(spec)
-    for f in found:
-        f.severity = "fault"  # the served chain is not the one the user configured
-    return found
+    return spec_findings(spec)
 
 
 def static_load_findings(ctx) -> list[Finding]:
