@@ -47,8 +47,8 @@ def test_full_bundle_round_trips_bit_exact(demo, tmp_path):
                     continue
                 assert _same(ts.column(axis, col), tg.column(axis, col)), f"{name}/{axis}/{col}"
     # layer ids / slot widths travel with the data
-    arr_attrs = tg_attrs = got.rank(0).table("target")._arrays[("tok", "aux_hidden")].attrs
-    assert dict(arr_attrs)["slot_width"] == H and dict(tg_attrs)["layer_ids"] == [1, 4, 7]
+    attrs = got.rank(0).table("target").column_attrs("tok", "aux_hidden")
+    assert attrs["slot_width"] == H and attrs["layer_ids"] == [1, 4, 7]
     info = bundle_info(res.path)
     man = info["manifest"]
     assert man["format"] == "hstrace-bundle" and man["versions"]["zarr"]

@@ -208,7 +208,7 @@ def copy_trace(src: Path, dst: Path, transform=None, engine: str | None = None) 
                     axes[axis][col] = v[0] if axis == "step" else v
             attrs = {
                 f"tok/{c}": {
-                    k: x for k, x in t._arrays[("tok", c)].attrs.items() if k != "hstrace_dtype"
+                    k: x for k, x in t.column_attrs("tok", c).items() if k != "hstrace_dtype"
                 }
                 for c in t.columns.get("tok", [])
             }

@@ -87,13 +87,7 @@ def parse_size(text: str) -> int:
 def _column_attrs_reader(trace: Any):
     def attrs(rank: int, table: str, axis: str, column: str) -> dict[str, Any]:
         t = trace.rank(rank).table(table)
-        getter = getattr(t, "column_attrs", None)
-        if getter is not None:
-            return dict(getter(axis, column))
-        # Until the reader exposes column attributes, read them off its zarr array (read-only).
-        arrays = getattr(t, "_arrays", {})
-        arr = arrays.get((axis, column))
-        return dict(arr.attrs) if arr is not None else {}
+        return t.column_attrs(axis, column)
 
     return attrs
 

@@ -22,8 +22,7 @@ def write_report_html(
     labels = None
     t = r0.table("target") if r0 else None
     if t is not None and "aux_hidden" in t.columns.get("tok", []):
-        arr = getattr(t, "_arrays", {}).get(("tok", "aux_hidden"))
-        ids = dict(arr.attrs).get("layer_ids") if arr is not None else None
+        ids = t.column_attrs("tok", "aux_hidden").get("layer_ids")
         labels = [str(i) for i in ids] if ids else None
     html = render_page(
         trace_path=str(trace.path),
