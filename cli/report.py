@@ -49,6 +49,17 @@ def report(
         )
         replay_json = result.to_json()
         exit_code = result.exit_code
+    elif Path(trace).is_file():
+        # A bundle carries the verdict computed when it was made: show it, and say where from.
+        from hstrace.bundle import bundle_info
+
+        info = bundle_info(trace)
+        if info and info["manifest"].get("replay"):
+            replay_json = dict(info["manifest"]["replay"])
+            replay_json["source"] = (
+                f"the bundle's manifest (replayed when the bundle was made: {info['reproduce']})"
+            )
+            exit_code = 1 if replay_json["verdict"].get("severity") == "fault" else 0
     p = write_report_html(tr, out, replay_json)
     verdict = replay_json["verdict"]["code"] if replay_json else "not replayed"
     click.echo(f"wrote {p} ({p.stat().st_size} bytes); verdict: {verdict}")

@@ -84,6 +84,10 @@ def test_bundle_embeds_the_real_verdict_and_reproduces(world, runs, tmp_path):
         cwd=tmp_path,
     )
     assert again.returncode == 1 and json.loads(again.stdout)["verdict"]["code"] == verdict
+    # `report` on the bundle shows the verdict it carries, and says where it came from
+    page = run_cli("report", str(tmp_path / "bug.zip"), "--html", str(tmp_path / "bug.html"))
+    assert page.returncode == 1 and "aux-order" in (tmp_path / "bug.html").read_text()
+    assert "bundle&#x27;s manifest" in (tmp_path / "bug.html").read_text()
     # hidden states redacted: the verdict comes from the same steps before redaction, and says so
     red = run_cli(
         "bundle", str(swapped), "-o", str(tmp_path / "red.zip"), "--redact", "hidden", *args

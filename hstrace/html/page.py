@@ -55,6 +55,8 @@ def _verdict(replay: dict[str, Any] | None) -> str:
         f'<span class="{"hit" if s == v.get("stage") else ""}">{escape(s)}</span>' for s in STAGES
     )
     fix = f"<p><b>Fix:</b> {escape(v['fix'])}</p>" if v.get("fix") else ""
+    if replay.get("source"):
+        fix += f"<p class='meta'>Verdict from {escape(str(replay['source']))}.</p>"
     return (
         f'<div class="verdict {cls}" id="verdict"><div>Verdict (first divergence in dataflow order)</div>'
         f'<div class="code">{escape(v["code"])}</div><p>stage <b>{escape(str(v.get("stage")))}</b>, '
