@@ -4,6 +4,7 @@ audit, its knobs, and its errors."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,7 +151,7 @@ def test_bad_input(tmp_path, prompts):
         )
 
 
-def test_record_cli_reference_engine(tmp_path, prompts):
+def test_record_cli_reference_engine_with_knobs(tmp_path, prompts):
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text("\n".join(json.dumps({"input_ids": list(p.input_ids)}) for p in prompts))
     out = tmp_path / "cli.zarr"
@@ -174,7 +175,18 @@ def test_record_cli_reference_engine(tmp_path, prompts):
         "--max-new-tokens",
         "4",
     ]
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, "HSTRACE_REFERENCE_KNOBS": '{"d2t_as_table": true}'}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert run.returncode == 0, run.stderr
     with open_trace(out) as tr:
         assert tr.rank(0).table("requests").num_steps == 2
+        assert tr.meta["static"]["reference_knobs"]["d2t_as_table"] is True
+    env["HSTRACE_REFERENCE_KNOBS"] = '{"d2t_as_table": tru'
+    bad = subprocess.run(
+        cmd[:-2] + ["--out", str(tmp_path / "bad.zarr")], capture_output=True, text=True, env=env
+    )
+    assert (
+        bad.returncode == 2
+        and "HSTRACE_REFERENCE_KNOBS" in bad.stderr
+        and "Traceback" not in bad.stderr
+    )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from hstrace import __version__
-from hstrace.engines.base import Engine, Prompt, RecordOptions, RecordResult
+from hstrace.engines.base import Engine, EngineConfig, Prompt, RecordOptions, RecordResult
 from hstrace.errors import CheckpointError, EngineError, HstraceError
 from hstrace.replay.step0 import threads_for
 from hstrace.trace.schema import MODE_PREFILL, MODE_VERIFY, request_key
@@ -82,6 +83,27 @@ class ReferenceKnobs:
         }
 
 
+# `hstrace record --engine reference` takes knobs from this variable (a JSON object), since the
+# record command's flags are engine-neutral; `EngineConfig.extra` overrides it key by key.
+KNOBS_ENV = "HSTRACE_REFERENCE_KNOBS"
+
+
+def knobs_of(config: EngineConfig) -> ReferenceKnobs:
+    raw = os.environ.get(KNOBS_ENV, "").strip()
+    from_env: dict[str, Any] = {}
+    if raw:
+        try:
+            from_env = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise EngineError(f"{KNOBS_ENV} is not valid JSON ({exc.msg})") from exc
+        if not isinstance(from_env, dict):
+            raise EngineError(f"{KNOBS_ENV} must be a JSON object of knobs")
+    try:
+        return ReferenceKnobs.from_extra({**from_env, **config.extra})
+    except TypeError as exc:
+        raise EngineError(f"bad reference-engine knob value: {exc}") from exc
+
+
 class ReferenceEngine(Engine):
     name = "reference"
 
@@ -97,13 +119,13 @@ class ReferenceEngine(Engine):
                 raise EngineError(f"the reference engine needs {what} DIR")
             if not Path(path).is_dir():
                 raise EngineError(f"{what} {path}: not a directory")
-        ReferenceKnobs.from_extra(self.config.extra)
+        knobs_of(self.config)
         return __version__
 
     def record(self, prompts: Sequence[Prompt], out: Path, options: RecordOptions) -> RecordResult:
         from hstrace.trace import TraceWriter, create_trace
 
-        knobs = ReferenceKnobs.from_extra(self.config.extra)
+        knobs = knobs_of(self.config)
         chain = ReferenceChain(Path(self.config.target), Path(self.config.drafter), knobs)
         for p in prompts:
             if p.input_ids is None:
