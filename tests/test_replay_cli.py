@@ -73,28 +73,42 @@ def test_against_a_trace(tmp_path):
     assert json.loads(run.stdout)["verdict"]["code"] == "aux-layer-shift"
 
 
-def test_bad_inputs_exit_2(tmp_path):
-    trace = str(EXAMPLES / "clean.zarr")
-    assert_one_line_error(
-        hstrace("replay", str(tmp_path / "none.zarr"), "--against", str(TRAINING)), "no such trace"
-    )
-    assert_one_line_error(
-        hstrace("replay", trace, "--against", str(tmp_path / "nowhere")), "nowhere"
-    )
-    (tmp_path / "empty").mkdir()
-    assert_one_line_error(
-        hstrace("replay", trace, "--against", str(tmp_path / "empty")),
-        "unknown training-data layout",
-    )
-    assert_one_line_error(
-        hstrace("replay", trace, "--against", str(TRAINING), "--drafter", str(tmp_path / "empty")),
-        "empty",
-    )
+def _broken_trace(tmp_path: Path) -> Path:
     broken = tmp_path / "broken.zarr"
     shutil.copytree(EXAMPLES / "clean.zarr", broken)
     (broken / "zarr.json").write_text("{not json")
-    assert_one_line_error(hstrace("replay", str(broken), "--against", str(TRAINING)), "broken.zarr")
-    usage = hstrace("replay", trace)
+    return broken
+
+
+BAD_INPUTS = {
+    "missing trace": (
+        lambda t: [str(t / "none.zarr"), "--against", str(TRAINING)],
+        "no such trace",
+    ),
+    "missing training dir": (
+        lambda t: [str(EXAMPLES / "clean.zarr"), "--against", str(t / "nowhere")],
+        "nowhere",
+    ),
+    "unknown training layout": (
+        lambda t: [str(EXAMPLES / "clean.zarr"), "--against", str(t)],
+        "unknown training-data layout",
+    ),
+    "drafter dir without a checkpoint": (
+        lambda t: [str(EXAMPLES / "clean.zarr"), "--against", str(TRAINING), "--drafter", str(t)],
+        "no model.safetensors",
+    ),
+    "corrupt trace": (lambda t: [str(_broken_trace(t)), "--against", str(TRAINING)], "broken.zarr"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_inputs_exit_2(case, tmp_path):
+    args, needle = BAD_INPUTS[case]
+    assert_one_line_error(hstrace("replay", *args(tmp_path)), needle)
+
+
+def test_missing_against_is_a_usage_error():
+    usage = hstrace("replay", str(EXAMPLES / "clean.zarr"))
     assert usage.returncode == 2 and "--against" in usage.stderr and "Traceback" not in usage.stderr
 
 
