@@ -96,6 +96,7 @@ def test_requests_keep_only_their_rows(demo, tmp_path):
     assert v.num_rows("accepted") == int(np.asarray(v.column("req", "n_accepted")).sum())
 
 
+@pytest.mark.slow
 def test_max_size_drops_steps_never_truncates(demo, tmp_path):
     full = make_bundle(demo, tmp_path / "full.zip", BundleOptions())
     one = make_bundle(demo, tmp_path / "one.zip", BundleOptions(steps="0"))
