@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from hstrace.findings import Finding
 from hstrace.replay.fingerprint import SAME_COS, UNRELATED_COS
@@ -194,17 +193,3 @@ def _drift(evidence: dict[str, Any], diag: np.ndarray) -> list[Finding]:
         "another checkpoint drifts), or regenerate the training hidden states with the "
         "serving target",
     )
-
-
-def slot_zero_is_embedding(ctx) -> bool | None:
-    """Whether the training data's slot 0 equals the embedding of its tokens (needs only the
-    drafter's embedding, which speculators copies from the target)."""
-    if ctx.drafter is None or not ctx.aligned:
-        return None
-    a = ctx.aligned[0]
-    emb = ctx.drafter.embed_tokens.weight[torch.as_tensor(a.sample.input_ids[: a.n]).long()]
-    slot = a.sample.aux[: a.n, 0].float()
-    if emb.shape != slot.shape:
-        return None
-    cos = torch.nn.functional.cosine_similarity(emb.float(), slot, dim=-1).mean()
-    return bool(cos >= SAME_COS)

@@ -472,13 +472,10 @@ class ReferenceChain:
 
 
 def _dialect_convention(report: Any) -> str:
-    from hstrace.training.conventions import BEFORE_LAYER, OUTPUT_OF_LAYER
+    from hstrace.check import DIALECT_CONVENTION
+    from hstrace.training.conventions import BEFORE_LAYER
 
-    convention = getattr(report, "layer_id_convention", None)
-    if convention in (BEFORE_LAYER, OUTPUT_OF_LAYER):
-        return convention
-    dialect = str(getattr(report, "dialect", "") or "")
-    return OUTPUT_OF_LAYER if dialect.startswith("specforge") else BEFORE_LAYER
+    return DIALECT_CONVENTION.get(str(getattr(report, "dialect", "")), BEFORE_LAYER)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -208,14 +208,16 @@ class ReplayContext:
         the data or the drafter config says."""
         if self.layer_fingerprints is not None:
             return list(self.layer_fingerprints[1].layer)
-        from hstrace.training.conventions import BEFORE_LAYER, OUTPUT_OF_LAYER, hf_index
+        from hstrace.training.conventions import BEFORE_LAYER, hf_index
 
         if self.samples and self.samples[0].slot_layer_ids:
             conv = (self.samples[0].provenance or {}).get("layer_id_convention", BEFORE_LAYER)
             return [hf_index(i, conv) for i in self.samples[0].slot_layer_ids]
         if self.cfg is not None and self.cfg.aux_layer_ids:
+            from hstrace.check import DIALECT_CONVENTION
+
             dialect = str(getattr(self.load_report, "dialect", ""))
-            conv = OUTPUT_OF_LAYER if dialect == "specforge" else BEFORE_LAYER
+            conv = DIALECT_CONVENTION.get(dialect, BEFORE_LAYER)
             return [hf_index(i, conv) for i in self.cfg.aux_layer_ids]
         return None
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hstrace.errors import CheckpointError, HstraceError, TraceError, TrainingDataError
+from hstrace.errors import CheckpointError, HstraceError, TrainingDataError
 from hstrace.findings import Finding
 from hstrace.replay.align import align
 from hstrace.replay.context import ReplayContext
@@ -190,6 +190,3 @@ def replay(
         },
         skipped=dict(ctx.skipped),
     )
-
-
-__all__ = ["replay", "HstraceError", "TraceError"]
