@@ -121,3 +121,19 @@ def test_corrupt_drafter_checkpoint_exits_2(tmp_path):
         "replay", str(EXAMPLES / "clean.zarr"), "--against", str(TRAINING), "--drafter", str(bad)
     )
     assert_one_line_error(run, "drafter")
+
+
+def test_replay_reads_a_bundle_and_says_what_redaction_removed(tmp_path):
+    """A bundle zip replays directly; with hidden states redacted, replay still checks what
+    it can (the vocab map) and lists what it could not."""
+    from hstrace.bundle import BundleOptions, make_bundle
+    from hstrace.replay import replay
+
+    plain = tmp_path / "plain.zip"
+    make_bundle(EXAMPLES / "aux-layer-shift.zarr", plain, BundleOptions())
+    assert replay(plain, TRAINING).verdict.code == "aux-layer-shift"
+    redacted = tmp_path / "redacted.zip"
+    make_bundle(EXAMPLES / "aux-layer-shift.zarr", redacted, BundleOptions(redact=("hidden",)))
+    result = replay(redacted, TRAINING)
+    assert "target.aux_hidden" in result.skipped and "draft_extend.hidden_in" in result.skipped
+    assert result.metrics["target_space_top1"] == 1.0  # the vocab map was still checked

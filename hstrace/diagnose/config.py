@@ -201,7 +201,7 @@ def whatif_list(ctx) -> list[WhatIf]:
                 "convention (SGLang adds +1 to explicit ids)",
                 lambda shift=shift: _logits(ctx, ctx.drafter, _shifted_layers(ctx, shift)),
             )
-    else:
+    elif all(it.aux is not None for it in items):
         widths = {int(it.aux.shape[-1]) for it in items}
         if widths == {int(cfg.hidden_size)}:
             add(
@@ -217,6 +217,8 @@ def whatif_list(ctx) -> list[WhatIf]:
 def whatif_findings(ctx) -> list[Finding]:
     if ctx.drafter is None or ctx.engine_rows is None:
         return []
+    if any(it.aux is None for it in ctx.engine_rows.items):
+        return []  # no recorded hidden input to replay (serving.missing says so)
     base = ctx.agreement
     if base is not None and base.agrees and base.within_noise:
         ctx.metrics["whatif"] = {

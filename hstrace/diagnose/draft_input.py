@@ -20,7 +20,11 @@ def fc_skipped(ctx) -> list[Finding]:
     rows = ctx.engine_rows
     if cfg is None:
         return []
-    widths = {int(it.aux.shape[-1]) for it in rows.items} if rows is not None else set()
+    widths = (
+        {int(it.aux.shape[-1]) for it in rows.items if it.aux is not None}
+        if rows is not None
+        else set()
+    )
     if not widths and ctx.serving_width is not None:
         widths = {ctx.serving_width}
     if widths != {int(cfg.hidden_size)} or cfg.hidden_size == ctx.fc_in:
@@ -30,7 +34,7 @@ def fc_skipped(ctx) -> list[Finding]:
         "fc_input_width": int(ctx.fc_in),
         "aux_slots_expected": int(cfg.num_aux),
     }
-    if rows is not None:
+    if rows is not None and all(it.aux is not None for it in rows.items):
         h = torch.cat([it.aux.float() for it in rows.items])
         evidence["hidden_in_rms"] = round(float(h.pow(2).mean().sqrt()), 4)
     whatif = ctx.metrics.get("whatif") or {}

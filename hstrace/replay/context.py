@@ -274,6 +274,8 @@ class ReplayContext:
         """fp32 reference on exactly the recorded draft inputs (when fc can take them)."""
         if self.drafter is None or self.engine_rows is None:
             return None
+        if any(it.aux is None for it in self.engine_rows.items):
+            return None  # hidden_in not recorded: serving.missing says so
         if not self.fc_inputs_fit:
             self.skip(
                 "engine vs reference",

@@ -161,9 +161,11 @@ def replay(
         training_kind=kind,
         progress=progress,
     )
+    for what, why in serving.missing.items():
+        ctx.skip(what, why)
     if target_note:
         ctx.skip("target model", target_note)
-    if not ctx.aligned:
+    if not matches:
         ctx.skip("alignment", "no serving request shares its leading tokens with a training sample")
     with torch.inference_mode(), threads_for(drafter.cfg.hidden_size):
         findings: list[Finding] = diagnose(ctx)

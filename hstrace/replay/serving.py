@@ -24,7 +24,7 @@ class DraftRows:
 
     positions: np.ndarray  # [R] int64, the positions the engine fed
     input_ids: np.ndarray  # [R] int64, the token ids the engine fed
-    hidden_in: torch.Tensor  # [R, W] what the drafter received as hidden input
+    hidden_in: torch.Tensor | None  # [R, W] the drafter's hidden input (None: not recorded)
     topk_draft_ids: torch.Tensor | None = None  # [R, k]
     topk_target_ids: torch.Tensor | None = None  # [R, k]
     topk_logprobs: torch.Tensor | None = None  # [R, k]
@@ -47,6 +47,8 @@ class ServingData:
     meta: dict[str, Any]
     aux_attrs: dict[str, Any] = field(default_factory=dict)
     accept_lens: list[int] = field(default_factory=list)
+    # Streams or columns the trace lacks (not recorded, or redacted by `hstrace bundle`).
+    missing: dict[str, str] = field(default_factory=dict)
 
     @property
     def static(self) -> dict[str, Any]:
@@ -95,6 +97,16 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
     ids = _np(target.column("tok", "input_ids")).astype(np.int64)
     pos = _np(target.column("tok", "positions")).astype(np.int64)
     aux_all = _col(target, "tok", "aux_hidden")
+    missing: dict[str, str] = {}
+    if aux_all is None:
+        missing["target.aux_hidden"] = "absent (not recorded, or redacted): no slot checks"
+    ext = view.table("draft_extend")
+    if ext is None or ext.num_steps == 0:
+        missing["draft_extend"] = "absent: no engine-vs-reference comparison"
+    elif "hidden_in" not in ext.columns.get("tok", []):
+        missing["draft_extend.hidden_in"] = (
+            "absent (not recorded, or redacted): no engine-vs-reference comparison"
+        )
     rows: dict[int, dict[int, int]] = {}  # key -> position -> tok row (the committed one)
     seen_verify: dict[int, int] = {}
     for s, key, a, b in _per_request_blocks(target):
@@ -108,7 +120,7 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         for row in range(a, a + n_keep):
             by_pos[int(pos[row])] = row
 
-    drafts = _draft_rows(view.table("draft_extend"))
+    drafts = _draft_rows(ext)
     requests = []
     for key, by_pos in rows.items():
         positions = np.array(sorted(by_pos), dtype=np.int64)
@@ -136,7 +148,11 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
             attrs = {}
     flat_accept = [a for v in accept.values() for a in v]
     return ServingData(
-        requests=requests, meta=dict(trace.meta), aux_attrs=attrs, accept_lens=flat_accept
+        requests=requests,
+        meta=dict(trace.meta),
+        aux_attrs=attrs,
+        accept_lens=flat_accept,
+        missing=missing,
     )
 
 
@@ -167,7 +183,7 @@ def _draft_rows(table: Any) -> dict[int, dict[str, Any]]:
             "topk_logprobs",
         )
     }
-    if cols["hidden_in"] is None or cols["positions"] is None:
+    if cols["positions"] is None or cols["input_ids"] is None:
         return {}
     positions = _np(cols["positions"]).astype(np.int64)
     per_key: dict[int, dict[int, int]] = {}
@@ -193,7 +209,7 @@ def _index_draft(cols: dict[str, Any], req: ServingRequest) -> DraftRows:
     return DraftRows(
         positions=_np(cols["positions"][:n]).astype(np.int64),
         input_ids=_np(cols["input_ids"][:n]).astype(np.int64),
-        hidden_in=_torch(cols["hidden_in"][:n]),
+        hidden_in=cut(cols["hidden_in"]),
         topk_draft_ids=cut(cols["topk_draft_ids"]),
         topk_target_ids=cut(cols["topk_target_ids"]),
         topk_logprobs=cut(cols["topk_logprobs"]),

@@ -24,7 +24,9 @@ SMALL_HIDDEN = 512
 @dataclass(frozen=True)
 class Step0Input:
     input_ids: torch.Tensor  # [T] token fed with aux row t (the token at t+1)
-    aux: torch.Tensor  # [T, W] the hidden input (fc's input, or H-wide when fc is skipped)
+    aux: (
+        torch.Tensor | None
+    )  # [T, W] hidden input (fc's, or H wide when fc is skipped); None: unrecorded
     positions: torch.Tensor  # [T]
 
 
