@@ -275,3 +275,66 @@ def test_request_key_is_stable_63_bit():
     # Pinned: traces written by other processes / versions must map rids to the same keys.
     assert k == 3041315713766516325
     assert request_key("abc") == 6455300059550759896
+
+
+def test_fast_path_mixed_inputs_round_trip_and_keep_errors(tmp_path):
+    """After a table's first write, steps take the per-table copy plan (one memmove per
+    column, one pipe message); anything it does not cover falls back to the generic path.
+    Every variant must come back bit-exact and in order, and bad writes still raise."""
+    path = tmp_path / "fast.zarr"
+    create_trace(path, engine={"name": "test"})
+    g = torch.Generator().manual_seed(3)
+    want = []
+
+    def step(i: int, n: int, kind: str) -> dict:
+        aux = torch.randn(n, 24, generator=g).to(torch.bfloat16)
+        ids = torch.randint(0, 1000, (n,), generator=g, dtype=torch.int32)
+        want.append((i % 2, ids.clone(), aux.clone()))
+        if kind == "numpy":
+            ids = ids.numpy()
+        elif kind == "strided":
+            ids = torch.stack([ids, ids], 1)[:, 0]  # not contiguous
+        elif kind == "grad":
+            aux = aux.float().requires_grad_().to(torch.bfloat16)
+        return {
+            "step": {"mode": i % 2 if kind != "tensor" else torch.tensor(i % 2)},
+            "req": {"req_key": torch.tensor([i]), "n_tok": torch.tensor([n])},
+            "tok": {"input_ids": ids, "aux_hidden": aux},
+        }
+
+    kinds = ["scalar", "tensor", "numpy", "strided", "grad", "empty", "big"] * 3
+    with TraceWriter(path, rank=0, max_part_bytes=64 << 10) as w:
+        for i, kind in enumerate(kinds):
+            n = {"empty": 0, "big": 3000}.get(kind, 1 + i % 7)  # "big" splits into parts
+            assert w.write("target", **step(i, n, kind))
+        with pytest.raises(TraceError, match="differ from the first write"):
+            w.write(
+                "target",
+                step={"mode": 0},
+                req={"req_key": torch.tensor([1]), "n_tok": torch.tensor([2])},
+                tok={
+                    "input_ids": torch.zeros(2, dtype=torch.int64),
+                    "aux_hidden": torch.zeros(2, 24, dtype=torch.bfloat16),
+                },
+            )
+        with pytest.raises(TraceError, match="different row counts"):
+            w.write(
+                "target",
+                step={"mode": 0},
+                req={"req_key": torch.tensor([1, 2]), "n_tok": torch.tensor([2])},
+                tok={
+                    "input_ids": torch.zeros(2, dtype=torch.int32),
+                    "aux_hidden": torch.zeros(2, 24, dtype=torch.bfloat16),
+                },
+            )
+    with open_trace(path) as tr:
+        t = tr.rank(0).table("target")
+        assert t.num_steps == len(kinds)
+        assert list(t.column("step", "seq")) == list(range(len(kinds)))
+        assert np.all(np.diff(t.column("step", "t_ns")) >= 0)
+        for s, (mode, ids, aux) in enumerate(want):
+            got = t.step(s)
+            assert int(got["step"]["mode"][0]) == mode
+            assert list(got["req"]["req_key"]) == [s]
+            assert np.array_equal(got["tok"]["input_ids"], ids.numpy())
+            assert torch.equal(got["tok"]["aux_hidden"].view(torch.int16), aux.view(torch.int16))

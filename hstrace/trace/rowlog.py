@@ -36,6 +36,7 @@ class RowLog:
     ) -> None:
         self.row_shape = tuple(int(x) for x in row_shape)
         self.dtype = np.dtype(dtype)
+        self.row_items = math.prod(self.row_shape)
         row_bytes = self.dtype.itemsize * math.prod(self.row_shape)
         chunk_rows, shard_rows = unit_rows(row_bytes)
         self.chunk_rows = chunk_rows

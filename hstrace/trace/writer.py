@@ -11,9 +11,14 @@ result, for tests and the CPU reference engine.
 
 from __future__ import annotations
 
+import ctypes
+import math
 import multiprocessing as mp
 import os
+import pickle
 import queue
+import select
+import struct
 import subprocess
 import sys
 import threading
@@ -25,7 +30,7 @@ import numpy as np
 import torch
 
 from hstrace.errors import TraceError
-from hstrace.trace.schema import STEP_AXIS, check_name
+from hstrace.trace.schema import AUTO_STEP_COLUMNS, STEP_AXIS, check_name
 
 ALIGN = 64
 # Where the hstrace package lives, so the writer process imports this very copy.
@@ -165,6 +170,8 @@ class TraceWriter:
         self._seq = 0
         self._specs: dict[str, dict] = {}
         self._sigs: dict[str, tuple] = {}
+        # Per-table copy plans for the fast path, built from the first write (see _Plan).
+        self._plans: dict[str, _Plan] = {}
         self._lock = threading.Lock()
         self._closed = False
         if not process:
@@ -178,6 +185,7 @@ class TraceWriter:
         self._shm = SharedMemory(create=True, size=self._ring_bytes)
         self._ring = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
         self._ring_np = np.frombuffer(self._shm.buf, dtype=np.uint8)
+        self._ring_addr = self._ring.data_ptr()
         self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
         # FIFO byte ring: bytes [tail, head) (monotonic counters) are in flight to the writer,
         # which hands back the counter of each part it has consumed.
@@ -190,6 +198,10 @@ class TraceWriter:
         self._completer: _CudaCompleter | None = None
         data_r, self._data_w = mp.Pipe(duplex=False)
         self._free_r, free_w = mp.Pipe(duplex=False)
+        # select.poll on the raw fd: Connection.poll goes through selectors (tens of us a call).
+        self._free_poll = select.poll()
+        self._free_poll.register(self._free_r.fileno(), select.POLLIN)
+        self._dropped_sent: dict[str, int] = {}
         args = [
             self.path,
             str(self.rank),
@@ -233,6 +245,11 @@ class TraceWriter:
         with self._lock:
             if self._closed:
                 raise TraceError(f"{self.path}: rank {self.rank} writer is closed")
+            plan = self._plans.get(table)
+            if plan is not None:
+                staged = self._fast_write(plan, step, req, tok, other_axes)
+                if staged is not None:
+                    return staged
             seq, self._seq = self._seq, self._seq + 1
             cols, logical = normalise(
                 table,
@@ -271,7 +288,10 @@ class TraceWriter:
                     column_attrs,
                 )
                 return True
-            return self._stage(table, cols, counts, spec, column_attrs)
+            staged = self._stage(table, cols, counts, spec, column_attrs)
+            if table not in self._plans and table in self._announced:
+                self._plans[table] = _Plan.of(table, spec, step or {})
+            return staged
 
     def update_static(self, items: dict[str, Any]) -> None:
         """Merge audit items into this rank's `static` attributes (the reader merges ranks)."""
@@ -316,6 +336,104 @@ class TraceWriter:
         self.close()
 
     # --- staging ----------------------------------------------------------------------
+    def _fast_write(
+        self,
+        plan: _Plan,
+        step: dict[str, Any] | None,
+        req: dict[str, Any] | None,
+        tok: dict[str, Any] | None,
+        other_axes: dict[str, dict[str, Any]],
+    ) -> bool | None:
+        """One step of a known table on CPU, in one ring part: a memmove per column, one pipe
+        write. None: not this path (CUDA, another layout, a split step); the generic path
+        then stages it or raises the error it would always have raised."""
+        if self._completer is not None:
+            return None  # CUDA copies in flight: messages must stay in order behind them
+        given = {STEP_AXIS: step or {}, "req": req, "tok": tok, **other_axes}
+        if sum(v is not None for v in given.values()) != len(plan.axes):
+            return None
+        seq_at = 0
+        srcs: list[tuple[int, Any, int]] = []  # (offset in part, source, bytes)
+        counts: list[int] = []
+        used = 0
+        for axis, cols, n_cols in plan.axes:
+            values = given.get(axis)
+            if values is None or len(values) != n_cols:
+                return None
+            n = -1
+            for col, tdtype, ndtype, row_shape, row_bytes in cols:
+                v = values.get(col)
+                if v is None:
+                    return None
+                if type(v) is torch.Tensor:
+                    if v.dtype is not tdtype or not v.is_cpu or not v.is_contiguous():
+                        return None
+                    shape = v.shape
+                    src: Any = v.data_ptr()
+                else:
+                    # bf16 columns take only tensors here; tensor subclasses go the long way.
+                    if ndtype is None or isinstance(v, torch.Tensor):
+                        return None
+                    try:
+                        v = np.asarray(v)
+                    except (TypeError, ValueError):
+                        return None
+                    if v.dtype != ndtype or not v.flags.c_contiguous:
+                        return None
+                    shape = v.shape
+                    src = v
+                if axis == STEP_AXIS:
+                    if shape != row_shape:
+                        return None
+                    rows = 1
+                else:
+                    if len(shape) != len(row_shape) + 1 or shape[1:] != row_shape:
+                        return None
+                    rows = shape[0]
+                if n != rows:
+                    if n >= 0:
+                        return None  # ragged axis: the generic path names the columns
+                    n = rows
+                nbytes = rows * row_bytes
+                srcs.append((used, src, nbytes))
+                used += -(-nbytes // ALIGN) * ALIGN
+            if axis == STEP_AXIS and plan.auto_seq:
+                seq_at = used
+                used += 2 * ALIGN
+            counts.append(max(n, 0) if axis != STEP_AXIS else 1)
+        if used > self._part_bytes:
+            return None
+        base = self._allocate(used, may_drop=self.on_full == "drop")
+        if base is None:
+            self.dropped[plan.table] = self.dropped.get(plan.table, 0) + 1
+            return False
+        seq, self._seq = self._seq, self._seq + 1
+        addr = self._ring_addr + base
+        buf = self._shm.buf
+        for offset, src, nbytes in srcs:
+            if not nbytes:
+                continue
+            if type(src) is int:
+                ctypes.memmove(addr + offset, src, nbytes)  # one single-threaded memcpy
+            else:
+                lo = base + offset
+                self._ring_np[lo : lo + nbytes] = src.reshape(-1).view(np.uint8)
+        if plan.auto_seq:
+            # seq and t_ns close the step axis, in that order (as the generic path appends them).
+            struct.pack_into("<q", buf, base + seq_at, seq)
+            struct.pack_into("<q", buf, base + seq_at + ALIGN, time.time_ns())
+        dropped = None
+        if self.dropped != self._dropped_sent:
+            dropped = self._dropped_sent = dict(self.dropped)
+        msg = ("step", plan.table, base, self._head, tuple(counts), dropped)
+        try:  # plain pickle: Connection.send's ForkingPickler costs more than the write itself
+            self._data_w.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
+        except OSError as exc:
+            raise TraceError(
+                f"{self.path}: the writer process of rank {self.rank} exited ({exc})"
+            ) from exc
+        return True
+
     def _control(self, msg: tuple) -> None:
         with self._lock:
             if not self.process:
@@ -406,11 +524,15 @@ class TraceWriter:
 
     def _allocate(self, n: int, may_drop: bool) -> int | None:
         """Offset of n contiguous free bytes in the ring (None: full and may_drop)."""
+        while self._free_poll.poll(0):
+            self._take(self._recv_free())
+        if self._tail == self._head and self._head % self._ring_bytes:
+            # Nothing in flight: start over at the ring's start, whose pages the last steps
+            # touched and are likely still in cache (a FIFO walk copies into cold memory).
+            self._head = self._tail = -(-self._head // self._ring_bytes) * self._ring_bytes
         pos = self._head % self._ring_bytes
         pad = self._ring_bytes - pos if pos + n > self._ring_bytes else 0  # never wrap a part
         need = pad + n
-        while self._free_r.poll(0):
-            self._take(self._recv_free())
         if self._head + need - self._tail > self._ring_bytes:
             if may_drop:
                 return None
@@ -479,6 +601,60 @@ class TraceWriter:
         del self._ring, self._ring_np
         self._shm.close()
         self._shm.unlink()
+
+
+class _Plan:
+    """What the fast path needs to stage a step of one table without building dicts: per axis
+    (in spec order), the producer's columns with their torch and numpy dtypes and row sizes."""
+
+    def __init__(self, table: str, axes: list, auto_seq: bool) -> None:
+        self.table = table
+        self.axes = axes  # [(axis, ((column, torch dtype, numpy dtype|None, row_shape, row_bytes), ...), n)]
+        self.auto_seq = auto_seq
+
+    @staticmethod
+    def of(table: str, spec: dict, step: dict[str, Any]) -> _Plan | None:
+        auto = [c for c in AUTO_STEP_COLUMNS if c not in step]
+        if auto and (len(auto) != len(AUTO_STEP_COLUMNS) or list(spec[STEP_AXIS])[-2:] != auto):
+            return None  # only one of seq / t_ns given: rare, the generic path handles it
+        axes = []
+        for axis, cc in spec.items():
+            cols = []
+            for col, (storage, logical, row_shape) in cc.items():
+                if axis == STEP_AXIS and auto and col in auto:
+                    continue
+                ndtype = np.dtype(storage)
+                if ndtype.kind == "c":
+                    return None  # complex tensors may carry lazy conj/neg bits
+                tdtype = torch.bfloat16 if logical == "bfloat16" else _TORCH_DTYPES.get(ndtype)
+                if tdtype is None:
+                    return None
+                numpy_ok = ndtype if logical == storage else None
+                rs = tuple(row_shape)
+                cols.append(
+                    (col, tdtype, numpy_ok, torch.Size(rs), ndtype.itemsize * math.prod(rs))
+                )
+            axes.append((axis, tuple(cols), len(cols)))
+        return _Plan(table, axes, bool(auto))
+
+
+_TORCH_DTYPES = {
+    np.dtype(n): getattr(torch, n)
+    for n in (
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "float16",
+        "float32",
+        "float64",
+        "uint16",
+        "uint32",
+        "uint64",
+    )
+}
 
 
 def _pack(
