@@ -73,7 +73,7 @@ def locate(path: Path | None, trace_path: Path) -> Path | None:
     return path
 
 
-def _training_side(against: Path) -> tuple[list[Any], str, dict[str, Any]]:
+def _training_side(against: Path, slot_width: int) -> tuple[list[Any], str, dict[str, Any]]:
     """Training samples, or the requests of a second trace presented as samples."""
     from hstrace.training import TrainingSample, open_training
 
@@ -86,10 +86,9 @@ def _training_side(against: Path) -> tuple[list[Any], str, dict[str, Any]]:
         for i, r in enumerate(data.requests):
             if r.aux is None:
                 continue
-            ht = int((data.aux_attrs or {}).get("slot_width") or 0)
             aux = r.aux
-            width = aux.shape[-1]
-            ht = ht if ht and width % ht == 0 else width
+            ht = int((data.aux_attrs or {}).get("slot_width") or slot_width)
+            ht = ht if aux.shape[-1] % ht == 0 else aux.shape[-1]
             samples.append(
                 TrainingSample(
                     index=i,
@@ -123,9 +122,6 @@ def replay(
         raise TrainingDataError(f"--against {against}: no such training dir or trace")
     with open_trace(trace_path) as trace:
         serving: ServingData = read_serving(trace)
-    samples, kind, training_info = _training_side(against)
-    if not samples:
-        raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")
 
     drafter_path = drafter_path or locate(drafter_path_from_trace(serving.meta), trace_path)
     if drafter_path is None:
@@ -133,6 +129,9 @@ def replay(
     if not Path(drafter_path).is_dir():
         raise CheckpointError(f"drafter {drafter_path}: not a checkpoint directory")
     drafter, report = load_drafter(Path(drafter_path))
+    samples, kind, training_info = _training_side(against, drafter.cfg.aux_width)
+    if not samples:
+        raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")
 
     explicit_target = target_path is not None
     if explicit_target and not Path(target_path).is_dir():
