@@ -27,12 +27,14 @@ class ReferenceTarget:
     def __init__(self, path: Path) -> None:
         try:
             from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
         except ImportError as exc:
             raise HstraceError(
                 "the target forward needs transformers (pip install 'hstrace[reference]')"
             ) from exc
         if not (Path(path) / "config.json").is_file():
             raise HstraceError(f"target model dir {path} has no config.json")
+        hf_logging.disable_progress_bar()  # hstrace draws its own; keep stderr to one line
         try:
             self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         except (OSError, ValueError, KeyError) as exc:
