@@ -77,7 +77,10 @@ def metric_overstates(ctx) -> list[Finding]:
     teacher_full = torch.cat(teacher)
     d2t = ctx.drafter.d2t.long()
     in_vocab = torch.arange(len(d2t)) + d2t
-    draft_pred = ts["logits"].argmax(-1)
+    # Same rows as `acc0_training`: the loss-masked ones the library trains and reports on.
+    m = ts["mask"] if ts["mask"].any() else torch.ones_like(ts["mask"])
+    teacher_full = teacher_full[m]
+    draft_pred = ts["logits"].argmax(-1)[m]
     library = agreement(draft_pred, teacher_full[:, in_vocab].argmax(-1))  # speculators acc_0
     target_argmax = teacher_full.argmax(-1)
     served = agreement(draft_pred + d2t[draft_pred], target_argmax)  # what greedy accepts
