@@ -26,6 +26,12 @@ import click
     help="HF target model dir, for layer fingerprints and the teacher test. Default: the trace's.",
 )
 @click.option(
+    "--salt-file",
+    type=click.Path(path_type=Path),
+    help="For a bundle made with --redact ids: the salt it was made with (default: TRACE.salt "
+    "beside it). Token ids are recovered with it; without it such a bundle cannot be replayed.",
+)
+@click.option(
     "--json", "as_json", is_flag=True, help="Print the result as JSON (docs/replay-json.md)."
 )
 @click.option(
@@ -39,6 +45,7 @@ def replay(
     against: Path,
     drafter: Path | None,
     target: Path | None,
+    salt_file: Path | None,
     as_json: bool,
     markdown_file: Path | None,
 ) -> int:
@@ -67,7 +74,12 @@ def replay(
             bar.advance(tasks[label], n)
 
         result = run_replay(
-            trace, against, drafter_path=drafter, target_path=target, progress=progress
+            trace,
+            against,
+            drafter_path=drafter,
+            target_path=target,
+            progress=progress,
+            salt_file=salt_file,
         )
     if markdown_file is not None:
         try:

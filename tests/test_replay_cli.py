@@ -137,3 +137,36 @@ def test_replay_reads_a_bundle_and_says_what_redaction_removed(tmp_path):
     result = replay(redacted, TRAINING)
     assert "target.aux_hidden" in result.skipped and "draft_extend.hidden_in" in result.skipped
     assert result.metrics["target_space_top1"] == 1.0  # the vocab map was still checked
+
+
+def test_ids_redacted_bundle_needs_its_salt_and_then_replays_fully(tmp_path):
+    """`--redact ids` hashes every token id: without the salt replay cannot embed or align them
+    (one line, exit 2, says what to pass); with it the ids are recovered and the verdict is the
+    one of the unredacted trace."""
+    bundle = tmp_path / "ids.zip"
+    made = hstrace(
+        "bundle", str(EXAMPLES / "aux-layer-shift.zarr"), "-o", str(bundle), "--redact", "ids"
+    )
+    assert made.returncode == 0, made.stderr
+    salt = tmp_path / "ids.zip.salt"
+    assert salt.is_file()
+
+    moved = tmp_path / "kept-apart.salt"
+    salt.rename(moved)
+    assert_one_line_error(hstrace("replay", str(bundle), "--against", str(TRAINING)), "--salt-file")
+    wrong = tmp_path / "wrong.salt"
+    wrong.write_text("00" * 32)
+    assert_one_line_error(
+        hstrace("replay", str(bundle), "--against", str(TRAINING), "--salt-file", str(wrong)),
+        "not the one",
+    )
+
+    run = hstrace(
+        "replay", str(bundle), "--against", str(TRAINING), "--salt-file", str(moved), "--json"
+    )
+    assert run.returncode == 1, run.stderr
+    data = json.loads(run.stdout)
+    assert data["verdict"]["code"] == "aux-layer-shift"
+    assert data["inputs"]["redaction"]["modes"] == ["ids"]
+    assert data["coverage"]["aligned_requests"] == 8  # aligned on the recovered ids
+    assert data["metrics"]["engine_vs_reference"]["top1_agreement"] == 1.0

@@ -17,6 +17,14 @@ from hstrace.errors import CheckpointError, HstraceError, TrainingDataError
 from hstrace.findings import Finding
 from hstrace.replay.align import align
 from hstrace.replay.context import ReplayContext
+from hstrace.replay.redaction import (
+    IdRecovery,
+    RedactedIdsError,
+    find_salt,
+    recover_serving_ids,
+    redaction_modes,
+    redaction_of,
+)
 from hstrace.replay.result import ReplayResult
 from hstrace.replay.serving import ServingData, read_serving
 from hstrace.replay.step0 import threads_for
@@ -73,7 +81,9 @@ def locate(path: Path | None, trace_path: Path) -> Path | None:
     return path
 
 
-def _training_side(against: Path, slot_width: int) -> tuple[list[Any], str, dict[str, Any]]:
+def _training_side(
+    against: Path, slot_width: int, recovery: IdRecovery | None = None
+) -> tuple[list[Any], str, dict[str, Any]]:
     """Training samples, or the requests of a second trace presented as samples."""
     from hstrace.training import TrainingSample, open_training
 
@@ -82,6 +92,14 @@ def _training_side(against: Path, slot_width: int) -> tuple[list[Any], str, dict
 
         with open_trace(against) as other:
             data = read_serving(other)
+        if "ids" in redaction_modes(data.meta):
+            digest = redaction_of(data.meta).get("salt_sha256")
+            if recovery is None or digest != _digest(recovery.salt):
+                raise RedactedIdsError(
+                    f"--against {against}: its token ids are redacted with another salt "
+                    "(or none was given); replay against the training data or the unredacted trace"
+                )
+            recover_serving_ids(data, recovery)
         samples = []
         for i, r in enumerate(data.requests):
             if r.aux is None:
@@ -106,12 +124,19 @@ def _training_side(against: Path, slot_width: int) -> tuple[list[Any], str, dict
     return list(td.samples()), "training", {"format": td.format, "samples": len(td)}
 
 
+def _digest(salt: bytes) -> str:
+    from hstrace.bundle.redact import salt_digest
+
+    return salt_digest(salt)
+
+
 def replay(
     trace_path: Path,
     against: Path,
     drafter_path: Path | None = None,
     target_path: Path | None = None,
     progress: Progress | None = None,
+    salt_file: Path | None = None,
 ) -> ReplayResult:
     from hstrace.diagnose import diagnose
     from hstrace.drafter import load_drafter
@@ -122,6 +147,14 @@ def replay(
         raise TrainingDataError(f"--against {against}: no such training dir or trace")
     with open_trace(trace_path) as trace:
         serving: ServingData = read_serving(trace)
+    modes = redaction_modes(serving.meta)
+    redaction: dict[str, Any] = {"modes": list(modes)} if modes else {}
+    salt = None
+    if "ids" in modes:  # before anything slow: without the salt nothing can be replayed
+        salt, salt_path = find_salt(
+            trace_path, salt_file, redaction_of(serving.meta).get("salt_sha256")
+        )
+        redaction["ids"] = f"recovered from the salted hashes with the salt in {salt_path}"
 
     drafter_path = drafter_path or locate(drafter_path_from_trace(serving.meta), trace_path)
     if drafter_path is None:
@@ -129,7 +162,11 @@ def replay(
     if not Path(drafter_path).is_dir():
         raise CheckpointError(f"drafter {drafter_path}: not a checkpoint directory")
     drafter, report = load_drafter(Path(drafter_path))
-    samples, kind, training_info = _training_side(against, drafter.cfg.aux_width)
+    recovery = None
+    if salt is not None:
+        recovery = IdRecovery.build(salt, drafter.cfg.vocab_size, drafter.cfg.draft_vocab_size)
+        recover_serving_ids(serving, recovery)
+    samples, kind, training_info = _training_side(against, drafter.cfg.aux_width, recovery)
     if not samples:
         raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")
 
@@ -188,6 +225,7 @@ def replay(
             "drafter": str(drafter_path),
             "drafter_dialect": getattr(report, "dialect", None),
             "target": str(target_path) if target is not None else None,
+            **({"redaction": redaction} if redaction else {}),
         },
         skipped=dict(ctx.skipped),
     )
