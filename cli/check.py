@@ -11,6 +11,9 @@ import click
 
 from hstrace.findings import Finding, in_dataflow_order
 
+# The SGLang release hstrace pins (`hstrace[sglang]`); findings are judged for it by default.
+DEFAULT_SGLANG = "0.5.23"
+
 
 def _metrics_from_training(
     model: Any, report: Any, path: str, target: str | None, samples: int, steps: int
@@ -82,7 +85,13 @@ def _metrics_from_training(
 @click.option(
     "--sglang-version",
     default=None,
-    help="Keep only findings that apply to this SGLang version (e.g. 0.5.23).",
+    help="Judge for this SGLang version (default: the installed one, else "
+    f"{DEFAULT_SGLANG}, the newest hstrace supports).",
+)
+@click.option(
+    "--all-versions",
+    is_flag=True,
+    help="Report findings for every engine version, not just the one judged for.",
 )
 def check(
     drafter: str,
@@ -93,6 +102,7 @@ def check(
     as_json: bool,
     dialect: str | None,
     sglang_version: str | None,
+    all_versions: bool,
 ) -> int:
     """Load a drafter checkpoint and report static wiring problems (exit 0 clean, 1 faults, 2 bad input)."""
     from hstrace.check import applies, static_findings
@@ -105,13 +115,21 @@ def check(
             model, report, against, target, samples, steps
         )
         findings += more
-    if sglang_version:
-        findings = [f for f in findings if applies(f, "sglang", sglang_version)]
+    hidden = 0
+    if not all_versions:
+        # A finding for another engine version (e.g. "sglang<0.5.12") is not a fault of this
+        # deployment; it is counted and named, not reported, unless --all-versions.
+        sglang_version = sglang_version or _installed_sglang() or DEFAULT_SGLANG
+        kept = [f for f in findings if applies(f, "sglang", sglang_version)]
+        hidden = len(findings) - len(kept)
+        findings = kept
     findings = in_dataflow_order(findings)
     faults = sum(f.severity == "fault" for f in findings)
     if as_json:
         doc = {
             "dialect": report.dialect,
+            "judged_for": None if all_versions else f"sglang=={sglang_version}",
+            "findings_for_other_versions": hidden,
             "findings": [f.to_json() for f in findings],
             "metrics": metrics,
             "load_report": report.to_json(),
@@ -119,7 +137,19 @@ def check(
         click.echo(json.dumps(doc, indent=2, default=str))
     else:
         _print_rich(report, findings, metrics)
+        if not all_versions:
+            more = f"; {hidden} more for other engine versions (--all-versions)" if hidden else ""
+            click.echo(f"judged for sglang {sglang_version}{more}")
     return 1 if faults else 0
+
+
+def _installed_sglang() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
 
 
 def _print_rich(report: Any, findings: list[Finding], metrics: dict[str, Any]) -> None:

@@ -104,13 +104,20 @@ def test_flags_the_engine_ignores_with_versions(tmp_path, capsys):
         ck,
         dialect="speculators",
     )
-    rc, doc, _ = run_check(capsys, str(ck), "--json")
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--all-versions")
     by = {(f["code"], f["applies_to"]) for f in doc["findings"]}
     assert ("norm-flag-mismatch", "sglang<0.5.17") in by
     assert ("norm-flag-mismatch", "sglang<=0.5.23") in by
     assert ("attention-window", "sglang<=0.5.23") in by
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--sglang-version", "0.5.17")
     assert not any(f["applies_to"] == "sglang<0.5.17" for f in doc["findings"])
+    assert doc["judged_for"] == "sglang==0.5.17" and doc["findings_for_other_versions"] >= 1
+    # By default: judged for the pinned SGLang (none is installed in this environment).
+    rc, doc, _ = run_check(capsys, str(ck), "--json")
+    assert doc["judged_for"] == "sglang==0.5.23"
+    assert ("norm-flag-mismatch", "sglang<0.5.17") not in {
+        (f["code"], f["applies_to"]) for f in doc["findings"]
+    }
 
 
 def test_specforge_norm_output_meaning_and_missing_draft_vocab(tmp_path, capsys):
