@@ -403,11 +403,11 @@ class TraceWriter:
             counts.append(max(n, 0) if axis != STEP_AXIS else 1)
         if used > self._part_bytes:
             return None
+        seq, self._seq = self._seq, self._seq + 1  # a dropped step leaves its gap in seq
         base = self._allocate(used, may_drop=self.on_full == "drop")
         if base is None:
             self.dropped[plan.table] = self.dropped.get(plan.table, 0) + 1
             return False
-        seq, self._seq = self._seq, self._seq + 1
         addr = self._ring_addr + base
         buf = self._shm.buf
         for offset, src, nbytes in srcs:
