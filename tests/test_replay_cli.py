@@ -136,7 +136,31 @@ def test_replay_reads_a_bundle_and_says_what_redaction_removed(tmp_path):
     make_bundle(EXAMPLES / "aux-layer-shift.zarr", redacted, BundleOptions(redact=("hidden",)))
     result = replay(redacted, TRAINING)
     assert "target.aux_hidden" in result.skipped and "draft_extend.hidden_in" in result.skipped
+    assert "redact hidden" in result.skipped["draft_extend.hidden_in"]  # names the redaction
+    assert "width" not in result.skipped["serving step-0 accuracy"]  # no misleading misfit
     assert result.metrics["target_space_top1"] == 1.0  # the vocab map was still checked
+    assert "engine_vs_reference" not in result.metrics
+    # The kept sketches still fingerprint every slot against the training slots and the
+    # target's layers (both projected the same way): the layer shift is still named.
+    assert result.verdict.code == "aux-layer-shift"
+    assert result.verdict.evidence["fingerprinted_from"].startswith("per-slot sketches")
+    assert result.fingerprints["serving_layers"]["layer"] == [3, 5, 6]
+    assert result.inputs["redaction"]["modes"] == ["hidden"]
+
+
+def test_hidden_redacted_clean_bundle_is_not_a_fault(tmp_path):
+    """Sketch cosines are approximate, but identical states sketch identically: a clean trace's
+    slots still match the training slots one to one."""
+    from hstrace.bundle import BundleOptions, make_bundle
+    from hstrace.replay import replay
+
+    redacted = tmp_path / "clean-redacted.zip"
+    make_bundle(EXAMPLES / "clean.zarr", redacted, BundleOptions(redact=("hidden",)))
+    result = replay(redacted, TRAINING)
+    assert result.exit_code == 0, result.verdict
+    assert result.fingerprints["serving_layers"]["layer"] == [2, 4, 5]
+    cos = result.fingerprints["serving_x_training"]["cos"]
+    assert all(cos[i][i] > 0.999 for i in range(3))
 
 
 def test_ids_redacted_bundle_needs_its_salt_and_then_replays_fully(tmp_path):

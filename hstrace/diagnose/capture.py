@@ -74,6 +74,8 @@ def capture_slots(ctx) -> list[Finding]:
         "slot_cos": np.round(m.cos, 4).tolist(),
         "slot_rel_norm": np.round(m.rel_norm, 4).tolist(),
     }
+    if ctx.sketched:  # a `--redact hidden` bundle: cosines between seeded projections
+        evidence["fingerprinted_from"] = "per-slot sketches (hidden states redacted)"
     if fps is not None:
         evidence["serving_layers"] = fps[0].layer
         evidence["training_layers"] = fps[1].layer

@@ -112,32 +112,89 @@ class ReplayContext:
         out = []
         for m in self.matches:
             req, sample = self.serving.requests[m.serving], self.samples[m.training]
-            rows = len(req.aux) if req.aux is not None else 0
+            rows = req.aux_rows
             n = min(m.length, rows, int(sample.aux.shape[0]))
             if n > 0:
                 out.append(Aligned(req, sample, n))
         return out
 
     @cached_property
+    def sketched(self) -> bool:
+        """Serving hidden states were redacted; per-slot sketches stand in for them."""
+        reqs = self.serving.requests
+        return (
+            bool(reqs)
+            and all(r.aux is None for r in reqs)
+            and any(r.aux_sketch is not None for r in reqs)
+        )
+
+    @cached_property
+    def sketch_slot_width(self) -> int | None:
+        """The width of the slots the serving sketches were projected from."""
+        w = self.serving.sketch_attrs.get("slot_width")
+        return int(w) if w else None
+
+    @cached_property
     def serving_width(self) -> int | None:
+        """Width of the recorded capture (for a sketched bundle: the width before redaction)."""
+        if self.sketched:
+            from hstrace.bundle.redact import SKETCH_DIM
+
+            dim = int(self.serving.sketch_attrs.get("sketch_dim") or SKETCH_DIM)
+            widths = {
+                int(r.aux_sketch.shape[-1]) // dim
+                for r in self.serving.requests
+                if r.aux_sketch is not None
+            }
+            ht = self.sketch_slot_width
+            return widths.pop() * ht if len(widths) == 1 and ht else None
         widths = {int(r.aux.shape[-1]) for r in self.serving.requests if r.aux is not None}
         return widths.pop() if len(widths) == 1 else None
 
+    def serving_slots_of(self, r: ServingRequest, n: int | None = None) -> torch.Tensor:
+        """[n, K, Ht] serving slots of one request, or [n, K, D] sketches when redacted."""
+        if self.sketched:
+            x = r.aux_sketch[:n]
+            return x.reshape(len(x), -1, int(self.serving.sketch_attrs.get("sketch_dim", 32)))
+        x = r.aux[:n].float()
+        return x.reshape(len(x), -1, self.slot_width)
+
+    def training_slots_of(self, a: Aligned) -> torch.Tensor:
+        """[n, Kt, Ht] training slots on the aligned tokens, sketched like serving if needed."""
+        t = a.sample.aux[: a.n].float()
+        return self.sketch(t) if self.sketched else t
+
+    def sketch(self, slots: torch.Tensor) -> torch.Tensor:
+        """[N, K, W] -> [N, K, D]: the same seeded projection `hstrace bundle` applied."""
+        from hstrace.bundle.redact import sketch_slots
+
+        return sketch_slots(slots).reshape(slots.shape[0], slots.shape[1], -1)
+
     @cached_property
     def slots(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(serving [N, Ks, Ht], training [N, Kt, Ht]) over all aligned tokens."""
+        """(serving [N, Ks, Ht], training [N, Kt, Ht]) over all aligned tokens; for a bundle
+        with hidden states redacted, both sides as sketches [N, K, D]."""
         ht = self.slot_width
         if not self.aligned or ht is None or self.serving_width is None:
             self.skip("slot fingerprints", "no aligned tokens with recorded aux hidden states")
             return None
-        if self.serving_width % ht:
+        if self.sketched:
+            tw = int(self.aligned[0].sample.aux.shape[-1])
+            if self.sketch_slot_width != tw:
+                self.skip(
+                    "slot fingerprints",
+                    f"serving slots were sketched from width {self.sketch_slot_width}, training "
+                    f"slots are {tw} wide: sketches of different widths do not compare",
+                )
+                return None
+        elif self.serving_width % ht:
             self.skip(
                 "slot fingerprints",
                 f"serving aux width {self.serving_width} is not a multiple of the slot width {ht}",
             )
             return None
-        s = torch.cat([a.serving.aux[: a.n].float().reshape(a.n, -1, ht) for a in self.aligned])
-        t = torch.cat([a.sample.aux[: a.n].float() for a in self.aligned])
+        s = torch.cat([self.serving_slots_of(a.serving, a.n) for a in self.aligned])
+        t = torch.cat([self.training_slots_of(a) for a in self.aligned])
         return s, t
 
     @cached_property
@@ -147,6 +204,9 @@ class ReplayContext:
     @cached_property
     def serving_health(self) -> list[SlotHealth] | None:
         ht = self.slot_width
+        if self.sketched:  # a zero slot sketches to zero, identical rows to identical sketches
+            rows = [self.serving_slots_of(r) for r in self.serving.requests if r.aux_rows]
+            return slot_health(torch.cat(rows)) if rows else None
         rows = [r.aux.float() for r in self.serving.requests if r.aux is not None]
         if not rows or ht is None or self.serving_width is None or self.serving_width % ht:
             return None
@@ -158,8 +218,8 @@ class ReplayContext:
         ht = self.slot_width
         if self.slots is None or ht is None:
             return []
-        s = [a.serving.aux[: a.n].float().reshape(a.n, -1, ht) for a in self.aligned]
-        t = [a.sample.aux[: a.n].float() for a in self.aligned]
+        s = [self.serving_slots_of(a.serving, a.n) for a in self.aligned]
+        t = [self.training_slots_of(a) for a in self.aligned]
         if s and s[0].shape[1] != t[0].shape[1]:
             return []
         return rows_of_other_requests(s, t)
@@ -174,9 +234,8 @@ class ReplayContext:
             return None
         out = []
         for a in self.aligned:
-            out.append(
-                self.target.forward(torch.as_tensor(a.sample.input_ids[: a.n]).long()).layers
-            )
+            layers = self.target.forward(torch.as_tensor(a.sample.input_ids[: a.n]).long()).layers
+            out.append(self.sketch(layers.float()) if self.sketched else layers)
             self.tick("target forward", a.n)
         return torch.cat(out)
 
@@ -332,7 +391,15 @@ class ReplayContext:
             items.append(Step0Input(tok[1 : n + 1], r.aux[:n], torch.arange(n)))
             labels.append(tok[2 : n + 2])
         if not items:
-            self.skip("serving step-0 accuracy", "serving aux width does not fit the drafter's fc")
+            if self.sketched:
+                why = "hidden states redacted: the drafter needs them, sketches cannot feed fc"
+            elif self.serving_width is None:
+                why = "no recorded aux hidden states"
+            else:
+                why = (
+                    f"serving aux width {self.serving_width} != the drafter's fc input {self.fc_in}"
+                )
+            self.skip("serving step-0 accuracy", why)
             return None
         pred = self.map_to_target(self.run_drafter(self.drafter, items).argmax(-1))
         return agreement(pred, torch.cat(labels))
@@ -384,7 +451,7 @@ class ReplayContext:
         """Step-0 accuracy on the serving capture, restricted to the aligned tokens (same rows,
         same labels as `acc0_training`, so the two are directly comparable)."""
         ts = self.training_step0
-        if ts is None or self.serving_width != self.fc_in:
+        if ts is None or self.sketched or self.serving_width != self.fc_in:
             return None
         items = []
         for a, n in ts["rows"]:

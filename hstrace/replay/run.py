@@ -203,6 +203,12 @@ def replay(
         ctx.skip("target model", target_note)
     if not matches:
         ctx.skip("alignment", "no serving request shares its leading tokens with a training sample")
+    if "hidden" in modes:
+        redaction["hidden"] = (
+            "slot and layer fingerprints from the kept per-slot sketches"
+            if ctx.sketched
+            else "no hidden states and no sketches: no slot checks"
+        )
     with torch.inference_mode(), threads_for(drafter.cfg.hidden_size):
         findings: list[Finding] = diagnose(ctx)
     fingerprints: dict[str, Any] = {}

@@ -39,6 +39,18 @@ class ServingRequest:
     aux: torch.Tensor | None  # [P, K*H] target capture of the first P committed positions
     position_base: int = 0  # the position of tokens[0]
     draft: DraftRows | None = None
+    # A `--redact hidden` bundle keeps, instead of aux, per-slot sketches [P, K*D] (seeded
+    # random projections, `hstrace.bundle.redact.sketch_slots`) and stats [P, K*3].
+    aux_sketch: torch.Tensor | None = None
+    aux_stats: torch.Tensor | None = None
+
+    @property
+    def aux_rows(self) -> int:
+        """Committed positions with a recorded capture (full, or sketched)."""
+        for x in (self.aux, self.aux_sketch):
+            if x is not None:
+                return len(x)
+        return 0
 
 
 @dataclass
@@ -47,6 +59,8 @@ class ServingData:
     meta: dict[str, Any]
     aux_attrs: dict[str, Any] = field(default_factory=dict)
     accept_lens: list[int] = field(default_factory=list)
+    # Attributes of `aux_hidden_sketch` (slot_width, sketch_dim, sketch_seed) in a redacted bundle.
+    sketch_attrs: dict[str, Any] = field(default_factory=dict)
     # Streams or columns the trace lacks (not recorded, or redacted by `hstrace bundle`).
     missing: dict[str, str] = field(default_factory=dict)
 
@@ -97,15 +111,26 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
     ids = _np(target.column("tok", "input_ids")).astype(np.int64)
     pos = _np(target.column("tok", "positions")).astype(np.int64)
     aux_all = _col(target, "tok", "aux_hidden")
+    sketch_all = _col(target, "tok", "aux_hidden_sketch") if aux_all is None else None
+    stats_all = _col(target, "tok", "aux_hidden_stats") if aux_all is None else None
+    redacted = "hidden" in (
+        ((trace.meta.get("static") or {}).get("bundle") or {}).get("redaction") or {}
+    ).get("modes", ())
+    why = "redacted by `hstrace bundle --redact hidden`" if redacted else "absent (not recorded)"
     missing: dict[str, str] = {}
     if aux_all is None:
-        missing["target.aux_hidden"] = "absent (not recorded, or redacted): no slot checks"
+        missing["target.aux_hidden"] = why + (
+            ": slot checks use the kept per-slot sketches (cosines approximate)"
+            if sketch_all is not None
+            else ": no slot checks"
+        )
     ext = view.table("draft_extend")
     if ext is None or ext.num_steps == 0:
         missing["draft_extend"] = "absent: no engine-vs-reference comparison"
     elif "hidden_in" not in ext.columns.get("tok", []):
         missing["draft_extend.hidden_in"] = (
-            "absent (not recorded, or redacted): no engine-vs-reference comparison"
+            f"{why}: no engine-vs-reference comparison and no what-if search (the drafter "
+            "needs the hidden input itself)"
         )
     rows: dict[int, dict[int, int]] = {}  # key -> position -> tok row (the committed one)
     seen_verify: dict[int, int] = {}
@@ -135,6 +160,8 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
             tokens=ids[idx],
             aux=aux,
             position_base=int(positions[0]) if len(positions) else 0,
+            aux_sketch=_torch(sketch_all[idx]).float() if sketch_all is not None else None,
+            aux_stats=_torch(stats_all[idx]).float() if stats_all is not None else None,
         )
         if key in drafts:
             req.draft = _index_draft(drafts[key], req)
@@ -146,12 +173,16 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
             attrs = dict(target.column_attrs("tok", "aux_hidden"))
         except (KeyError, TraceError):
             attrs = {}
+    sketch_attrs: dict[str, Any] = {}
+    if sketch_all is not None:
+        sketch_attrs = dict(target.column_attrs("tok", "aux_hidden_sketch"))
     flat_accept = [a for v in accept.values() for a in v]
     return ServingData(
         requests=requests,
         meta=dict(trace.meta),
         aux_attrs=attrs,
         accept_lens=flat_accept,
+        sketch_attrs=sketch_attrs,
         missing=missing,
     )
 
