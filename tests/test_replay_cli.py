@@ -57,6 +57,11 @@ def test_clean_exits_0_with_json(tmp_path):
     assert data["schema_version"] == 1
     assert data["verdict"]["code"] == "no-wiring-fault"
     assert data["metrics"]["engine_vs_reference"]["within_noise"] is True
+    evr = data["metrics"]["engine_vs_reference"]
+    by_step = evr["by_step"]  # per draft_extend step, every compared row in exactly one
+    assert sum(p["rows"] for p in by_step) == evr["rows"]
+    assert [p["step"] for p in by_step] == sorted({p["step"] for p in by_step})
+    assert all(set(p) >= {"top1_agreement", "topk_agreement", "max_logit_diff"} for p in by_step)
     assert data["coverage"]["aligned_requests"] == 8
     assert data["fingerprints"]["serving_layers"]["layer"] == [2, 4, 5]
 

@@ -9,7 +9,7 @@ import torch
 
 from hstrace.findings import Finding
 from hstrace.replay.align import align, common_prefix
-from hstrace.replay.compare import compare_topk, gathered_logprobs
+from hstrace.replay.compare import agreement_by_step, compare_topk, gathered_logprobs
 from hstrace.replay.fingerprint import (
     SAME_COS,
     layer_fingerprint,
@@ -166,3 +166,23 @@ def test_result_verdict_order_and_exit_codes():
     assert only_warning.verdict.code == "spec-params-adjusted" and only_warning.exit_code == 0
     j = r.to_json()
     assert j["verdict"]["code"] == "aux-layer-shift" and j["verdict"]["stage"] == "target-capture"
+
+
+def test_agreement_by_step_locates_where_the_engine_drifts():
+    """Rows of steps 0 and 2 are the reference's own top-k; step 1 proposes other ids with
+    shifted log-probs: only step 1 shows the disagreement."""
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(9, 50, generator=gen)
+    steps = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    ids = ref.topk(4, dim=-1).indices
+    lp = gathered_logprobs(ref, ids)
+    drift = steps == 1
+    ids[drift] = (-ref[drift]).topk(4, dim=-1).indices  # the least likely ids instead
+    lp[drift] = gathered_logprobs(ref[drift], ids[drift]) + 0.5
+    by_step = agreement_by_step(steps, ids, lp, ref)
+    assert [p["step"] for p in by_step] == [0, 1, 2]
+    assert [p["rows"] for p in by_step] == [3, 3, 3]
+    assert by_step[0]["top1_agreement"] == by_step[2]["top1_agreement"] == 1.0
+    assert by_step[0]["max_logit_diff"] < 1e-5 and by_step[2]["topk_agreement"] == 1.0
+    assert by_step[1]["top1_agreement"] == 0.0 and by_step[1]["topk_agreement"] == 0.0
+    assert by_step[1]["max_logit_diff"] == pytest.approx(0.5, abs=1e-5)

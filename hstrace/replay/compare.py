@@ -97,6 +97,34 @@ def compare_topk(
     )
 
 
+def agreement_by_step(
+    steps: torch.Tensor,
+    engine_ids: torch.Tensor,
+    engine_logprobs: torch.Tensor | None,
+    ref_logits: torch.Tensor,
+) -> list[dict[str, float | int]]:
+    """`compare_topk`'s top-1 / top-k / max difference per recorded step (rows grouped by
+    `steps` [N], ascending), so a drift that starts mid-run shows where it starts."""
+    out: list[dict[str, float | int]] = []
+    for step in torch.unique(steps).tolist():
+        rows = steps == step
+        a = compare_topk(
+            engine_ids[rows],
+            engine_logprobs[rows] if engine_logprobs is not None else None,
+            ref_logits[rows],
+        )
+        out.append(
+            {
+                "step": int(step),
+                "rows": a.rows,
+                "top1_agreement": round(a.top1, 6),
+                "topk_agreement": round(a.topk, 6),
+                "max_logit_diff": round(a.max_logprob_diff, 6),
+            }
+        )
+    return out
+
+
 def agreement(a: torch.Tensor, b: torch.Tensor) -> float:
     """Fraction of equal entries (token ids, argmaxes)."""
     if a.numel() == 0:

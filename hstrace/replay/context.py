@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from hstrace.replay.align import Coverage, Match
-from hstrace.replay.compare import LogitAgreement, agreement, compare_topk
+from hstrace.replay.compare import LogitAgreement, agreement, agreement_by_step, compare_topk
 from hstrace.replay.fingerprint import (
     LayerFingerprint,
     SlotHealth,
@@ -51,6 +51,7 @@ class EngineRows:
     topk_logprobs: torch.Tensor | None
     positions: torch.Tensor  # [R] recorded positions
     index: torch.Tensor  # [R] the row's sequence index
+    steps: torch.Tensor | None = None  # [R] the draft_extend step each row was recorded in
 
 
 class ReplayContext:
@@ -310,6 +311,7 @@ class ReplayContext:
             topk_logprobs=cat("topk_logprobs"),
             positions=torch.cat([torch.as_tensor(r.draft.positions) for r in reqs]),
             index=torch.cat([torch.as_tensor(r.draft.index) for r in reqs]),
+            steps=torch.cat([torch.as_tensor(r.draft.steps) for r in reqs]),
         )
 
     def run_drafter(
@@ -496,6 +498,11 @@ class ReplayContext:
             out["engine_vs_reference_top1"] = a["top1_agreement"]
             out["engine_vs_reference_topk"] = a["topk_agreement"]
             out["engine_vs_reference_max_logprob_diff"] = a["max_logprob_diff"]
+            rows = self.engine_rows
+            if rows.steps is not None and len(rows.steps) == len(rows.topk_draft_ids):
+                a["by_step"] = agreement_by_step(
+                    rows.steps, rows.topk_draft_ids, rows.topk_logprobs, self.reference_logits
+                )
             out["engine_vs_reference"] = a
         if self.serving.accept_lens:
             out["mean_accept_len"] = round(float(np.mean(self.serving.accept_lens)), 6)

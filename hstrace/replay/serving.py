@@ -30,6 +30,8 @@ class DraftRows:
     topk_logprobs: torch.Tensor | None = None  # [R, k]
     # The committed sequence's index of each row (row r sits at sequence index index[r]).
     index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # The table step (the event on this rank, 0 = first) each row was recorded in.
+    steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 @dataclass
@@ -217,15 +219,18 @@ def _draft_rows(table: Any) -> dict[int, dict[str, Any]]:
     if cols["positions"] is None or cols["input_ids"] is None:
         return {}
     positions = _np(cols["positions"]).astype(np.int64)
+    step_of_row = np.zeros(len(positions), dtype=np.int64)
     per_key: dict[int, dict[int, int]] = {}
-    for _s, key, a, b in _per_request_blocks(table):
+    for s, key, a, b in _per_request_blocks(table):
         by_pos = per_key.setdefault(key, {})
+        step_of_row[a:b] = s
         for row in range(a, b):
             by_pos[int(positions[row])] = row  # a later extend of the same position wins
     out = {}
     for key, by_pos in per_key.items():
         idx = np.array([by_pos[p] for p in sorted(by_pos)], dtype=np.int64)
         out[key] = {n: (c[idx] if c is not None else None) for n, c in cols.items()}
+        out[key]["steps"] = step_of_row[idx]
     return out
 
 
@@ -245,4 +250,5 @@ def _index_draft(cols: dict[str, Any], req: ServingRequest) -> DraftRows:
         topk_target_ids=cut(cols["topk_target_ids"]),
         topk_logprobs=cut(cols["topk_logprobs"]),
         index=np.arange(n, dtype=np.int64),
+        steps=_np(cols["steps"][:n]).astype(np.int64),
     )
