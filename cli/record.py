@@ -141,6 +141,15 @@ def parse_streams(value: str | None) -> frozenset[str]:
     help="When the writer falls behind: stall serving, or drop steps (counted).",
 )
 @click.option(
+    "--knob",
+    "knobs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="reference engine: reproduce an engine behaviour (repeatable; VALUE is JSON, e.g. "
+    "--knob capture_convention=before_layer --knob 'norm_flags={\"feed_normed\": true}'). "
+    "Knobs: hstrace.engines.reference.ReferenceKnobs.",
+)
+@click.option(
     "--startup-timeout",
     type=float,
     default=900.0,
@@ -160,6 +169,7 @@ def record(
     max_new_tokens: int,
     streams: str | None,
     on_full: str,
+    knobs: tuple[str, ...],
     startup_timeout: float,
 ) -> None:
     """Run an engine with hstrace's hooks and record a trace."""
@@ -173,6 +183,13 @@ def record(
         )
     if out.exists():
         raise HstraceError(f"{out} already exists; hstrace record never overwrites a trace")
+    if knobs and engine_name != "reference":
+        raise HstraceError("--knob applies only to --engine reference")
+    extra: dict = {}
+    if knobs:
+        from hstrace.engines.reference import parse_knob
+
+        extra = dict(parse_knob(k) for k in knobs)
     options = RecordOptions(
         max_new_tokens=max_new_tokens,
         streams=parse_streams(streams),
@@ -182,7 +199,9 @@ def record(
     )
     engine = get_engine(
         engine_name,
-        EngineConfig(server_cmd=server_cmd, target=target, drafter=drafter, device=device),
+        EngineConfig(
+            server_cmd=server_cmd, target=target, drafter=drafter, device=device, extra=extra
+        ),
     )
     engine.check_supported()  # refuse before anything starts or any prompt is read twice
     prompts = (

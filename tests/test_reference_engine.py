@@ -175,18 +175,28 @@ def test_record_cli_reference_engine_with_knobs(tmp_path, prompts):
         "--max-new-tokens",
         "4",
     ]
-    env = {**os.environ, "HSTRACE_REFERENCE_KNOBS": '{"d2t_as_table": true}'}
-    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    run = subprocess.run(
+        cmd + ["--knob", "d2t_as_table=true", "--knob", "capture_convention=before_layer"],
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr
     with open_trace(out) as tr:
         assert tr.rank(0).table("requests").num_steps == 2
-        assert tr.meta["static"]["reference_knobs"]["d2t_as_table"] is True
-    env["HSTRACE_REFERENCE_KNOBS"] = '{"d2t_as_table": tru'
-    bad = subprocess.run(
-        cmd[:-2] + ["--out", str(tmp_path / "bad.zarr")], capture_output=True, text=True, env=env
-    )
-    assert (
-        bad.returncode == 2
-        and "HSTRACE_REFERENCE_KNOBS" in bad.stderr
-        and "Traceback" not in bad.stderr
-    )
+        knobs = tr.meta["static"]["reference_knobs"]
+        assert knobs["d2t_as_table"] is True and knobs["capture_convention"] == "before_layer"
+
+    def refused(*extra: str, env: dict | None = None) -> str:
+        again = cmd[:-4] + ["--out", str(tmp_path / "bad.zarr"), *extra]
+        bad = subprocess.run(again, capture_output=True, text=True, env=env)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        lines = [x for x in bad.stderr.splitlines() if x.startswith("hstrace: error:")]
+        assert len(lines) == 1, bad.stderr
+        return lines[0]
+
+    assert "d2t_as_table" in refused("--knob", "d2t_as_tabel=true")  # lists the valid knobs
+    assert "JSON" in refused("--knob", "d2t_as_table=tru")
+    assert "takes bool" in refused("--knob", "d2t_as_table=3")
+    # The environment variable of earlier scripts still works and is still checked.
+    env = {**os.environ, "HSTRACE_REFERENCE_KNOBS": '{"d2t_as_table": tru'}
+    assert "HSTRACE_REFERENCE_KNOBS" in refused(env=env)

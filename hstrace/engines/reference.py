@@ -64,13 +64,19 @@ class ReferenceKnobs:
     num_draft_tokens: int | None = None
 
     @classmethod
+    def names(cls) -> list[str]:
+        return sorted(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ReferenceKnobs:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(extra) - names)
+        names = cls.names()
+        unknown = sorted(set(extra) - set(names))
         if unknown:
             raise EngineError(
-                f"unknown reference-engine knob(s) {unknown}; known: {', '.join(sorted(names))}"
+                f"unknown reference-engine knob(s) {unknown}; known: {', '.join(names)}"
             )
+        for key, value in extra.items():
+            _check_knob_type(key, value)
         values = dict(extra)
         for key in ("capture_layers", "aux_order"):
             if values.get(key) is not None:
@@ -83,8 +89,56 @@ class ReferenceKnobs:
         }
 
 
-# `hstrace record --engine reference` takes knobs from this variable (a JSON object), since the
-# record command's flags are engine-neutral; `EngineConfig.extra` overrides it key by key.
+def _knob_kind(name: str) -> str:
+    """The annotation of a knob, as written (this module uses postponed annotations)."""
+    return str(next(f.type for f in dataclasses.fields(ReferenceKnobs) if f.name == name))
+
+
+def _check_knob_type(name: str, value: Any) -> None:
+    """A knob value of the wrong type would only fail deep inside the chain (or silently
+    change nothing): refuse it up front, naming the knob and the type it takes."""
+    kind = _knob_kind(name)
+    if value is None and "None" in kind:
+        return
+    ok = {
+        "bool": isinstance(value, bool),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "str": isinstance(value, str),
+        "tuple": isinstance(value, (list, tuple))
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value),
+        "dict": isinstance(value, dict) and all(isinstance(v, bool) for v in value.values()),
+    }[kind.split("[")[0].split(" ")[0]]
+    if not ok:
+        raise EngineError(f"reference-engine knob {name} takes {kind}, got {value!r}")
+
+
+def parse_knob(text: str) -> tuple[str, Any]:
+    """`KEY=VALUE` from `hstrace record --knob`: VALUE is JSON (`true`, `3`, `[2, 4, 5]`,
+    `{"feed_normed": true}`); a bare word is taken as a string for the string knobs
+    (`corrupt=zeros`)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise EngineError(
+            f"--knob {text!r}: expected KEY=VALUE; knobs: {', '.join(ReferenceKnobs.names())}"
+        )
+    if key not in ReferenceKnobs.names():
+        raise EngineError(
+            f"--knob {key}: unknown reference-engine knob; knobs: {', '.join(ReferenceKnobs.names())}"
+        )
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        if not _knob_kind(key).startswith("str"):
+            raise EngineError(f"--knob {key}={raw}: not a JSON value ({exc.msg})") from None
+        value = raw
+    _check_knob_type(key, value)
+    return key, value
+
+
+# Still read for scripts written before `hstrace record --knob` (a JSON object of knobs);
+# `EngineConfig.extra` (which --knob fills) overrides it key by key.
 KNOBS_ENV = "HSTRACE_REFERENCE_KNOBS"
 
 
