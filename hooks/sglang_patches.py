@@ -460,6 +460,17 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
 
 
 def apply(point: PatchPoint, module: Any) -> None:
+    """Patch one point; a failure to patch is recorded and never reaches SGLang's import."""
+    try:
+        _apply(point, module)
+    except Exception as exc:  # never take serving down: an unpatched point records nothing
+        message = f"cannot patch {point.qualname}: {type(exc).__name__}: {exc}"
+        if REC is not None:
+            REC.run_tap(f"patch:{point.target}", lambda: REC.static({"patch_error": message}))
+        print(f"hstrace: {message}", file=sys.stderr, flush=True)
+
+
+def _apply(point: PatchPoint, module: Any) -> None:
     cls_name, attr = point.qualname.split(".")
     cls = getattr(module, cls_name)
     original = cls.__dict__[attr]
