@@ -23,6 +23,7 @@ CHECKS: tuple[Check, ...] = (
     config.static_load_findings,
     config.checkpoint_findings,
     config.whatif_findings,
+    config.fed_back_state,
     weights.weights_dropped,
     vocab.vocab_mapping,
     capture.capture_slots,

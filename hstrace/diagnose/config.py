@@ -300,3 +300,55 @@ def _agreement_by_distance(ctx) -> dict[str, Any]:
         if late.any()
         else None,
     }
+
+
+def fed_back_state(ctx) -> list[Finding]:
+    """Steps k >= 1: does the engine feed back what the drafter was trained to get? Decided by
+    rerunning the recorded chains with the trained `feed_normed` and with its opposite."""
+    from hstrace.replay.chain import pooled
+    from hstrace.replay.compare import AGREE_TOP1
+
+    if ctx.drafter is None or ctx.agreement is None:
+        return []
+    # The step-0 tolerance (bf16-vs-fp32 spread measured on the same rows) judges log-probs.
+    tol = ctx.agreement.tolerance
+
+    def matches(by_step: list[dict[str, Any]]) -> bool:
+        top1 = pooled(by_step)
+        return (
+            top1 is not None
+            and top1 >= AGREE_TOP1
+            and all(p["max_logit_diff"] <= tol for p in by_step)
+        )
+
+    base_steps = ctx.chain_by_step
+    if not base_steps or matches(base_steps):
+        return []
+    trained = bool(ctx.cfg.feed_normed)
+    flipped_steps = ctx.chain_agreement(ctx.variant(feed_normed=not trained))
+    if not matches(flipped_steps):
+        return []
+    base, flipped = pooled(base_steps), pooled(flipped_steps)
+    state = "norm(h)" if not trained else "h (pre-norm)"
+    return [
+        Finding(
+            "norm-flag-mismatch",
+            f"at draft steps k >= 1 the engine feeds back {state}: it behaves as if "
+            f"feed_normed={not trained} (top-1 {base:.3f}, max log-prob diff "
+            f"{max(p['max_logit_diff'] for p in base_steps):.3f} as trained; {flipped:.3f} and "
+            f"within the tolerance {tol:.3f} flipped); step 0 cannot show this",
+            evidence={
+                "flag": "feed_normed",
+                "trained": trained,
+                "engine_behaves_as": not trained,
+                "by_draft_step_as_trained": base_steps,
+                "by_draft_step_flipped": flipped_steps,
+                "tolerance": round(tol, 6),
+            },
+            fix=(
+                f'set "norm_output": {str(trained).lower()} (speculators/vLLM meaning: feed '
+                "the normed state back) in the draft config.json and serve with an engine "
+                "version that reads it, or retrain with the state the engine feeds back"
+            ),
+        )
+    ]

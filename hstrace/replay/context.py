@@ -353,6 +353,22 @@ class ReplayContext:
         lowp = self.run_drafter(self.bf16_drafter, rows.items, dtype=torch.bfloat16)
         return compare_topk(rows.topk_draft_ids, rows.topk_logprobs, self.reference_logits, lowp)
 
+    def chain_agreement(self, model: torch.nn.Module | None = None) -> list[dict[str, Any]]:
+        """Engine vs reference top-1 at the recorded chain steps k >= 1 (`replay.chain`)."""
+        from hstrace.replay.chain import chain_agreement
+
+        if self.reference_logits is None:  # no usable recorded draft inputs (skipped says why)
+            return []
+        reqs = [r for r in self.engine_requests if r.chains]
+        if not reqs:
+            self.skip("draft steps k >= 1", "the trace has no draft_step rows to replay")
+            return []
+        return chain_agreement(model if model is not None else self.drafter, reqs)
+
+    @cached_property
+    def chain_by_step(self) -> list[dict[str, Any]]:
+        return self.chain_agreement()
+
     @cached_property
     def bf16_drafter(self) -> torch.nn.Module:
         return self.variant().to(torch.bfloat16)
@@ -503,6 +519,8 @@ class ReplayContext:
                 a["by_step"] = agreement_by_step(
                     rows.steps, rows.topk_draft_ids, rows.topk_logprobs, self.reference_logits
                 )
+            if self.chain_by_step:
+                a["by_draft_step"] = self.chain_by_step
             out["engine_vs_reference"] = a
         if self.serving.accept_lens:
             out["mean_accept_len"] = round(float(np.mean(self.serving.accept_lens)), 6)

@@ -118,9 +118,11 @@ def recover_serving_ids(serving: Any, recovery: IdRecovery) -> None:
     """Replace the hashed ids of a `ServingData` in place by the clear ones."""
     for r in serving.requests:
         r.tokens = recovery.recover(r.tokens)
-        for d in [r.draft, *getattr(r, "draft_steps", [])]:
-            if d is None:
-                continue
+        d = r.draft
+        if d is not None:
             d.input_ids = recovery.recover(d.input_ids)
             d.topk_target_ids = recovery.recover(d.topk_target_ids)
             d.topk_draft_ids = recovery.recover(d.topk_draft_ids, domain="draft")
+        for c in getattr(r, "chains", []):
+            c.input_ids = recovery.recover(c.input_ids)
+            c.topk_draft_ids = recovery.recover(c.topk_draft_ids, domain="draft")

@@ -35,6 +35,17 @@ class DraftRows:
 
 
 @dataclass
+class DraftChain:
+    """One round's draft chain after step 0 (the `draft_step` rows, steps k = 1..K-1)."""
+
+    rows: int  # the draft-extend rows the chain started from (the committed length T)
+    step_index: np.ndarray  # [S] k of each recorded step
+    input_ids: np.ndarray  # [S] the token the engine fed at step k (its step k-1 draft)
+    topk_draft_ids: np.ndarray  # [S, k] what the engine drafted at step k
+    topk_logprobs: np.ndarray | None = None  # [S, k] their log-probs
+
+
+@dataclass
 class ServingRequest:
     key: int
     tokens: np.ndarray  # committed token ids, by sequence index
@@ -45,6 +56,8 @@ class ServingRequest:
     # random projections, `hstrace.bundle.redact.sketch_slots`) and stats [P, K*3].
     aux_sketch: torch.Tensor | None = None
     aux_stats: torch.Tensor | None = None
+    # The recorded chains (`draft_step`), in round order; empty when not recorded.
+    chains: list[DraftChain] = field(default_factory=list)
 
     @property
     def aux_rows(self) -> int:
@@ -148,6 +161,7 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
             by_pos[int(pos[row])] = row
 
     drafts = _draft_rows(ext)
+    chains = _draft_chains(ext, view.table("draft_step"))
     requests = []
     for key, by_pos in rows.items():
         positions = np.array(sorted(by_pos), dtype=np.int64)
@@ -167,6 +181,7 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         )
         if key in drafts:
             req.draft = _index_draft(drafts[key], req)
+            req.chains = chains.get(key, [])
         requests.append(req)
 
     attrs: dict[str, Any] = {}
@@ -231,6 +246,53 @@ def _draft_rows(table: Any) -> dict[int, dict[str, Any]]:
         idx = np.array([by_pos[p] for p in sorted(by_pos)], dtype=np.int64)
         out[key] = {n: (c[idx] if c is not None else None) for n, c in cols.items()}
         out[key]["steps"] = step_of_row[idx]
+    return out
+
+
+def _draft_chains(ext: Any, steps: Any) -> dict[int, list[DraftChain]]:
+    """Per request, the i-th chain of `draft_step` rows (a new one starts at k = 1) paired with
+    the i-th draft-extend event: the chain drafts from that event's last row."""
+    if ext is None or steps is None or steps.num_steps == 0 or ext.num_steps == 0:
+        return {}
+    cols = steps.columns.get("tok", [])
+    if not {"input_ids", "topk_draft_ids"} <= set(cols) or "step_index" not in steps.columns.get(
+        "step", []
+    ):
+        return {}
+    ext_pos = _np(ext.column("tok", "positions")).astype(np.int64)
+    extents: dict[int, list[int]] = {}  # key -> rows covered after each extend event
+    first: dict[int, int] = {}
+    for _s, key, a, b in _per_request_blocks(ext):
+        if b > a:
+            first.setdefault(key, int(ext_pos[a]))
+            extents.setdefault(key, []).append(int(ext_pos[b - 1]) - first[key] + 1)
+    k_of = _np(steps.column("step", "step_index")).astype(np.int64).reshape(-1)
+    ids = _np(steps.column("tok", "input_ids")).astype(np.int64)
+    top = _np(steps.column("tok", "topk_draft_ids")).astype(np.int64)
+    lps = _col(steps, "tok", "topk_logprobs")
+    lps = _np(lps).astype(np.float32) if lps is not None else None
+    raw: dict[int, list[list[tuple[int, int]]]] = {}  # key -> chains -> (k, tok row)
+    for s, key, a, b in _per_request_blocks(steps):
+        if b <= a:
+            continue
+        chains = raw.setdefault(key, [])
+        if int(k_of[s]) == 1 or not chains:
+            chains.append([])
+        chains[-1].append((int(k_of[s]), a))
+    out: dict[int, list[DraftChain]] = {}
+    for key, chains in raw.items():
+        ext_rows = extents.get(key, [])
+        for i, chain in enumerate(chains[: len(ext_rows)]):
+            rows = np.array([r for _k, r in chain], dtype=np.int64)
+            out.setdefault(key, []).append(
+                DraftChain(
+                    rows=ext_rows[i],
+                    step_index=np.array([k for k, _r in chain], dtype=np.int64),
+                    input_ids=ids[rows],
+                    topk_draft_ids=top[rows],
+                    topk_logprobs=lps[rows] if lps is not None else None,
+                )
+            )
     return out
 
 

@@ -1,0 +1,72 @@
+"""Replay of the recorded draft chains (steps k >= 1, the `draft_step` table).
+
+Step 0 does not depend on what the drafter feeds back to itself, so a fed-back-state mismatch
+(speculators/vLLM `norm_output` = `feed_normed`: step k gets norm(h) instead of h) passes every
+step-0 check. Here each recorded chain is rerun through the reference drafter from the same
+recorded draft-extend inputs, feeding at step k the token the engine fed, and the reference's
+step-k argmax is compared with the engine's recorded step-k top-1.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+# Chains replayed per trace at most: each costs one step-0 forward over its committed rows.
+MAX_CHAINS = 256
+
+
+def chain_agreement(model: torch.nn.Module, requests: list[Any]) -> list[dict[str, float | int]]:
+    """[{draft_step, rows, top1_agreement, max_logit_diff}] over the chains of `requests`
+    (`hstrace.replay.serving.ServingRequest` with draft rows and hidden inputs)."""
+    from hstrace.replay.compare import gathered_logprobs
+
+    hits: dict[int, int] = defaultdict(int)
+    diff: dict[int, float] = defaultdict(float)
+    total: dict[int, int] = defaultdict(int)
+    done = 0
+    for r in requests:
+        d = r.draft
+        if d is None or d.hidden_in is None:
+            continue
+        for chain in r.chains:
+            if done >= MAX_CHAINS:
+                break
+            T = min(int(chain.rows), len(d.input_ids))
+            ks = chain.step_index.tolist()
+            if T <= 0 or ks != list(range(1, len(ks) + 1)):
+                continue  # a chain recorded with gaps cannot be rerun step by step
+            done += 1
+            out = model(
+                torch.as_tensor(d.input_ids[:T]).long(),
+                d.hidden_in[:T].float(),
+                positions=torch.as_tensor(d.positions[:T]).long(),
+            )
+            for j, k in enumerate(ks):
+                fed = torch.full((T,), int(chain.input_ids[j]), dtype=torch.long)
+                out = model.step(fed, out.hidden, out.cache)
+                engine_ids = torch.as_tensor(chain.topk_draft_ids[j]).long()
+                hits[k] += int(int(out.logits[-1].argmax()) == int(engine_ids[0]))
+                if chain.topk_logprobs is not None:
+                    ref_lp = gathered_logprobs(out.logits[-1:], engine_ids[None])[0]
+                    gap = (torch.as_tensor(chain.topk_logprobs[j]).float() - ref_lp).abs().max()
+                    diff[k] = max(diff[k], float(gap))
+                total[k] += 1
+    return [
+        {
+            "draft_step": k,
+            "rows": total[k],
+            "top1_agreement": round(hits[k] / total[k], 6),
+            "max_logit_diff": round(diff[k], 6),
+        }
+        for k in sorted(total)
+    ]
+
+
+def pooled(by_step: list[dict[str, float | int]]) -> float | None:
+    rows = sum(int(p["rows"]) for p in by_step)
+    if not rows:
+        return None
+    return sum(float(p["top1_agreement"]) * int(p["rows"]) for p in by_step) / rows
