@@ -109,6 +109,22 @@ def test_knob_scenario_names_its_fault(code, prompts, scenario_dir):
         assert result.verdict.evidence, "every finding carries its evidence"
 
 
+def test_fed_back_state_is_caught_at_draft_steps(prompts, scenario_dir):
+    """The engine feeds norm(h) back (speculators `norm_output`) to a drafter trained on h:
+    step 0 is untouched, only the recorded chain steps k >= 1 show it."""
+    trace = record(scenario_dir / "feed-normed.zarr", prompts, norm_flags={"feed_normed": True})
+    got, result = verdict(trace)
+    assert got == "norm-flag-mismatch", [f.to_json() for f in result.findings]
+    ev = result.verdict.evidence
+    assert ev["flag"] == "feed_normed" and ev["engine_behaves_as"] is True
+    assert [p["draft_step"] for p in ev["by_draft_step_as_trained"]] == [1, 2]
+    assert max(p["max_logit_diff"] for p in ev["by_draft_step_as_trained"]) > ev["tolerance"]
+    assert all(p["max_logit_diff"] <= ev["tolerance"] for p in ev["by_draft_step_flipped"])
+    evr = result.metrics["engine_vs_reference"]
+    assert evr["within_noise"]  # step 0 alone finds nothing
+    assert [p["draft_step"] for p in evr["by_draft_step"]] == [1, 2]
+
+
 @pytest.mark.parametrize("kind", ["constant", "other-request"])
 def test_other_corruptions_are_hidden_corrupt(kind, prompts, scenario_dir):
     trace = record(scenario_dir / f"corrupt-{kind}.zarr", prompts, corrupt=kind)
