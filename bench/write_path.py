@@ -14,7 +14,13 @@ only the record call (the producer-side cost); "firehose" records back to back a
 sustained MB/s including the final flush/close. Numbers are medians over rounds; compare
 methods within one run (ratios), never across machines.
 
+Files: "files in a 1000-step run" (the firehose run) and, from one longer run of the same
+workload (--growth-steps, default 3000), the marginal rate: files added per further 1000
+steps. A paced step whose record call was preempted (an involuntary context switch of the
+serving thread, Linux) is counted, so a p99 set by the host's load shows as such.
+
     python bench/write_path.py [--json] [--rounds 3] [--paced-steps 300] [--firehose-steps 1000]
+                               [--growth-steps 3000]
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -187,11 +194,19 @@ class RawWrite:
 METHODS = [Hstrace, TorchSave, Safetensors, RawWrite]
 
 
-def disk_usage(root: Path) -> tuple[int, int]:
+def disk_usage(root: Path) -> tuple[int, int, int]:
+    """(bytes, files, of which metadata files: one zarr.json per array or group)."""
     if root.is_file():
-        return root.stat().st_size, 1
+        return root.stat().st_size, 1, 0
     files = [p for p in root.rglob("*") if p.is_file()]
-    return sum(p.stat().st_size for p in files), len(files)
+    meta = sum(p.name == "zarr.json" for p in files)
+    return sum(p.stat().st_size for p in files), len(files), meta
+
+
+def involuntary_switches() -> int:
+    """The calling thread's involuntary context switches so far (0 where not available)."""
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return resource.getrusage(who).ru_nivcsw if who is not None else 0
 
 
 def busy(ms: float) -> None:
@@ -203,29 +218,33 @@ def busy(ms: float) -> None:
 def run_one(cls, pool: list[dict], steps: int, paced: bool, workdir: Path) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir))
     m = cls(out)
-    costs, blocked, cpu = [], [], []
+    costs, blocked, cpu, preempted = [], [], [], []
     blocked_s = getattr(m, "blocked_s", lambda: 0.0)
     t0 = time.perf_counter()
     for s in range(steps):
         if paced:
             busy(STEP_MS)
         b0 = blocked_s()
+        v0 = involuntary_switches()  # outside the timed region: a syscall each
         c = time.thread_time()
         a = time.perf_counter()
         m.record(pool[s % len(pool)])
         costs.append((time.perf_counter() - a) * 1000)
         cpu.append((time.thread_time() - c) * 1000)
+        preempted.append(involuntary_switches() > v0)
         blocked.append((blocked_s() - b0) * 1000)
     m.close()
     wall = time.perf_counter() - t0
-    size, files = disk_usage(m.root())
+    size, files, meta = disk_usage(m.root())
     result = {
         "costs_ms": costs,
         "cpu_ms": cpu,
         "blocked_ms": blocked,
+        "preempted": preempted,
         "wall_s": wall,
         "disk_bytes": size,
         "files": files,
+        "metadata_files": meta,
     }
     if cls is Hstrace:
         result["lossless"] = check_hstrace(m.root(), pool, steps)
@@ -262,12 +281,25 @@ def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
 
+def slowest_preempted_share(p: dict) -> float:
+    """Of the paced steps at or above the p99 cost, the share whose call was preempted."""
+    cut = pct(p["costs_ms"], 99)
+    slow = [v for c, v in zip(p["costs_ms"], p["preempted"], strict=True) if c >= cut]
+    return sum(slow) / len(slow)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--paced-steps", type=int, default=300)
     ap.add_argument("--firehose-steps", type=int, default=1000)
+    ap.add_argument(
+        "--growth-steps",
+        type=int,
+        default=3000,
+        help="one longer firehose run per method for the marginal file rate (0: skip)",
+    )
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--slots", type=int, default=3)
@@ -297,6 +329,12 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 if not args.json:
                     print(f"round {r + 1}/{args.rounds} {cls.name} done", file=sys.stderr)
+        if args.growth_steps > args.firehose_steps:
+            # File counts do not depend on timing: one longer run per method is enough.
+            for cls in METHODS:
+                raw[cls.name]["growth"] = [run_one(cls, pool, args.growth_steps, False, workdir)]
+                if not args.json:
+                    print(f"{args.growth_steps}-step run {cls.name} done", file=sys.stderr)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -327,10 +365,29 @@ def main(argv: list[str] | None = None) -> dict:
             "bytes_on_disk_per_token": med(f["disk_bytes"] / tokens for f in fire),
             "disk_vs_raw_bytes": med(f["disk_bytes"] / (args.firehose_steps * sb) for f in fire),
             "files_per_1000_steps": med(f["files"] * 1000 / args.firehose_steps for f in fire),
+            # The constant part of the count: one zarr.json per array/group, whatever the length.
+            "metadata_files": med(f["metadata_files"] for f in fire),
+            # Steps whose record call was preempted by the OS (not time the writer cost).
+            "preempted_steps_share": med(sum(p["preempted"]) / len(p["preempted"]) for p in paced),
+            "p99_steps_preempted_share": med(slowest_preempted_share(p) for p in paced),
+            "producer_ms_p99_not_preempted": med(
+                pct([c for c, v in zip(p["costs_ms"], p["preempted"], strict=True) if not v], 99)
+                for p in paced
+            ),
         }
+        if modes.get("growth"):
+            long_files = modes["growth"][0]["files"]
+            entry[f"files_in_{args.growth_steps}_steps"] = long_files
+            entry["files_per_extra_1000_steps"] = (
+                (long_files - med(f["files"] for f in fire))
+                * 1000
+                / (args.growth_steps - args.firehose_steps)
+            )
         entry["producer_share_of_10ms_step"] = entry["producer_ms_median"] / STEP_MS
         if name == "hstrace":
-            entry["lossless_bit_exact"] = all(x["lossless"] for x in paced + fire)
+            entry["lossless_bit_exact"] = all(
+                x["lossless"] for x in paced + fire + modes.get("growth", [])
+            )
         results[name] = entry
     base = results["raw_write"]
     for e in results.values():
@@ -347,6 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
             "vocab": args.vocab,
             "paced_steps": args.paced_steps,
             "firehose_steps": args.firehose_steps,
+            "growth_steps": args.growth_steps,
             "rounds": args.rounds,
             "step_ms": STEP_MS,
         },
@@ -363,17 +421,27 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"workload: {sb / 1e6:.3f} MB/step ({bb / sb:.0%} bf16), {args.tokens} tokens/step; medians of {args.rounds} rounds"
         )
-        hdr = f"{'method':<12} {'prod med ms':>11} {'p99 ms':>8} {'cpu ms':>7} {'% of 10ms':>9} {'MB/s':>8} {'x raw':>6} {'B/token':>9} {'disk/raw':>8} {'files/1k':>9}"
+        hdr = f"{'method':<12} {'prod med ms':>11} {'p99 ms':>8} {'p99 !pre':>8} {'cpu ms':>7} {'% of 10ms':>9} {'MB/s':>8} {'x raw':>6} {'B/token':>9} {'disk/raw':>8} {'files/1k':>9} {'+files/1k':>9}"
         print(hdr)
         for name, e in results.items():
+            growth = e.get("files_per_extra_1000_steps")
             print(
-                f"{name:<12} {e['producer_ms_median']:>11.3f} {e['producer_ms_p99']:>8.3f} {e['producer_cpu_ms_median']:>7.3f} {e['producer_share_of_10ms_step']:>9.1%} "
-                f"{e['sustained_mb_s']:>8.0f} {e['mb_s_vs_raw']:>6.2f} {e['bytes_on_disk_per_token']:>9.0f} {e['disk_vs_raw_bytes']:>8.3f} {e['files_per_1000_steps']:>9.0f}"
+                f"{name:<12} {e['producer_ms_median']:>11.3f} {e['producer_ms_p99']:>8.3f} {e['producer_ms_p99_not_preempted']:>8.3f} {e['producer_cpu_ms_median']:>7.3f} {e['producer_share_of_10ms_step']:>9.1%} "
+                f"{e['sustained_mb_s']:>8.0f} {e['mb_s_vs_raw']:>6.2f} {e['bytes_on_disk_per_token']:>9.0f} {e['disk_vs_raw_bytes']:>8.3f} {e['files_per_1000_steps']:>9.0f} "
+                + (f"{growth:>9.1f}" if growth is not None else f"{'-':>9}")
             )
+        print(
+            "p99 !pre: p99 of the steps whose record call was not preempted; "
+            "+files/1k: files added per further 1000 steps (from one longer run)"
+        )
         h = results["hstrace"]
         print(
             f"hstrace: staging only (excluding waits for ring room) median {h['staging_ms_median']:.3f} ms, p99 {h['staging_ms_p99']:.3f} ms; "
             f"steps that waited for the writer: {h['blocked_steps_share']:.1%}; lossless (bit-exact read-back): {h['lossless_bit_exact']}"
+        )
+        print(
+            f"hstrace: {h['metadata_files']:.0f} of its files are zarr.json metadata (one per array/group, "
+            f"constant); steps at or above p99 that were preempted: {h['p99_steps_preempted_share']:.0%}"
         )
     return report
 
