@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import shutil
@@ -292,6 +293,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--methods",
+        default=",".join(m.name for m in METHODS),
+        help="comma-separated subset (e.g. 'hstrace' for a quick paced p99 check); "
+        "the x-raw ratios need raw_write",
+    )
     ap.add_argument("--paced-steps", type=int, default=300)
     ap.add_argument("--firehose-steps", type=int, default=1000)
     ap.add_argument(
@@ -312,16 +319,21 @@ def main(argv: list[str] | None = None) -> dict:
         help="where the outputs go (default: a temp dir on the same disk as /tmp)",
     )
     args = ap.parse_args(argv)
+    methods = [m for m in METHODS if m.name in args.methods.split(",")]
+    if not methods:
+        ap.error("--methods names none of " + ", ".join(m.name for m in METHODS))
+    if args.firehose_steps < 1:
+        ap.error("--firehose-steps must be at least 1")
 
     pool = make_pool(
         32, args.tokens, args.hidden, args.slots, args.draft_rows, args.topk, args.vocab
     )
     sb, bb = step_bytes(pool[0]), bf16_bytes(pool[0])
     workdir = Path(tempfile.mkdtemp(prefix="hstrace-bench-", dir=args.workdir))
-    raw: dict[str, dict[str, list[dict]]] = {m.name: {"paced": [], "firehose": []} for m in METHODS}
+    raw: dict[str, dict[str, list[dict]]] = {m.name: {"paced": [], "firehose": []} for m in methods}
     try:
         for r in range(args.rounds):
-            order = METHODS if r % 2 == 0 else METHODS[::-1]  # alternate order against drift
+            order = methods if r % 2 == 0 else methods[::-1]  # alternate order against drift
             for cls in order:
                 raw[cls.name]["paced"].append(run_one(cls, pool, args.paced_steps, True, workdir))
                 raw[cls.name]["firehose"].append(
@@ -331,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"round {r + 1}/{args.rounds} {cls.name} done", file=sys.stderr)
         if args.growth_steps > args.firehose_steps:
             # File counts do not depend on timing: one longer run per method is enough.
-            for cls in METHODS:
+            for cls in methods:
                 raw[cls.name]["growth"] = [run_one(cls, pool, args.growth_steps, False, workdir)]
                 if not args.json:
                     print(f"{args.growth_steps}-step run {cls.name} done", file=sys.stderr)
@@ -389,10 +401,12 @@ def main(argv: list[str] | None = None) -> dict:
                 x["lossless"] for x in paced + fire + modes.get("growth", [])
             )
         results[name] = entry
-    base = results["raw_write"]
+    base = results.get("raw_write")
     for e in results.values():
-        e["producer_vs_raw"] = e["producer_ms_median"] / base["producer_ms_median"]
-        e["mb_s_vs_raw"] = e["sustained_mb_s"] / base["sustained_mb_s"]
+        e["producer_vs_raw"] = (
+            e["producer_ms_median"] / base["producer_ms_median"] if base else None
+        )
+        e["mb_s_vs_raw"] = e["sustained_mb_s"] / base["sustained_mb_s"] if base else None
     report = {
         "workload": {
             "step_bytes": sb,
@@ -427,14 +441,16 @@ def main(argv: list[str] | None = None) -> dict:
             growth = e.get("files_per_extra_1000_steps")
             print(
                 f"{name:<12} {e['producer_ms_median']:>11.3f} {e['producer_ms_p99']:>8.3f} {e['producer_ms_p99_not_preempted']:>8.3f} {e['producer_cpu_ms_median']:>7.3f} {e['producer_share_of_10ms_step']:>9.1%} "
-                f"{e['sustained_mb_s']:>8.0f} {e['mb_s_vs_raw']:>6.2f} {e['bytes_on_disk_per_token']:>9.0f} {e['disk_vs_raw_bytes']:>8.3f} {e['files_per_1000_steps']:>9.0f} "
+                f"{e['sustained_mb_s']:>8.0f} {e['mb_s_vs_raw'] or math.nan:>6.2f} {e['bytes_on_disk_per_token']:>9.0f} {e['disk_vs_raw_bytes']:>8.3f} {e['files_per_1000_steps']:>9.0f} "
                 + (f"{growth:>9.1f}" if growth is not None else f"{'-':>9}")
             )
         print(
             "p99 !pre: p99 of the steps whose record call was not preempted; "
             "+files/1k: files added per further 1000 steps (from one longer run)"
         )
-        h = results["hstrace"]
+        h = results.get("hstrace")
+        if h is None:
+            return report
         print(
             f"hstrace: staging only (excluding waits for ring room) median {h['staging_ms_median']:.3f} ms, p99 {h['staging_ms_p99']:.3f} ms; "
             f"steps that waited for the writer: {h['blocked_steps_share']:.1%}; lossless (bit-exact read-back): {h['lossless_bit_exact']}"
