@@ -38,6 +38,9 @@ class Recorder:
         self.hot_token_id: Any = None
         self.draft_step_index = 0
         self.spec_topk = 1
+        # SGLang's `layers_to_capture` (= HF hidden_states indices), from the target's
+        # `set_eagle3_layers_to_capture`: written as the `aux_hidden` column's `layer_ids`.
+        self.capture_layers: list[int] | None = None
         self.lock = threading.Lock()
         self._writer: Any = None
         self.writer_factory: Callable[[int], Any] | None = None  # tests may inject the real writer
@@ -92,7 +95,14 @@ class Recorder:
                 continue
             # only the axes this table has (verify has no `tok`, requests no per-step columns)
             axes = {"step": tw.step, "req": tw.req, "tok": tw.tok, **tw.other}
-            w.write(tw.table, **{axis: cols for axis, cols in axes.items() if cols})
+            kwargs = {axis: cols for axis, cols in axes.items() if cols}
+            if tw.table == "target" and self.capture_layers:
+                kwargs["column_attrs"] = {
+                    "tok/aux_hidden": taps.aux_hidden_attrs(
+                        self.capture_layers, int(tw.tok["aux_hidden"].shape[-1])
+                    )
+                }
+            w.write(tw.table, **kwargs)
 
     def run_tap(self, name: str, fn: Callable[[], None]) -> None:
         if name in self.disabled:
@@ -225,6 +235,7 @@ def wrap_set_layers(original: Callable) -> Callable:
             def tap():
                 inner = getattr(self, "model", None)
                 resolved = list(getattr(inner, "layers_to_capture", []) or [])
+                rec.capture_layers = resolved
                 rec.static(
                     {
                         "capture": {
@@ -432,7 +443,9 @@ def wrap_runner_forward(original: Callable) -> Callable:
                             min(topk, logits.shape[-1]),
                             rids,
                             "logits" in rec.streams,
-                            step_index=rec.draft_step_index,
+                            # k of the chain: step 0 is the draft extend, so the first
+                            # forward of `draft_forward` is k = 1 (as the reference engine)
+                            step_index=rec.draft_step_index + 1,
                         )
                     ]
                 )

@@ -257,7 +257,7 @@ def test_one_speculative_round_writes_every_table(world) -> None:
     assert (e0["topk_draft_ids"][others] == -1).all()
 
     step = rank.table("draft_step").step(0)
-    assert step["step"]["step_index"].tolist() == [0]
+    assert step["step"]["step_index"].tolist() == [1]  # k = 1: step 0 is the draft extend
     assert step["tok"]["input_ids"].tolist() == got["step_fb"].input_ids.tolist()
     assert step["tok"]["hidden_in"].shape[-1] == HIDDEN  # the draft's own hidden, not 3*H
     want = torch.log_softmax(got["step_logits"].float(), -1).argmax(-1)

@@ -241,6 +241,18 @@ def draft_forward_rows(
     )
 
 
+def aux_hidden_attrs(layers_to_capture: list[int], width: int) -> dict[str, Any]:
+    """Column attributes of `target.aux_hidden`, as the reference engine writes them. SGLang's
+    capture index i is the residual stream entering decoder layer i = HF `hidden_states[i]`,
+    and captures are appended in layer order (so the slots are the sorted, distinct indices)."""
+    slots = sorted(set(layers_to_capture))
+    return {
+        "layer_ids": slots,
+        "layer_id_convention": "hf_hidden_states_index",
+        "slot_width": width // len(slots) if slots else width,
+    }
+
+
 def last_rows(lens: list[int]) -> torch.Tensor:
     return torch.tensor(lens, dtype=torch.int64).cumsum(0) - 1
 
