@@ -380,19 +380,23 @@ class ReferenceChain:
         self, seq: torch.Tensor, aux: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step 0 over every committed row, then the chain from the last row. Returns step-0
-        logits [T, Vd], the chain's draft ids [K] and their logits [K, Vd]."""
+        logits [T, Vd], the chain's draft ids [K], their logits [K, Vd], and the hidden state
+        fed into each step k >= 1 at the chain's row [K-1, H] (what the engine feeds back)."""
         T = aux.shape[0]
         ids, pos = self._draft_inputs(seq, T)
         out = self.engine_drafter(ids, aux.float(), positions=pos)
         step0 = out.logits
-        drafts, logits = [int(step0[-1].argmax())], [step0[-1]]
+        drafts, logits, fed = [int(step0[-1].argmax())], [step0[-1]], []
         for _ in range(1, self.num_steps):
             nxt = self._map(torch.tensor([drafts[-1]]))[0]
             ids_k = torch.full((T,), int(nxt), dtype=torch.long)
+            fed.append(out.hidden[-1])
             out = self.engine_drafter.step(ids_k, out.hidden, out.cache)
             drafts.append(int(out.logits[-1].argmax()))
             logits.append(out.logits[-1])
-        return step0, torch.tensor(drafts), torch.stack(logits)
+        H = self.trained.cfg.hidden_size
+        fed_in = torch.stack(fed) if fed else torch.empty(0, H)
+        return step0, torch.tensor(drafts), torch.stack(logits), fed_in
 
     # -- one request ---------------------------------------------------------------------------
     def run(
@@ -418,11 +422,11 @@ class ReferenceChain:
         new_tokens, rounds, accepted_total = 1, 0, 0
         extend_from = 0
         while new_tokens < max_new:
-            step0, drafts, chain_logits = self._draft(seq, committed_aux)
+            step0, drafts, chain_logits, fed_in = self._draft(seq, committed_aux)
             if "draft_extend" in streams:
                 self._write_draft(w, "draft_extend", key, seq, committed_aux, step0, extend_from)
             if "draft_step" in streams:
-                self._write_chain(w, key, seq, drafts, chain_logits)
+                self._write_chain(w, key, seq, drafts, chain_logits, fed_in)
             # Verify [last committed token, d1..dK] with the target, greedily.
             proposed = self._map(drafts)
             verify_ids = torch.cat([seq, proposed])
@@ -469,7 +473,7 @@ class ReferenceChain:
     def _write_target(self, w: Any, key: int, mode: int, ids, positions, aux) -> None:
         w.write(
             "target",
-            step={"mode": [mode]},
+            step={"mode": mode},
             req={"req_key": [key], "n_tok": [len(ids)]},
             tok={"input_ids": ids, "positions": positions, "aux_hidden": aux},
             column_attrs={
@@ -507,19 +511,17 @@ class ReferenceChain:
             },
         )
 
-    def _write_chain(self, w, key, seq, drafts, chain_logits) -> None:
-        H = self.trained.cfg.hidden_size
+    def _write_chain(self, w, key, seq, drafts, chain_logits, fed_in) -> None:
         for k in range(1, len(drafts)):
             prev = self._map(drafts[k - 1 : k])
             w.write(
                 "draft_step",
-                step={"step_index": [k]},
+                step={"step_index": k},
                 req={"req_key": [key], "n_tok": [1]},
                 tok={
                     "input_ids": prev,
                     "positions": torch.tensor([len(seq) - 2 + k + self.knobs.position_shift]),
-                    # The fed-back state is internal to the drafter; the row records its width.
-                    "hidden_in": torch.zeros(1, H, dtype=torch.bfloat16),
+                    "hidden_in": fed_in[k - 1 : k].to(torch.bfloat16),
                     **self._topk(chain_logits[k : k + 1]),
                 },
             )

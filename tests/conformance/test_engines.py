@@ -110,8 +110,14 @@ class EngineContract:
         # every table's per-request token counts add up to its token rows
         for table in (target, rank.table("draft_extend"), rank.table("draft_step")):
             assert int(table.column("req", "n_tok").sum()) == int(table.offsets("tok")[-1])
+        # per-step columns are one scalar per step (docs/trace-format.md), whatever the producer
+        for table in (target, rank.table("draft_extend"), rank.table("draft_step"), verify):
+            for col in table.columns["step"]:
+                assert table.column("step", col).shape == (table.num_steps,), col
+        # the fed-back state of draft steps k >= 1 is recorded, not a placeholder
+        assert rank.table("draft_step").column("tok", "hidden_in").float().abs().sum() > 0
         # one verify event per target verify step, over the same requests
-        modes = target.column("step", "mode").reshape(-1).tolist()
+        modes = target.column("step", "mode").tolist()
         assert modes.count(1) == verify.num_steps
         verify_keys = sorted(verify.column("req", "req_key").tolist())
         tgt_keys = []
