@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from hstrace.diagnose import acceptance, capture, config, draft_input, vocab, weights
+from hstrace.errors import HstraceError
 from hstrace.findings import Finding, in_dataflow_order
 
 Check = Callable[..., list[Finding]]
@@ -49,11 +50,27 @@ def merge(findings: list[Finding]) -> list[Finding]:
     return list(by_code.values())
 
 
+def no_wiring_fault(ctx) -> list[Finding]:
+    return [acceptance.no_wiring_fault(ctx)]
+
+
+def run_check(ctx, check: Check) -> list[Finding]:
+    """One check; if it fails internally, `skipped` says so and the replay goes on. Bad input
+    (`HstraceError`) still ends the replay with its one-line message."""
+    try:
+        return list(check(ctx))
+    except HstraceError:
+        raise
+    except Exception as exc:  # a bug in one check must not hide what the others found
+        ctx.skip(f"check {check.__name__}", f"failed internally: {type(exc).__name__}: {exc}")
+        return []
+
+
 def diagnose(ctx) -> list[Finding]:  # ctx: hstrace.replay.context.ReplayContext
     found: list[Finding] = []
     for check in CHECKS:
-        found.extend(check(ctx))
+        found.extend(run_check(ctx, check))
     found = merge(found)
     if not any(f.severity in ("fault", "warning") for f in found):
-        found.append(acceptance.no_wiring_fault(ctx))
+        found.extend(run_check(ctx, no_wiring_fault))
     return in_dataflow_order(found)

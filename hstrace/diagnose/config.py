@@ -15,6 +15,7 @@ import torch
 
 from hstrace.engines.sglang_audit import spec_findings
 from hstrace.findings import CODES, Finding
+from hstrace.replay.compare import with_topk
 from hstrace.replay.step0 import Step0Input
 from hstrace.replay.whatif import WhatIf, reproducing, search
 
@@ -215,7 +216,7 @@ def whatif_list(ctx) -> list[WhatIf]:
 
 
 def whatif_findings(ctx) -> list[Finding]:
-    if ctx.drafter is None or ctx.engine_rows is None:
+    if ctx.drafter is None or ctx.no_forward or ctx.engine_rows is None:
         return []
     if any(it.aux is None for it in ctx.engine_rows.items):
         return []  # no recorded hidden input to replay (serving.missing says so)
@@ -241,8 +242,8 @@ def whatif_findings(ctx) -> list[Finding]:
         return []
     evidence: dict[str, Any] = {
         "what_if": best.name,
-        "max_logprob_diff_with_it": round(best.max_logprob_diff, 6),
-        "max_logprob_diff_without_it": round(base.max_logprob_diff, 6) if base else None,
+        "max_logprob_diff_with_it": best.to_json()["max_logprob_diff"],
+        "max_logprob_diff_without_it": base.to_json()["max_logprob_diff"] if base else None,
         "tolerance": round(tolerance, 6) if tolerance is not None else None,
         "agreement_with_engine": round(best.agreement, 4),
         "reference_agreement_without_it": round(baseline, 4),
@@ -285,9 +286,10 @@ def _tolerance_without_baseline(ctx) -> float | None:
 
 def _agreement_by_distance(ctx) -> dict[str, Any]:
     """Reference-vs-engine agreement for early and late positions (a window bites late)."""
-    ref = ctx.reference_logits.argmax(-1)
-    eng = ctx.engine_top1
-    idx = ctx.engine_rows.index
+    keep = with_topk(ctx.engine_rows.topk_draft_ids)  # rows without a top-k: nothing to compare
+    ref = ctx.reference_logits.argmax(-1)[keep]
+    eng = ctx.engine_top1[keep]
+    idx = ctx.engine_rows.index[keep]
     half = int(idx.max()) // 2 if len(idx) else 0
     early, late = idx < half, idx >= half
     return {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hstrace.findings import Finding
-from hstrace.replay.compare import AGREE_TOP1, agreement
+from hstrace.replay.compare import AGREE_TOP1, agreement, with_topk
 
 
 def _readings(d2t: torch.Tensor, vocab: int) -> dict[str, callable]:
@@ -26,11 +26,19 @@ def vocab_mapping(ctx) -> list[Finding]:
     if ctx.drafter is None or rows is None or rows.topk_target_ids is None:
         ctx.skip("vocab map", "no recorded target-space draft ids")
         return []
+    # Only rows where the engine drafted: SGLang writes id -1 on the rest (no draft logits).
+    keep = with_topk(rows.topk_draft_ids) & (rows.topk_target_ids[:, 0].long() >= 0)
+    if not keep.any():
+        ctx.skip("vocab map", "no draft row with a recorded top-k")
+        return []
     d2t = ctx.drafter.d2t.long()
     vocab = int(ctx.cfg.vocab_size)
-    draft = rows.topk_draft_ids.long().clamp(0, len(d2t) - 1)
-    served = rows.topk_target_ids.long()
-    scores = {name: agreement(f(draft), served) for name, f in _readings(d2t, vocab).items()}
+    draft = rows.topk_draft_ids[keep].long().clamp(0, len(d2t) - 1)
+    served = rows.topk_target_ids[keep].long()
+    real = (rows.topk_draft_ids[keep].long() >= 0) & (served >= 0)  # padded entries: none
+    scores = {
+        name: agreement(f(draft)[real], served[real]) for name, f in _readings(d2t, vocab).items()
+    }
     ctx.metrics["target_space_top1"] = round(scores["offsets"], 6)
     ctx.metrics["vocab_readings"] = {k: round(v, 6) for k, v in scores.items()}
     if scores["offsets"] >= AGREE_TOP1:

@@ -25,7 +25,7 @@ def weights_dropped(ctx) -> list[Finding]:
     if agreement is not None:
         runtime = {
             "engine_vs_reference_top1": round(agreement.top1, 4),
-            "engine_vs_reference_max_logprob_diff": round(agreement.max_logprob_diff, 4),
+            "engine_vs_reference_max_logprob_diff": agreement.to_json()["max_logprob_diff"],
         }
     if dropped or unloaded:
         return [

@@ -21,7 +21,7 @@ MAX_CHAINS = 256
 def chain_agreement(model: torch.nn.Module, requests: list[Any]) -> list[dict[str, float | int]]:
     """[{draft_step, rows, top1_agreement, max_logit_diff}] over the chains of `requests`
     (`hstrace.replay.serving.ServingRequest` with draft rows and hidden inputs)."""
-    from hstrace.replay.compare import gathered_logprobs
+    from hstrace.replay.compare import logprob_gap
 
     hits: dict[int, int] = defaultdict(int)
     diff: dict[int, float] = defaultdict(float)
@@ -48,11 +48,14 @@ def chain_agreement(model: torch.nn.Module, requests: list[Any]) -> list[dict[st
                 fed = torch.full((T,), int(chain.input_ids[j]), dtype=torch.long)
                 out = model.step(fed, out.hidden, out.cache)
                 engine_ids = torch.as_tensor(chain.topk_draft_ids[j]).long()
+                if int(engine_ids[0]) < 0:
+                    continue  # no draft recorded at this step: nothing to compare
                 hits[k] += int(int(out.logits[-1].argmax()) == int(engine_ids[0]))
                 if chain.topk_logprobs is not None:
-                    ref_lp = gathered_logprobs(out.logits[-1:], engine_ids[None])[0]
-                    gap = (torch.as_tensor(chain.topk_logprobs[j]).float() - ref_lp).abs().max()
-                    diff[k] = max(diff[k], float(gap))
+                    lps = torch.as_tensor(chain.topk_logprobs[j])[None]
+                    gap = logprob_gap(out.logits[-1:], engine_ids[None], lps)
+                    if gap == gap:  # NaN: log-probs not recorded, the ids alone count
+                        diff[k] = max(diff[k], gap)
                 total[k] += 1
     return [
         {

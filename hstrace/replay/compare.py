@@ -25,39 +25,82 @@ NOISE_MULTIPLE = 4.0
 
 @dataclass(frozen=True)
 class LogitAgreement:
-    rows: int
+    rows: int  # rows compared: those where the engine recorded a top-k
     k: int
     top1: float  # same draft-space argmax as the fp32 reference
     topk: float  # mean overlap of the top-k sets
-    max_logprob_diff: float  # over the engine's top-k entries, vs the fp32 reference
+    max_logprob_diff: float  # over the engine's known log-probs, vs fp32 (NaN: none known)
     noise_floor: float  # the same statistic for the reference itself in bf16
     tolerance: float
+    rows_without_topk: int = 0  # recorded rows with no top-k (id -1): context only, not compared
+    rows_ids_only: int = 0  # compared rows whose log-probs were not recorded (NaN): ids only
 
     @property
     def within_noise(self) -> bool:
+        # Unknown log-probs are no evidence of a difference: the ids alone then decide.
+        if self.max_logprob_diff != self.max_logprob_diff:
+            return True
         return self.max_logprob_diff <= self.tolerance
 
     @property
     def agrees(self) -> bool:
         return self.top1 >= AGREE_TOP1
 
-    def to_json(self) -> dict[str, float | int | bool]:
-        return {
+    def to_json(self) -> dict[str, float | int | bool | str | None]:
+        known = self.max_logprob_diff == self.max_logprob_diff
+        out: dict[str, float | int | bool | str | None] = {
             "rows": self.rows,
             "k": self.k,
             "top1_agreement": round(self.top1, 6),
             "topk_agreement": round(self.topk, 6),
-            "max_logprob_diff": round(self.max_logprob_diff, 6),
+            "max_logprob_diff": round(self.max_logprob_diff, 6) if known else None,
             "noise_floor_bf16_vs_fp32": round(self.noise_floor, 6),
             "tolerance": round(self.tolerance, 6),
             "within_noise": self.within_noise,
         }
+        if self.rows_without_topk:
+            out["rows_without_topk"] = self.rows_without_topk
+        if self.rows_ids_only:
+            out["rows_ids_only"] = self.rows_ids_only
+            out["logprobs_note"] = (
+                f"{self.rows_ids_only} of {self.rows} rows have no recorded log-probs (NaN: "
+                "the engine took an argmax without probabilities); compared on ids only"
+            )
+        return out
 
 
 def gathered_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits) at `ids` without materialising the full-vocab softmax."""
+    """log_softmax(logits) at `ids` without materialising the full-vocab softmax. Ids < 0 (no
+    top-k recorded there) are gathered at 0: mask them out with `known_logprobs`."""
     logits = logits.float()
-    return logits.gather(-1, ids.long()) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    return logits.gather(-1, ids.long().clamp(min=0)) - torch.logsumexp(
+        logits, dim=-1, keepdim=True
+    )
+
+
+def with_topk(ids: torch.Tensor) -> torch.Tensor:
+    """[N] bool: rows where the engine recorded a top-k. SGLang computes draft logits only on
+    some draft-extend rows and writes id -1 on the others; those rows still feed the drafter as
+    context but have nothing to compare."""
+    if ids.numel() == 0:
+        return torch.zeros(ids.shape[0], dtype=torch.bool)
+    return ids[:, 0].long() >= 0
+
+
+def known_logprobs(ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """[N, k] bool: entries with a real id and a recorded log-prob (NaN = not recorded)."""
+    return (ids.long() >= 0) & ~torch.isnan(logprobs.float())
+
+
+def logprob_gap(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor | None) -> float:
+    """Max |engine log-prob - log_softmax(logits)| over the known entries; NaN when none."""
+    if logprobs is None:
+        return float("nan")
+    known = known_logprobs(ids, logprobs)
+    if not known.any():
+        return float("nan")
+    gap = (logprobs.float() - gathered_logprobs(logits, ids)).abs()
+    return float(gap[known].max())
 
 
 def compare_topk(
@@ -67,23 +110,34 @@ def compare_topk(
     ref_logits_lowp: torch.Tensor | None = None,
 ) -> LogitAgreement:
     """engine_ids/logprobs [N, k] (draft space); ref_logits [N, Vd] fp32 on the same inputs;
-    ref_logits_lowp [N, Vd] the same reference in bf16 (sets the noise floor)."""
-    n, k = engine_ids.shape
+    ref_logits_lowp [N, Vd] the same reference in bf16 (sets the noise floor). Rows without a
+    top-k (id -1) are left out; NaN log-probs count as unknown (those rows: ids only)."""
+    k = engine_ids.shape[1] if engine_ids.dim() == 2 else 0
+    keep = with_topk(engine_ids)
+    dropped = int((~keep).sum())
+    engine_ids = engine_ids[keep].long()
+    ref_logits = ref_logits[keep]
+    if engine_logprobs is not None:
+        engine_logprobs = engine_logprobs[keep]
+    if ref_logits_lowp is not None:
+        ref_logits_lowp = ref_logits_lowp[keep]
+    n = int(engine_ids.shape[0])
     if n == 0:
-        return LogitAgreement(0, k, 0.0, 0.0, 0.0, 0.0, 0.0)
-    engine_ids = engine_ids.long()
+        return LogitAgreement(0, k, 0.0, 0.0, float("nan"), 0.0, 1e-4, rows_without_topk=dropped)
     ref_top = ref_logits.float().topk(k, dim=-1).indices
     top1 = float((ref_top[:, 0] == engine_ids[:, 0]).float().mean())
-    overlap = (engine_ids[:, :, None] == ref_top[:, None, :]).any(-1).float().mean(-1)
-    ref_lp = gathered_logprobs(ref_logits, engine_ids)
-    diff = (
-        float((engine_logprobs.float() - ref_lp).abs().max())
-        if engine_logprobs is not None
-        else float("nan")
-    )
+    real = engine_ids >= 0
+    hits = ((engine_ids[:, :, None] == ref_top[:, None, :]).any(-1) & real).float().sum(-1)
+    overlap = hits / real.sum(-1).clamp(min=1)
+    diff = logprob_gap(ref_logits, engine_ids, engine_logprobs)
+    ids_only = 0
+    if engine_logprobs is not None:
+        ids_only = int((~known_logprobs(engine_ids, engine_logprobs).any(-1)).sum())
     noise = 0.0
     if ref_logits_lowp is not None:
-        noise = float((gathered_logprobs(ref_logits_lowp, engine_ids) - ref_lp).abs().max())
+        ref_lp = gathered_logprobs(ref_logits, engine_ids)
+        spread = (gathered_logprobs(ref_logits_lowp, engine_ids) - ref_lp).abs()
+        noise = float(spread[real].max())
     # The floor of 1e-4 covers an fp32 engine, whose spread against the judge is ~1e-6.
     tolerance = NOISE_MULTIPLE * noise + 1e-4
     return LogitAgreement(
@@ -94,6 +148,8 @@ def compare_topk(
         max_logprob_diff=diff,
         noise_floor=noise,
         tolerance=tolerance,
+        rows_without_topk=dropped,
+        rows_ids_only=ids_only,
     )
 
 
@@ -119,7 +175,11 @@ def agreement_by_step(
                 "rows": a.rows,
                 "top1_agreement": round(a.top1, 6),
                 "topk_agreement": round(a.topk, 6),
-                "max_logit_diff": round(a.max_logprob_diff, 6),
+                "max_logit_diff": (
+                    round(a.max_logprob_diff, 6)
+                    if a.max_logprob_diff == a.max_logprob_diff
+                    else None
+                ),
             }
         )
     return out

@@ -66,6 +66,7 @@ class ReplayContext:
         target: ReferenceTarget | None = None,
         training_kind: str = "training",
         progress: Callable[[str, int], None] | None = None,
+        no_forward: str | None = None,
     ) -> None:
         self.serving = serving
         self.samples = samples
@@ -78,6 +79,11 @@ class ReplayContext:
         self.skipped: dict[str, str] = {}
         self.metrics: dict[str, Any] = {}
         self._progress = progress
+        # Why the drafter must not be run (e.g. its embedding is missing): its static
+        # checks still apply, its outputs would be those of random weights.
+        self.no_forward = no_forward
+        if no_forward:
+            self.skip("drafter forward", no_forward)
 
     # -- basics -----------------------------------------------------------------------------
     @property
@@ -318,6 +324,8 @@ class ReplayContext:
         self, model: torch.nn.Module, items: list[Step0Input], dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """Concatenated step-0 logits [R, Vd] of `model` on `items`."""
+        if self.no_forward:
+            raise RuntimeError(f"the drafter cannot run: {self.no_forward}")
         logits = step0_logits(model, items, dtype=dtype, on_batch=lambda n: self.tick("drafter", n))
         return torch.cat(logits) if logits else torch.zeros(0, 0)
 
@@ -333,7 +341,7 @@ class ReplayContext:
     @cached_property
     def reference_logits(self) -> torch.Tensor | None:
         """fp32 reference on exactly the recorded draft inputs (when fc can take them)."""
-        if self.drafter is None or self.engine_rows is None:
+        if self.drafter is None or self.no_forward or self.engine_rows is None:
             return None
         if any(it.aux is None for it in self.engine_rows.items):
             return None  # hidden_in not recorded: serving.missing says so
@@ -396,7 +404,7 @@ class ReplayContext:
     def acc0_serving(self) -> float | None:
         """Step-0 accuracy on the serving capture with the committed tokens: argmax (mapped to
         target ids) == the committed token two ahead (aux row t, fed token t+1, predicts t+2)."""
-        if self.drafter is None or self.fc_in is None:
+        if self.drafter is None or self.no_forward or self.fc_in is None:
             return None
         items, labels = [], []
         for r in self.serving.requests:
@@ -425,7 +433,7 @@ class ReplayContext:
     @cached_property
     def training_step0(self) -> dict[str, Any] | None:
         """Step-0 on the aligned training tensors: logits, labels (token t+2), loss mask."""
-        if self.drafter is None or not self.aligned:
+        if self.drafter is None or self.no_forward or not self.aligned:
             return None
         items, labels, masks, idx = [], [], [], []
         for a in self.aligned:
@@ -503,24 +511,30 @@ class ReplayContext:
             "claimed": getattr(a.sample, "last_norm", None),
         }
 
+    def guarded(self, what: str, compute: Callable[[], Any]) -> Any:
+        """`compute()`, or None with the reason in `skipped` if it fails internally (a bug in
+        one piece of evidence must not cost the report). Bad input still raises."""
+        from hstrace.errors import HstraceError
+
+        try:
+            return compute()
+        except HstraceError:
+            raise
+        except Exception as exc:
+            self.skip(what, f"failed internally: {type(exc).__name__}: {exc}")
+            return None
+
     def metrics_json(self) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.metrics)
         for name in ("acc0_training", "acc0_serving", "acc0_serving_aligned"):
-            value = getattr(self, name, None)
+            value = self.guarded(name, lambda name=name: getattr(self, name, None))
             if value is not None:
                 out[name] = round(float(value), 6)
-        if self.agreement is not None:
-            a = self.agreement.to_json()
+        a = self.guarded("engine vs reference", self._engine_vs_reference_json)
+        if a is not None:
             out["engine_vs_reference_top1"] = a["top1_agreement"]
             out["engine_vs_reference_topk"] = a["topk_agreement"]
             out["engine_vs_reference_max_logprob_diff"] = a["max_logprob_diff"]
-            rows = self.engine_rows
-            if rows.steps is not None and len(rows.steps) == len(rows.topk_draft_ids):
-                a["by_step"] = agreement_by_step(
-                    rows.steps, rows.topk_draft_ids, rows.topk_logprobs, self.reference_logits
-                )
-            if self.chain_by_step:
-                a["by_draft_step"] = self.chain_by_step
             out["engine_vs_reference"] = a
         if self.serving.accept_lens:
             out["mean_accept_len"] = round(float(np.mean(self.serving.accept_lens)), 6)
@@ -528,3 +542,16 @@ class ReplayContext:
                 "accepted draft tokens per verify, excluding the bonus token"
             )
         return out
+
+    def _engine_vs_reference_json(self) -> dict[str, Any] | None:
+        if self.agreement is None:
+            return None
+        a = self.agreement.to_json()
+        rows = self.engine_rows
+        if rows.steps is not None and len(rows.steps) == len(rows.topk_draft_ids):
+            a["by_step"] = agreement_by_step(
+                rows.steps, rows.topk_draft_ids, rows.topk_logprobs, self.reference_logits
+            )
+        if self.chain_by_step:
+            a["by_draft_step"] = self.chain_by_step
+        return a

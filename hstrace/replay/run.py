@@ -124,6 +124,51 @@ def _training_side(
     return list(td.samples()), "training", {"format": td.format, "samples": len(td)}
 
 
+def _embed_from_target(
+    drafter: torch.nn.Module,
+    report: Any,
+    target: ReferenceTarget | None,
+    target_path: Path | None,
+    explicit_target: bool,
+) -> tuple[str | None, str | None]:
+    """The checkpoint carries no embedding (SpecForge, EAGLE save none): give the drafter the
+    target's, as SGLang does (`set_embed`). Returns (where the embedding came from, why the
+    drafter cannot run); a drafter is never run with its random initial embedding."""
+    from hstrace.check import load_target_embedding
+
+    dialect = getattr(report, "dialect", "this")
+    emb, why = None, None
+    if target is not None:
+        emb = target.embed.detach().float()
+    elif target_path is not None and Path(target_path).is_dir():
+        try:
+            emb = load_target_embedding(target_path)
+        except CheckpointError as exc:
+            if explicit_target:
+                raise
+            why = str(exc)
+    else:
+        why = "no target model (give --target DIR)"
+    own = drafter.embed_tokens.weight
+    if emb is not None and tuple(emb.shape) != tuple(own.shape):
+        msg = (
+            f"target {target_path}: embedding {list(emb.shape)} does not fit the drafter's "
+            f"{list(own.shape)}"
+        )
+        if explicit_target:
+            raise CheckpointError(msg)
+        emb, why = None, msg
+    if emb is None:
+        return None, (
+            f"the drafter checkpoint ({dialect}) carries no embedding and the target's could not "
+            f"be loaded ({why}); SGLang uses the target's embedding, so the drafter-output "
+            "checks (engine vs reference, what-ifs, step-0 accuracy) did not run"
+        )
+    with torch.no_grad():
+        own.copy_(emb.to(own.dtype))
+    return f"target ({target_path}): the checkpoint carries none, as SGLang serves it", None
+
+
 def _digest(salt: bytes) -> str:
     from hstrace.bundle.redact import salt_digest
 
@@ -182,6 +227,11 @@ def replay(
             if explicit_target:
                 raise
             target_note = str(exc)  # the trace's target is optional evidence: go on without
+    embed_source, no_forward = "checkpoint", None
+    if "embed_tokens.weight" in report.missing:
+        embed_source, no_forward = _embed_from_target(
+            drafter, report, target, target_path, explicit_target
+        )
 
     matches, coverage = align(
         [r.tokens for r in serving.requests], [s.input_ids.numpy() for s in samples]
@@ -196,6 +246,7 @@ def replay(
         target=target,
         training_kind=kind,
         progress=progress,
+        no_forward=no_forward,
     )
     for what, why in serving.missing.items():
         ctx.skip(what, why)
@@ -230,6 +281,7 @@ def replay(
             "training": training_info,
             "drafter": str(drafter_path),
             "drafter_dialect": getattr(report, "dialect", None),
+            "drafter_embedding": embed_source,
             "target": str(target_path) if target is not None else None,
             **({"redaction": redaction} if redaction else {}),
         },

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hstrace.replay.compare import AGREE_TOP1, WHATIF_MARGIN, agreement, gathered_logprobs
+from hstrace.replay.compare import AGREE_TOP1, WHATIF_MARGIN, agreement, logprob_gap, with_topk
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,11 @@ class WhatIfResult:
             "name": self.name,
             "code": self.code,
             "agreement": round(self.agreement, 6),
-            "max_logprob_diff": round(self.max_logprob_diff, 6),
+            "max_logprob_diff": (
+                round(self.max_logprob_diff, 6)
+                if self.max_logprob_diff == self.max_logprob_diff
+                else None
+            ),
         }
 
 
@@ -48,7 +52,12 @@ def search(
     engine_logprobs: torch.Tensor | None = None,
 ) -> list[WhatIfResult]:
     """Every hypothesis scored against the engine's recorded top-k, best first (smallest
-    log-prob difference, then highest argmax agreement)."""
+    log-prob difference, then highest argmax agreement). Rows without a top-k (id -1) are not
+    scored; NaN log-probs are unknown (those rows count by their ids only)."""
+    keep = with_topk(engine_ids)
+    engine_ids = engine_ids[keep]
+    if engine_logprobs is not None:
+        engine_logprobs = engine_logprobs[keep]
     results = []
     for w in whatifs:
         try:
@@ -57,11 +66,9 @@ def search(
             # A hypothesis that cannot even run on this drafter (e.g. mutually exclusive
             # flags) cannot be what the engine did.
             continue
+        logits = logits[keep]
         top1 = agreement(logits.argmax(-1), engine_ids[:, 0])
-        diff = float("nan")
-        if engine_logprobs is not None:
-            ref = gathered_logprobs(logits, engine_ids)
-            diff = float((engine_logprobs.float() - ref).abs().max())
+        diff = logprob_gap(logits, engine_ids, engine_logprobs)
         results.append(WhatIfResult(w.name, w.code, w.fix, top1, diff))
     return sorted(
         results,
