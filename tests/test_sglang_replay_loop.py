@@ -236,19 +236,11 @@ def record_sglang(out: Path, drafter_dir: Path, monkeypatch) -> dict:
     return {"layers": layers, "seqs": seqs, "accept": accept, "runner": draft.draft_runner}
 
 
-# Replay-side bugs found by this loop (hstrace/replay, hstrace/diagnose; not ours to edit),
-# each reproduced with a local patch of replay that makes both tests pass:
-# 1. draft_extend rows without a top-k (ids -1: SGLang computes no draft logits there) reach
-#    `gathered_logprobs` (compare.py, whatif.py): RuntimeError "index -1 is out of bounds".
-# 2. `diagnose/vocab.py` scores those -1 rows as mismatches: a false `d2t-direct-table`.
-# 3. `replay/run.py` loads a SpecForge drafter (no embedding saved) without the target's
-#    embedding, which SGLang uses (`set_embed`): engine-vs-reference top-1 0.07 instead of 1.0.
-# NaN log-probs (topk == 1 after a verify) also need to be read as "unknown" by compare_topk.
-REPLAY_BUGS = pytest.mark.xfail(
-    strict=True,
-    reason="replay mishandles SGLang's top-k-less draft_extend rows (-1 ids, NaN log-probs) "
-    "and SpecForge drafters' missing embedding; see the comment above",
-)
+# This loop found four replay-side bugs, fixed in hstrace/replay and hstrace/diagnose (issue 5):
+# draft_extend rows without a top-k (id -1) reached `gathered_logprobs`; `diagnose/vocab.py`
+# scored them as mismatches (a false `d2t-direct-table`); a SpecForge drafter (no embedding
+# saved) was replayed with a random embedding instead of the target's; NaN log-probs (topk == 1
+# after a verify) made `within_noise` false. Both tests below guard against their return.
 
 
 def _replay(trace: Path, drafter_dir: Path) -> dict:
@@ -275,7 +267,6 @@ def _replay(trace: Path, drafter_dir: Path) -> dict:
     return json.loads(result.stdout)
 
 
-@REPLAY_BUGS
 def test_clean_sglang_trace_replays_to_no_wiring_fault(tmp_path, monkeypatch) -> None:
     drafter_dir = WORLD / "drafter-specforge"
     out = tmp_path / "sglang.zarr"
@@ -305,7 +296,6 @@ def test_clean_sglang_trace_replays_to_no_wiring_fault(tmp_path, monkeypatch) ->
     assert report["verdict"]["code"] == "no-wiring-fault", json.dumps(report, indent=1)[:4000]
 
 
-@REPLAY_BUGS
 def test_layers_shifted_by_one_replay_to_aux_layer_shift(tmp_path, monkeypatch) -> None:
     # The speculators drafter writes its ids "before layer k" ([2, 4, 5]); SGLang adds 1.
     drafter_dir = WORLD / "drafter-speculators"
