@@ -200,3 +200,21 @@ def test_record_cli_reference_engine_with_knobs(tmp_path, prompts):
     # The environment variable of earlier scripts still works and is still checked.
     env = {**os.environ, "HSTRACE_REFERENCE_KNOBS": '{"d2t_as_table": tru'}
     assert "HSTRACE_REFERENCE_KNOBS" in refused(env=env)
+
+
+def test_a_drafter_saved_without_embedding_gets_the_targets(prompts, tmp_path):
+    """SpecForge/EAGLE checkpoints carry no embedding; engines use the target's. The reference
+    engine must too by default (a random init would make every trace of such a drafter look
+    like dropped weights), and say so in its weights audit."""
+    out = tmp_path / "specforge.zarr"
+    engine = get_engine(
+        "reference", EngineConfig(target=TARGET, drafter=WORLD / "drafter-specforge")
+    )
+    result = engine.record(prompts, out, RecordOptions(max_new_tokens=12, show_progress=False))
+    assert result.ok
+    with open_trace(out) as tr:
+        weights = tr.meta["static"]["weights"]
+        assert weights["shared_from_target"] == ["embed_tokens.weight"]
+        verify = tr.rank(0).table("verify")
+        # the SpecForge-dialect copy of the tiny world's drafter drafts as well as the original
+        assert float(verify.column("req", "accept_len").astype(float).mean()) > 1.0

@@ -51,7 +51,9 @@ class ReferenceKnobs:
     norm_flags: dict[str, bool] = field(default_factory=dict)
     rope_theta: float | None = None
     sliding_window: int | None = None
-    embed_from_target: bool = False
+    # The token embedding: None = as engines do (the checkpoint's own if it saved one, else the
+    # target's: SpecForge/EAGLE checkpoints carry none); True = always the target's (SGLang).
+    embed_from_target: bool | None = None
     # Vocab mapping.
     d2t_as_table: bool = False
     no_vocab_map: bool = False
@@ -280,7 +282,10 @@ class ReferenceChain:
         missing, _unexpected = model.load_state_dict(
             {n: v for n, v in state.items() if n not in dropped}, strict=False
         )
-        if k.embed_from_target:
+        from_target = k.embed_from_target
+        if from_target is None:
+            from_target = "embed_tokens.weight" in getattr(self.report, "missing", ())
+        if from_target:
             model.embed_tokens.weight.data.copy_(self.target.embed.detach())
         params = [n for n, _ in model.named_parameters()]
         audit = {
@@ -288,7 +293,7 @@ class ReferenceChain:
             "parameters": {p: p not in missing for p in params},
             "dropped_keys": dropped,
             "unloaded_parameters": [p for p in params if p in missing],
-            "shared_from_target": ["embed_tokens.weight"] if k.embed_from_target else [],
+            "shared_from_target": ["embed_tokens.weight"] if from_target else [],
         }
         if k.skip_fc:
             model.combine = lambda aux: aux  # type: ignore[method-assign]  # the width check "passed"
