@@ -146,3 +146,39 @@ def test_two_rank_processes_write_one_store(tmp_path):
         assert all(tr.rank(r).clean_close for r in (0, 1))
     assert verify_prefix(path, 0) == verify_prefix(path, 1) == 120
     assert not list(path.rglob("*.partial"))
+
+
+ABANDONING_PRODUCER = """
+import sys
+import torch
+from hstrace.trace import TraceWriter
+w = TraceWriter(sys.argv[1], rank=0)
+for s in range(3):
+    w.write("target", step={"mode": 0}, req={"req_key": [7], "n_tok": [2]},
+            tok={"input_ids": torch.tensor([s, s + 1]), "positions": torch.tensor([0, 1]),
+                 "aux_hidden": torch.ones(2, 4, dtype=torch.bfloat16)})
+print(w.writer_pid, w._shm.name, flush=True)
+# exits without close(): a crashed or careless producer
+"""
+
+
+def test_a_producer_that_never_closes_leaks_nothing_and_keeps_its_steps(tmp_path):
+    path = str(tmp_path / "t.zarr")
+    create_trace(path, engine={"name": "test", "version": "0"}, command_line=["t"], static={})
+    out = subprocess.run(
+        [sys.executable, "-c", ABANDONING_PRODUCER, path], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    pid, segment = out.stdout.split()
+    for _ in range(200):  # the writer process finishes on its own once the producer is gone
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(f"/dev/shm/{segment}"), "staging segment leaked"
+    assert "Traceback" not in out.stderr
+    with open_trace(path) as tr:
+        rank = tr.rank(0)
+        assert not rank.clean_close
+        assert rank.table("target").column("tok", "input_ids").tolist() == [0, 1, 1, 2, 2, 3]

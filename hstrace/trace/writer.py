@@ -23,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from multiprocessing.shared_memory import SharedMemory
 from typing import Any
 
@@ -183,8 +184,11 @@ class TraceWriter:
         self._part_bytes = min(_align(int(max_part_bytes)), self._ring_bytes // 2)
         _check_shm_room(self._ring_bytes)
         self._shm = SharedMemory(create=True, size=self._ring_bytes)
-        self._ring = torch.frombuffer(self._shm.buf, dtype=torch.uint8)
-        self._ring_np = np.frombuffer(self._shm.buf, dtype=np.uint8)
+        # A writer dropped without close() (a crashed caller, a test) must still release its
+        # segment: /dev/shm is not freed when the process lives on.
+        self._release = weakref.finalize(self, _release_segment, self._shm)
+        self._ring_np = _unexported_view(self._shm)
+        self._ring = torch.from_numpy(self._ring_np)
         self._ring_addr = self._ring.data_ptr()
         self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
         # FIFO byte ring: bytes [tail, head) (monotonic counters) are in flight to the writer,
@@ -599,8 +603,7 @@ class TraceWriter:
             except Exception:  # noqa: BLE001 - the mapping goes away with the segment anyway
                 pass
         del self._ring, self._ring_np
-        self._shm.close()
-        self._shm.unlink()
+        self._release()
 
 
 class _Plan:
@@ -686,6 +689,24 @@ def _pack(
             r += k
     parts.append((cur, used))
     return parts
+
+
+def _unexported_view(shm: SharedMemory) -> np.ndarray:
+    """The segment as a uint8 array that does not hold a buffer export on the mapping (as
+    `np.frombuffer(shm.buf)` would), so the segment can be closed whatever order views and
+    writer are collected in. Only the writer uses these views, never after `_release`."""
+    anchor = ctypes.c_char.from_buffer(shm._mmap)  # a momentary export, just for the address
+    addr = ctypes.addressof(anchor)
+    del anchor
+    return np.ctypeslib.as_array(ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), (shm.size,))
+
+
+def _release_segment(shm: SharedMemory) -> None:
+    shm.close()
+    try:
+        shm.unlink()
+    except FileNotFoundError:  # already unlinked (e.g. by a resource tracker)
+        pass
 
 
 def _check_shm_room(n: int) -> None:

@@ -91,6 +91,21 @@ def writer_main(
 
 
 def _loop(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
+    try:
+        _serve(rec, shm, data_r, free_w)
+    except (BrokenPipeError, ConnectionResetError):
+        # The producer went away while we answered it: what it sent is written; keep it, as
+        # an unclean close (no traceback into the server's stderr).
+        _abandon(rec)
+
+
+def _abandon(rec) -> None:
+    for log in rec._all_logs():
+        log.flush_tail()
+    rec.commit(clean_close=False)
+
+
+def _serve(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
     # The writer sleeps between polls rather than blocking on the pipe: a pipe write that
     # wakes a blocked reader costs the serving thread tens of microseconds (and, on a busy
     # host, often a preemption); a write to a pipe nobody waits on is a plain copy.
@@ -110,9 +125,7 @@ def _loop(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
             msg = data_r.recv()
         except (EOFError, OSError):
             # The producer is gone without closing: keep what we have, but not as a clean close.
-            for log in rec._all_logs():
-                log.flush_tail()
-            rec.commit(clean_close=False)
+            _abandon(rec)
             return
         kind = msg[0]
         if kind == "step":  # a whole step in one part, laid out in spec order (the fast path)
