@@ -23,24 +23,69 @@ STAGES: tuple[str, ...] = (
 
 # code -> (stage, one-line meaning). Keep in sync with docs/findings.md.
 CODES: dict[str, tuple[str, str]] = {
-    "spec-params-adjusted": ("config", "the engine silently changed speculative settings (e.g. num_draft_tokens)"),
-    "norm-flag-mismatch": ("config", "a norm flag the drafter was trained with is ignored or read differently by the engine"),
-    "attention-window": ("config", "training and serving use different attention windows for the drafter"),
+    "spec-params-adjusted": (
+        "config",
+        "the engine silently changed speculative settings (e.g. num_draft_tokens)",
+    ),
+    "norm-flag-mismatch": (
+        "config",
+        "a norm flag the drafter was trained with is ignored or read differently by the engine",
+    ),
+    "attention-window": (
+        "config",
+        "training and serving use different attention windows for the drafter",
+    ),
     "rope-mismatch": ("config", "the drafter's RoPE settings differ between training and serving"),
-    "weights-dropped": ("weights", "checkpoint tensors were not loaded (key prefix or name the engine does not map)"),
-    "embed-head-source": ("weights", "embeddings or lm_head come from another source than in training"),
-    "d2t-direct-table": ("vocab-map", "d2t holds offsets but is read as a direct draft->target table (or vice versa)"),
-    "vocab-map-missing": ("vocab-map", "the draft vocab is smaller than the target's but no d2t mapping is applied"),
-    "aux-layers-default": ("target-capture", "the engine captured its default aux layers, not the ones the drafter was trained on"),
-    "aux-layer-shift": ("target-capture", "captured aux layers are shifted by a layer (index convention off by one)"),
+    "weights-dropped": (
+        "weights",
+        "checkpoint tensors were not loaded (key prefix or name the engine does not map)",
+    ),
+    "embed-head-source": (
+        "weights",
+        "embeddings or lm_head come from another source than in training",
+    ),
+    "d2t-direct-table": (
+        "vocab-map",
+        "d2t holds offsets but is read as a direct draft->target table (or vice versa)",
+    ),
+    "vocab-map-missing": (
+        "vocab-map",
+        "the draft vocab is smaller than the target's but no d2t mapping is applied",
+    ),
+    "aux-layers-default": (
+        "target-capture",
+        "the engine captured its default aux layers, not the ones the drafter was trained on",
+    ),
+    "aux-layer-shift": (
+        "target-capture",
+        "captured aux layers are shifted by a layer (index convention off by one)",
+    ),
     "aux-order": ("target-capture", "aux slots are concatenated in another order than in training"),
-    "slot-layout": ("target-capture", "a slot is missing or extra (e.g. the embedding slot), or the stored layout differs"),
-    "hidden-corrupt": ("target-capture", "aux hidden states are zeros, constant, or belong to another request"),
-    "target-drift": ("target-capture", "the target's hidden states differ from training beyond precision noise"),
+    "slot-layout": (
+        "target-capture",
+        "a slot is missing or extra (e.g. the embedding slot), or the stored layout differs",
+    ),
+    "hidden-corrupt": (
+        "target-capture",
+        "aux hidden states are zeros, constant, or belong to another request",
+    ),
+    "target-drift": (
+        "target-capture",
+        "the target's hidden states differ from training beyond precision noise",
+    ),
     "fc-skipped": ("draft-input", "the drafter's fc projection was skipped (a width check passed)"),
-    "token-shift": ("draft-input", "draft input tokens or positions are shifted relative to training"),
-    "teacher-norm": ("acceptance", "the training teacher used another final norm than the target applies"),
-    "metric-overstates": ("acceptance", "the training metric overstates what greedy serving can accept"),
+    "token-shift": (
+        "draft-input",
+        "draft input tokens or positions are shifted relative to training",
+    ),
+    "teacher-norm": (
+        "acceptance",
+        "the training teacher used another final norm than the target applies",
+    ),
+    "metric-overstates": (
+        "acceptance",
+        "the training metric overstates what greedy serving can accept",
+    ),
     "no-wiring-fault": ("acceptance", "serving and training agree; the drafter itself is weak"),
 }
 
@@ -59,7 +104,9 @@ class Finding:
 
     def __post_init__(self) -> None:
         if self.code not in CODES:
-            raise ValueError(f"unknown finding code {self.code!r}; add it to hstrace.findings.CODES")
+            raise ValueError(
+                f"unknown finding code {self.code!r}; add it to hstrace.findings.CODES"
+            )
         if self.severity not in SEVERITIES:
             raise ValueError(f"unknown severity {self.severity!r}")
 
@@ -68,7 +115,11 @@ class Finding:
         return CODES[self.code][0]
 
     def to_json(self) -> dict[str, Any]:
-        return {"code": self.code, "stage": self.stage, **{k: v for k, v in asdict(self).items() if k != "code"}}
+        return {
+            "code": self.code,
+            "stage": self.stage,
+            **{k: v for k, v in asdict(self).items() if k != "code"},
+        }
 
 
 def in_dataflow_order(findings: list[Finding]) -> list[Finding]:
