@@ -11,6 +11,10 @@ if ! command -v chromium >/dev/null 2>&1 && [[ "$(id -u)" == 0 ]] && command -v 
   (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core) >/dev/null 2>&1 \
     || echo "chromium could not be installed; the HTML render test will skip" >&2
 fi
+if [[ $# -eq 0 ]]; then  # lint the whole tree on a full run
+  python3 -m ruff check .
+  python3 -m ruff format --check .
+fi
 python3 -m pytest -q "$@"
 # The real-SGLang tests (-m sglang) run in their own venv (sglang's deps would replace CPU torch);
 # built once by scripts/sglang-venv.sh and reused. HSTRACE_SKIP_SGLANG=1 skips this part.
