@@ -137,3 +137,25 @@ def test_zip_with_path_traversal_is_refused(tmp_path):
         zf.writestr("../outside.txt", "x")
     _assert_cli_error(z, "outside the archive")
     assert not (tmp_path / "outside.txt").exists()
+
+
+def test_a_per_step_column_must_be_one_scalar_per_step(tmp_path):
+    """`mode`/`step_index`/`seq`/`t_ns` are scalars per step: the writer refuses a wider value
+    (a producer bug), and a trace that has one anyway is named as such by the reader."""
+    create_trace(tmp_path / "w.zarr", engine={"name": "test", "version": "1"})
+    with TraceWriter(tmp_path / "w.zarr", rank=0, process=False) as w:
+        with pytest.raises(TraceError, match="one scalar per step"):
+            w.write(
+                "draft_step",
+                step={"step_index": [1, 2]},
+                req={"req_key": [1], "n_tok": [1]},
+                tok={"input_ids": torch.tensor([5])},
+            )
+    import zarr
+
+    d = _trace(tmp_path / "t.zarr")
+    group = zarr.open_group(str(d / "rank0" / "target" / "step"), mode="r+")
+    mode = group["mode"][:]
+    wide = group.create_array("mode", shape=(len(mode), 1), dtype=mode.dtype, overwrite=True)
+    wide[:] = mode[:, None]
+    _assert_cli_error(d, "step/mode", "one scalar per step")

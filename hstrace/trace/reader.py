@@ -18,7 +18,13 @@ import zarr
 from zarr.storage import LocalStore, ZipStore
 
 from hstrace.errors import TraceError
-from hstrace.trace.schema import FORMAT_NAME, ROOT_KEY, STEP_AXIS, SUPPORTED_SCHEMA_VERSIONS
+from hstrace.trace.schema import (
+    FORMAT_NAME,
+    ROOT_KEY,
+    SCALAR_STEP_COLUMNS,
+    STEP_AXIS,
+    SUPPORTED_SCHEMA_VERSIONS,
+)
 
 
 def open_trace(path: str | os.PathLike) -> Trace:
@@ -182,6 +188,11 @@ class TableView:
                     f"{self._where}: column {key[0]}/{key[1]} holds {arr.shape[0]} rows, commit record says {committed}"
                 )
             self._logical[key] = dict(arr.attrs).get("hstrace_dtype", str(arr.dtype))
+            if key[0] == STEP_AXIS and key[1] in SCALAR_STEP_COLUMNS and arr.ndim != 1:
+                raise TraceError(
+                    f"{self._where}: column step/{key[1]} has shape {arr.shape}; schema v1 stores "
+                    "one scalar per step (a producer bug: re-record with a fixed producer)"
+                )
             if key[0] == STEP_AXIS:
                 steps = min(steps, committed)
         self._offsets: dict[str, np.ndarray] = {}

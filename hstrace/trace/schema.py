@@ -36,6 +36,9 @@ V1_TABLES: dict[str, tuple[str, ...]] = {
 
 # Step-axis columns the writer fills in when the producer does not give them.
 AUTO_STEP_COLUMNS = ("seq", "t_ns")
+# Step-axis columns of schema v1 that hold one scalar per step (a 1-element list is accepted
+# and stored as that scalar; anything wider is refused by the writer and the reader).
+SCALAR_STEP_COLUMNS = (*AUTO_STEP_COLUMNS, "mode", "step_index")
 
 # `target.mode` values.
 MODE_PREFILL = 0

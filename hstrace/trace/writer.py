@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from hstrace.errors import TraceError
-from hstrace.trace.schema import AUTO_STEP_COLUMNS, STEP_AXIS, check_name
+from hstrace.trace.schema import AUTO_STEP_COLUMNS, SCALAR_STEP_COLUMNS, STEP_AXIS, check_name
 
 ALIGN = 64
 # Where the hstrace package lives, so the writer process imports this very copy.
@@ -94,7 +94,13 @@ def normalise(
             a, ld = _as_rows(value, f"table {table!r} column {axis}/{col}")
             if ld is not None:
                 logical[f"{axis}/{col}"] = ld
-            if axis == STEP_AXIS:
+            if axis == STEP_AXIS and col in SCALAR_STEP_COLUMNS:
+                if a.size != 1:
+                    raise TraceError(
+                        f"table {table!r} column step/{col}: one scalar per step, got shape {a.shape}"
+                    )
+                a = a.reshape(1)
+            elif axis == STEP_AXIS:
                 a = a.reshape(1, *a.shape)
             elif a.ndim == 0:
                 raise TraceError(
