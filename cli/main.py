@@ -81,6 +81,16 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("hstrace: interrupted", err=True)
         sys.exit(130)
+    except Exception as exc:  # the last line of defence: a user never sees a traceback
+        if os.environ.get("HSTRACE_DEBUG"):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        click.echo(
+            f"hstrace: error: unexpected {type(exc).__name__}: {first} (if the input is valid "
+            "this is a bug in hstrace; HSTRACE_DEBUG=1 shows the traceback)",
+            err=True,
+        )
+        sys.exit(2)
     sys.exit(rc if isinstance(rc, int) else 0)
 
 
