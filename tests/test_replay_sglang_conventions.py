@@ -57,9 +57,10 @@ def _as_sglang_writes_it(src: Path, dst: Path) -> dict[str, int]:
     single-row extends (after a verify, topk == 1) keep ids but record NaN log-probs."""
     shutil.copytree(src, dst)
     table = dst / "rank0" / "draft_extend"
-    off = zarr.open_array(str(table / "off_tok"), mode="r")[:]
+    offsets = zarr.open_array(str(table / "offsets"), mode="r")
+    off = offsets[:, offsets.attrs["axes"].index("tok")]
     cols = {
-        name: zarr.open_array(str(table / "tok" / name), mode="r+")
+        name: zarr.open_array(str(table / f"tok.{name}"), mode="r+")
         for name in ("topk_draft_ids", "topk_target_ids", "topk_logprobs")
     }
     ids, tids, lps = (cols[n][:] for n in ("topk_draft_ids", "topk_target_ids", "topk_logprobs"))

@@ -17,6 +17,7 @@ import torch
 
 from hstrace.errors import TraceError
 from hstrace.trace import TraceWriter, create_trace, open_trace
+from hstrace.trace.recorder import BACKLOG_AGE_FACTOR
 
 WIDTH = 96
 
@@ -85,7 +86,8 @@ def test_sigkill_writer_keeps_committed_prefix(tmp_path):
         stop, written = threading.Event(), [0]
         producer = threading.Thread(target=_produce, args=(w, stop, written))
         producer.start()
-        time.sleep(rng.uniform(0.05, 1.5))
+        alive_s = rng.uniform(0.05, 2.0)
+        time.sleep(alive_s)
         os.kill(w.writer_pid, signal.SIGKILL)
         stop.set()
         producer.join(timeout=30)
@@ -94,9 +96,14 @@ def test_sigkill_writer_keeps_committed_prefix(tmp_path):
             w.close()  # the writer is gone: close says so instead of hanging
         committed = verify_prefix(path)
         assert committed <= written[0]
-        results.append((committed, written[0]))
-    # The tail flush (0.2 s) must have made steps durable in most trials, not just "0 is a prefix".
-    assert sum(c > 0 for c, _ in results) >= 10, results
+        results.append((round(alive_s, 2), committed, written[0]))
+    # Not just "0 is a prefix": the tail flush must have made steps durable in every trial that
+    # outlived its worst-case age. The producer outruns the writer here, so the writer is always
+    # draining a backlog and defers tail flushes to BACKLOG_AGE_FACTOR x tail_flush_s (0.8 s);
+    # 0.4 s of slack for a loaded host.
+    late = [r for r in results if r[0] >= BACKLOG_AGE_FACTOR * 0.2 + 0.4]
+    assert len(late) >= 5, results  # the seeded kill times give 8
+    assert all(c > 0 for _, c, _ in late), results
 
 
 def test_sigkill_after_a_tail_flush_loses_nothing_older(tmp_path):

@@ -90,16 +90,16 @@ def test_not_a_trace_and_missing(tmp_path):
 
 def test_corrupt_chunk(tmp_path):
     d = _trace(tmp_path / "t.zarr")
-    chunk = next((d / "rank0/target/tok/aux_hidden/c").rglob("*"))
+    chunk = next((d / "rank0/target/tok.aux_hidden/c").rglob("*"))
     while chunk.is_dir():
         chunk = next(chunk.iterdir())
     chunk.write_bytes(b"garbage" * 10)
     with open_trace(d) as tr, pytest.raises(TraceError, match="aux_hidden"):
         tr.rank(0).table("target").column("tok", "aux_hidden")
     # `show` reads offsets and small columns only; corrupt offsets are caught there.
-    off = next((d / "rank0/target/off_tok/c").rglob("*"))
+    off = next(f for f in (d / "rank0/target/offsets/c").rglob("*") if f.is_file())
     off.write_bytes(b"garbage")
-    _assert_cli_error(d, "off_tok")
+    _assert_cli_error(d, "offsets")
 
 
 def test_corrupt_metadata(tmp_path):
@@ -154,8 +154,8 @@ def test_a_per_step_column_must_be_one_scalar_per_step(tmp_path):
     import zarr
 
     d = _trace(tmp_path / "t.zarr")
-    group = zarr.open_group(str(d / "rank0" / "target" / "step"), mode="r+")
-    mode = group["mode"][:]
-    wide = group.create_array("mode", shape=(len(mode), 1), dtype=mode.dtype, overwrite=True)
+    group = zarr.open_group(str(d / "rank0" / "target"), mode="r+")
+    mode = group["step.mode"][:]
+    wide = group.create_array("step.mode", shape=(len(mode), 1), dtype=mode.dtype, overwrite=True)
     wide[:] = mode[:, None]
     _assert_cli_error(d, "step/mode", "one scalar per step")

@@ -196,8 +196,23 @@ def test_column_attrs_and_plain_zarr_layout(tmp_path):
     # A reader with only zarr: offsets + flat arrays, exact shapes after a clean close.
     g = zarr.open_group(str(path), mode="r")
     assert g.attrs["hstrace"]["schema_version"] == 1
-    assert list(g["rank3/target/off_tok"][:]) == [0, 5, 6, 22]
-    assert g["rank3/target/tok/aux_hidden"].shape == (22, 6)
+    off = g["rank3/target/offsets"]
+    assert off.attrs["axes"] == ["req", "tok"]
+    assert off[:].tolist() == [[0, 0], [1, 5], [2, 6], [3, 22]]
+    assert g["rank3/target/tok.aux_hidden"].shape == (22, 6)
+    # Flat: a table group holds arrays only (no per-axis subgroups), one offsets array.
+    assert [k for k, _ in g["rank3/target"].groups()] == []
+    assert sorted(k for k, _ in g["rank3/target"].arrays()) == [
+        "offsets",
+        "req.n_tok",
+        "req.req_key",
+        "step.mode",
+        "step.seq",
+        "step.t_ns",
+        "tok.aux_hidden",
+        "tok.input_ids",
+        "tok.positions",
+    ]
     assert g["rank3"].attrs["hstrace"]["commit"]["tables"]["target"]["steps"] == 3
 
 
@@ -338,3 +353,41 @@ def test_fast_path_mixed_inputs_round_trip_and_keep_errors(tmp_path):
             assert list(got["req"]["req_key"]) == [s]
             assert np.array_equal(got["tok"]["input_ids"], ids.numpy())
             assert torch.equal(got["tok"]["aux_hidden"].view(torch.int16), aux.view(torch.int16))
+
+
+def _doc_snippet() -> str:
+    """The "Reading with plain zarr" code block of docs/trace-format.md, verbatim."""
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "trace-format.md").read_text()
+    section = doc.split("## Reading with plain zarr", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_plain_zarr_snippet_of_the_docs_reads_a_step(tmp_path, monkeypatch):
+    """The documented plain-zarr reader, run as written (cwd holds its "run.zarr"), finds step
+    5's tokens and mode exactly as the hstrace reader does."""
+    monkeypatch.chdir(tmp_path)
+    create_trace("run.zarr", engine={"name": "test"})
+    with TraceWriter("run.zarr", rank=0, process=False) as w:
+        for s in range(8):
+            n = 1 + (s * 5) % 7
+            w.write(
+                "target",
+                step={"mode": s % 2},
+                req={"req_key": torch.tensor([s]), "n_tok": torch.tensor([n])},
+                tok={
+                    "input_ids": torch.arange(n, dtype=torch.int32) + s,
+                    "positions": torch.arange(n, dtype=torch.int32),
+                    "aux_hidden": torch.randn(n, 6).to(torch.bfloat16),
+                },
+            )
+    scope: dict = {}
+    exec(compile(_doc_snippet(), "docs/trace-format.md", "exec"), scope)
+    with open_trace("run.zarr") as tr:
+        want = tr.rank(0).table("target").step(5)
+        S = tr.rank(0).table("target").num_steps
+    assert scope["S"] == S == 8
+    assert scope["mode"] == want["step"]["mode"][0] == 1
+    assert np.array_equal(scope["aux_bits"], want["tok"]["aux_hidden"].view(torch.uint16).numpy())
+    assert scope["aux_bits"].shape == (1 + 25 % 7, 6)

@@ -20,10 +20,13 @@ from zarr.storage import LocalStore, ZipStore
 from hstrace.errors import TraceError
 from hstrace.trace.schema import (
     FORMAT_NAME,
+    OFFSETS_ARRAY,
+    OFFSETS_AXES_KEY,
     ROOT_KEY,
     SCALAR_STEP_COLUMNS,
     STEP_AXIS,
     SUPPORTED_SCHEMA_VERSIONS,
+    column_array,
 )
 
 
@@ -169,9 +172,12 @@ class TableView:
             self.axes: list[str] = list(tmeta["axes"])
             self.columns: dict[str, list[str]] = {a: list(c) for a, c in tmeta["columns"].items()}
             self._arrays = {
-                (a, c): self._group[f"{a}/{c}"] for a, cols in self.columns.items() for c in cols
+                (a, c): self._group[column_array(a, c)]
+                for a, cols in self.columns.items()
+                for c in cols
             }
-            self._off_arrays = {a: self._group[f"off_{a}"] for a in self.axes if a != STEP_AXIS}
+            off_axes = [a for a in self.axes if a != STEP_AXIS]
+            off_arr = self._group[OFFSETS_ARRAY] if off_axes else None
             rows = {k: int(v) for k, v in commit["rows"].items()}
             steps = int(commit["steps"])
         except TraceError:
@@ -180,6 +186,14 @@ class TableView:
             raise TraceError(
                 f"{self._where}: table metadata is missing or corrupt ({type(exc).__name__}: {exc})"
             ) from exc
+        if off_arr is not None:
+            stored_axes = dict(off_arr.attrs).get(OFFSETS_AXES_KEY)
+            if off_arr.ndim != 2 or stored_axes is None or sorted(stored_axes) != sorted(off_axes):
+                raise TraceError(
+                    f"{self._where}: offsets array {list(off_arr.shape)} with axes {stored_axes!r} "
+                    f"does not match the table's axes {off_axes} (corrupt)"
+                )
+            off_axes = list(stored_axes)
         self._logical = {}
         for key, arr in self._arrays.items():
             committed = rows.get(f"{key[0]}/{key[1]}", 0)
@@ -195,22 +209,25 @@ class TableView:
                 )
             if key[0] == STEP_AXIS:
                 steps = min(steps, committed)
-        self._offsets: dict[str, np.ndarray] = {}
-        for axis in self._off_arrays:
-            committed = rows.get(f"off_{axis}", 0)
-            steps = min(steps, committed - 1)
+        if off_arr is not None:
+            steps = min(steps, rows.get(OFFSETS_ARRAY, 0) - 1)
         steps = max(steps, 0)
-        for axis, arr in self._off_arrays.items():
-            # A writer killed before its first commit of data has not even the leading 0 on
-            # disk: that is an empty table, not a corrupt one.
-            if steps == 0:
-                self._offsets[axis] = np.zeros(1, np.int64)
-                continue
-            off = self._read(arr, 0, steps + 1, f"off_{axis}")
-            if off.shape[0] != steps + 1 or off[0] != 0 or np.any(np.diff(off) < 0):
+        self._offsets: dict[str, np.ndarray] = {}
+        # A writer killed before its first commit of data has not even the leading 0 on disk:
+        # that is an empty table, not a corrupt one.
+        table = np.zeros((1, len(off_axes)), np.int64)
+        if off_arr is not None and steps > 0:
+            table = self._read(off_arr, 0, steps + 1, OFFSETS_ARRAY)
+            if (
+                table.shape != (steps + 1, len(off_axes))
+                or np.any(table[0] != 0)
+                or np.any(np.diff(table, axis=0) < 0)
+            ):
                 raise TraceError(
-                    f"{self._where}: offsets off_{axis} are not a valid CSR index (corrupt)"
+                    f"{self._where}: the offsets array is not a valid CSR index (corrupt)"
                 )
+        for i, axis in enumerate(off_axes):
+            off = np.ascontiguousarray(table[:, i])
             limit = min(
                 (rows.get(f"{axis}/{c}", 0) for c in self.columns.get(axis, [])),
                 default=int(off[-1]),

@@ -1,4 +1,5 @@
-"""The writer side of one rank: tables of RowLogs, CSR offsets, and the commit record.
+"""The writer side of one rank: tables of RowLogs, one CSR offsets array per table, and the
+commit record.
 
 It runs in the rank's writer process (or in-process for tests and the CPU reference engine)
 and is the only code that writes inside `rank{r}`. Data is written before the commit record
@@ -18,7 +19,15 @@ import zarr
 
 from hstrace.errors import TraceError
 from hstrace.trace.rowlog import RowLog
-from hstrace.trace.schema import ROOT_KEY, STEP_AXIS, V1_TABLES, check_name
+from hstrace.trace.schema import (
+    OFFSETS_ARRAY,
+    OFFSETS_AXES_KEY,
+    ROOT_KEY,
+    STEP_AXIS,
+    V1_TABLES,
+    check_name,
+    column_array,
+)
 
 # Columns spec as it travels: {axis: {column: (storage dtype str, logical dtype, row_shape)}}
 ColumnSpec = dict[str, dict[str, tuple[str, str, tuple[int, ...]]]]
@@ -66,31 +75,40 @@ class TableLog:
         )
         column_attrs = column_attrs or {}
         self.cols: dict[str, dict[str, RowLog]] = {}
-        self.offs: dict[str, RowLog] = {}
-        self.off_mem: dict[str, array] = {}
         for axis, cols in spec.items():
             check_name("axis", axis)
-            axis_group = self.group.create_group(axis)
             self.cols[axis] = {}
             for col, (dtype, logical, row_shape) in cols.items():
                 check_name("column", col)
                 self.cols[axis][col] = RowLog(
-                    axis_group,
-                    col,
+                    self.group,
+                    column_array(axis, col),
                     row_shape,
                     np.dtype(dtype),
                     logical,
                     column_attrs.get(f"{axis}/{col}"),
                 )
-            if axis != STEP_AXIS:
-                self.offs[axis] = RowLog(self.group, f"off_{axis}", (), np.dtype(np.int64), "int64")
-                self.offs[axis].append(np.zeros(1, np.int64))
-                self.off_mem[axis] = array("q", [0])
+        # One offsets array for all non-step axes: row s = where step s starts on each axis.
+        # A step's offsets are one row, so they become durable together.
+        self.off_axes = [a for a in axes if a != STEP_AXIS]
+        self.offs: RowLog | None = None
+        self.off_mem: dict[str, array] = {a: array("q", [0]) for a in self.off_axes}
+        if self.off_axes:
+            self.offs = RowLog(
+                self.group,
+                OFFSETS_ARRAY,
+                (len(self.off_axes),),
+                np.dtype(np.int64),
+                "int64",
+                {OFFSETS_AXES_KEY: list(self.off_axes)},
+            )
+            self.offs.append(np.zeros((1, len(self.off_axes)), np.int64))
         self.steps = 0
         self.rows = {axis: 0 for axis in spec}  # rows of each axis in complete steps
 
     def logs(self) -> dict[str, RowLog]:
-        out = {f"off_{a}": log for a, log in self.offs.items()}
+        """Every array's RowLog, keyed as in the commit record ("offsets", "axis/column")."""
+        out = {OFFSETS_ARRAY: self.offs} if self.offs is not None else {}
         for axis, cols in self.cols.items():
             out.update({f"{axis}/{c}": log for c, log in cols.items()})
         return out
@@ -115,10 +133,12 @@ class TableLog:
 
     def end_step(self, counts: dict[str, int], now: float) -> None:
         """Close a step: its rows on every axis are appended; now record the offsets."""
-        for axis, log in self.offs.items():
+        for axis in self.off_axes:
             self.rows[axis] += int(counts.get(axis, 0))
-            log.append(np.array([self.rows[axis]], np.int64), now)
             self.off_mem[axis].append(self.rows[axis])
+        if self.offs is not None:
+            row = np.array([[self.rows[a] for a in self.off_axes]], np.int64)
+            self.offs.append(row, now)
         self.steps += 1
 
     def durable_steps(self) -> int:
@@ -126,8 +146,9 @@ class TableLog:
         s = self.steps
         for log in self.cols[STEP_AXIS].values():
             s = min(s, log.stored)
-        for axis, off_log in self.offs.items():
-            s = min(s, off_log.stored - 1)
+        if self.offs is not None:
+            s = min(s, self.offs.stored - 1)
+        for axis in self.off_axes:
             limit = min((log.stored for log in self.cols[axis].values()), default=1 << 62)
             s = min(s, bisect_right(self.off_mem[axis], limit) - 1)
         return max(0, s)

@@ -53,7 +53,7 @@ class RowLog:
             config={"write_empty_chunks": True},
             **extra,
         )
-        self.buf: np.ndarray | None = None  # allocated on first rows (units can be 64 MiB)
+        self.buf: np.ndarray | None = None  # allocated on first rows (units can be 128 MiB)
         self.fill = 0  # rows staged in buf
         self.flushed = 0  # rows written as whole units
         self.tail_stored = 0  # rows durable through the last tail flush

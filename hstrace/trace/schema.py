@@ -4,8 +4,12 @@ The store layout (documented for users in docs/trace-format.md):
 
     <root>/zarr.json                attrs["hstrace"] = run metadata (ROOT_KEY)
     <root>/rank{r}/zarr.json        attrs["hstrace"] = rank metadata and the commit record
-    <root>/rank{r}/<table>/off_<axis>       int64 [S+1] CSR offsets (not for the step axis)
-    <root>/rank{r}/<table>/<axis>/<column>  flat row-major array, one row per axis row
+    <root>/rank{r}/<table>/offsets          int64 [S+1, A] CSR offsets, one column per non-step
+                                            axis (attrs["axes"] names them, in order)
+    <root>/rank{r}/<table>/<axis>.<column>  flat row-major array, one row per axis row
+
+Flat on purpose: every group and array costs a zarr.json and every array at least one data
+file, so no per-axis subgroups and one offsets array per table (bench/README.md, files).
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ ROOT_KEY = "hstrace"
 
 # The axis with one row per event; it needs no offsets (step s is row s).
 STEP_AXIS = "step"
+# A table's CSR offsets array: int64 [S+1, len(axes)], its attribute OFFSETS_AXES_KEY lists
+# the non-step axes in column order.
+OFFSETS_ARRAY = "offsets"
+OFFSETS_AXES_KEY = "axes"
 
 # Tables of schema v1 and their axes (docs/internal-api.md). Producers may add tables; these
 # are the ones readers can rely on. Columns are fixed by each trace's first write.
@@ -47,9 +55,11 @@ MODE_VERIFY = 1
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 # Chunk and shard sizing (reference/trace-storage.md §3-4): ~4 MiB chunks, whole-shard
-# writes of up to ~64 MiB for wide rows (hidden states, full logits), plain chunks otherwise.
+# writes of up to ~128 MiB for wide rows (hidden states, full logits), plain chunks otherwise.
+# 128 rather than 64 MiB halves the shard files (the ≤60 files per 1000 steps target); the
+# price is the writer's RAM: it stages one whole shard per wide column (bench/README.md).
 CHUNK_TARGET_BYTES = 4 << 20
-SHARD_TARGET_BYTES = 64 << 20
+SHARD_TARGET_BYTES = 128 << 20
 MAX_CHUNK_ROWS = 65536
 SHARD_MIN_ROW_BYTES = 16 << 10
 
@@ -58,6 +68,11 @@ def check_name(kind: str, name: str) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"{kind} name {name!r} must be an identifier (letters, digits, _)")
     return name
+
+
+def column_array(axis: str, column: str) -> str:
+    """Name of a column's array inside its table group: `<axis>.<column>` (no subgroups)."""
+    return f"{axis}.{column}"
 
 
 def _pow2_floor(x: int) -> int:
