@@ -1,4 +1,5 @@
-"""Tiny target + EAGLE-3 drafter checkpoints for the SGLang CPU tests (fixed seeds)."""
+"""Tiny target + EAGLE-3 drafter checkpoints for the SGLang CPU tests (fixed seeds), and builders
+of SGLang's real runtime objects shared by those tests."""
 
 from __future__ import annotations
 
@@ -83,3 +84,42 @@ def build_drafter(
         }
     (directory / "config.json").write_text(json.dumps(cfg, indent=1))
     return directory
+
+
+# ---- SGLang 0.5.23's REAL runtime objects (import sglang lazily: callers install the fakes
+# for CUDA-only imports first) -----------------------------------------------------------------
+
+
+def publish_runtime() -> None:
+    """The process-wide runtime context a scheduler publishes before workers run."""
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    runtime_context.reset_context()
+    runtime_context.publish(
+        ServerArgs(model_path="dummy"), role="test", ranks=runtime_context.SpawnRanks(world_rank=0)
+    )
+
+
+def verify_input(seq_lens, draft_tokens, *, num_steps: int, ndt: int):
+    """A topk=1 chain of `ndt` draft tokens per request, as `EagleDraftWorker.draft` builds it."""
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+    bs = len(seq_lens)
+    chain = torch.arange(ndt)
+    return EagleVerifyInput(
+        draft_token=draft_tokens,
+        custom_mask=torch.ones(bs * ndt * ndt, dtype=torch.bool),
+        positions=(seq_lens[:, None] + chain).reshape(-1),
+        retrieve_index=(torch.arange(bs)[:, None] * ndt + chain),
+        retrieve_next_token=torch.cat([chain[1:], torch.tensor([-1])]).repeat(bs, 1),
+        retrieve_next_sibling=torch.full((bs, ndt), -1),
+        retrieve_cum_len=None,
+        spec_steps=num_steps,
+        topk=1,
+        draft_token_num=ndt,
+        capture_hidden_mode=CaptureHiddenMode.FULL,
+        seq_lens_sum=int(seq_lens.sum()),
+        seq_lens_cpu=seq_lens,
+    )

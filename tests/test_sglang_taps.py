@@ -27,9 +27,9 @@ import sglang_fakes  # noqa: E402
 
 sglang_fakes.install()
 
+import sglang_world  # noqa: E402
 import torch  # noqa: E402
 from hstrace.hooks import sglang_patches  # noqa: E402
-from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import (  # noqa: E402
     CaptureHiddenMode,
@@ -37,7 +37,6 @@ from sglang.srt.model_executor.forward_batch_info import (  # noqa: E402
     ForwardMode,
 )
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
-from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.speculative import eagle_worker_common, eagle_worker_v2  # noqa: E402
 from sglang.srt.speculative.eagle_info import EagleDraftInput, EagleVerifyInput  # noqa: E402
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
@@ -54,10 +53,7 @@ HOT = torch.arange(DRAFT_VOCAB, dtype=torch.int64) * 2  # d2t offsets 0,1,2.. ->
 
 @pytest.fixture(scope="module", autouse=True)
 def runtime() -> None:
-    runtime_context.reset_context()
-    runtime_context.publish(
-        ServerArgs(model_path="dummy"), role="test", ranks=runtime_context.SpawnRanks(world_rank=0)
-    )
+    sglang_world.publish_runtime()
 
 
 @pytest.fixture()
@@ -133,23 +129,7 @@ def _prefill_batch() -> ScheduleBatch:
 
 
 def _verify_input(seq_lens: torch.Tensor, draft_tokens: torch.Tensor) -> EagleVerifyInput:
-    bs = len(seq_lens)
-    chain = torch.arange(NDT)
-    return EagleVerifyInput(
-        draft_token=draft_tokens,
-        custom_mask=torch.ones(bs * NDT * NDT, dtype=torch.bool),
-        positions=(seq_lens[:, None] + chain).reshape(-1),
-        retrieve_index=(torch.arange(bs)[:, None] * NDT + chain),
-        retrieve_next_token=torch.cat([chain[1:], torch.tensor([-1])]).repeat(bs, 1),
-        retrieve_next_sibling=torch.full((bs, NDT), -1),
-        retrieve_cum_len=None,
-        spec_steps=NUM_STEPS,
-        topk=1,
-        draft_token_num=NDT,
-        capture_hidden_mode=CaptureHiddenMode.FULL,
-        seq_lens_sum=int(seq_lens.sum()),
-        seq_lens_cpu=seq_lens,
-    )
+    return sglang_world.verify_input(seq_lens, draft_tokens, num_steps=NUM_STEPS, ndt=NDT)
 
 
 def _run_one_round(w) -> dict:
