@@ -141,3 +141,16 @@ def test_hf_datasets_reads_the_tiny_world_dataset():
     row = ds[5]
     assert list(row["input_ids"]) == td[5].input_ids.tolist()
     assert [bool(x) for x in row["loss_mask"]] == td[5].loss_mask.tolist()
+
+
+def test_a_parent_folder_is_not_a_dataset(tmp_path):
+    """Pointing at a folder that merely contains datasets (e.g. /tmp, or a folder of several
+    dumps) must not merge them: legacy `data_*.pt` files count only directly in the root."""
+    import shutil
+
+    for name in ("a", "b"):
+        shutil.copytree(WORLD / "training-speculators-legacy", tmp_path / name)
+    assert len(open_training(tmp_path / "a")) == len(open_training(tmp_path / "b"))
+    with pytest.raises(TrainingDataError) as exc:
+        open_training(tmp_path)
+    assert "unknown training-data layout" in one_line(exc)

@@ -29,7 +29,9 @@ KEYS = ("input_ids", "hidden_states", "loss_mask")
 
 
 def find_files(root: Path) -> list[Path]:
-    found = [(int(m.group(1)), f) for f in root.rglob("data_*.pt") if (m := _FILE.match(f.name))]
+    # Directly in the root (the datagen's layout): a recursive search would mix in every other
+    # dataset below, e.g. copies of this one.
+    found = [(int(m.group(1)), f) for f in root.glob("data_*.pt") if (m := _FILE.match(f.name))]
     return [f for _, f in sorted(found)]
 
 
