@@ -70,7 +70,6 @@ def fake_cuda_classes(vocab: int, draft_vocab: int, hidden: int):
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerOutput
     from sglang.srt.speculative.eagle_info import EagleDraftInput
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     class FakeCudaForwardBatch(ForwardBatch):
         """`init_new` builds the real `ForwardBatch` dataclass straight from the batch (ids,
@@ -117,17 +116,7 @@ def fake_cuda_classes(vocab: int, draft_vocab: int, hidden: int):
         inputs; the real `ModelRunner.forward` runs around it."""
 
         def __init__(self) -> None:  # noqa: D107 - no super().__init__: it needs a GPU
-            self.is_draft_worker = True
-            self.forward_pass_id = 0
-            self.msprobe_debugger = None
-            self.canary_manager = None
-            self.enable_elastic_ep = False
-            self.eplb_manager = None
-            self.decode_cuda_graph_runner = None
-            self.spec_algorithm = SpeculativeAlgorithm.EAGLE3
-            self.attn_backend = type(
-                "FakeCudaAttnBackend", (), {"init_forward_metadata": staticmethod(lambda fb: None)}
-            )()
+            _init_bare_draft_runner(self)
             self.model_config = type("Cfg", (), {"vocab_size": vocab, "model_is_mrope": False})()
             self.calls: list[dict] = []
 
@@ -223,21 +212,10 @@ def fake_cuda_reference_draft_runner(drafter):
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
     from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerOutput
-    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     class FakeCudaReferenceDraftRunner(ModelRunner):
         def __init__(self) -> None:  # noqa: D107 - no super().__init__: it needs a GPU
-            self.is_draft_worker = True
-            self.forward_pass_id = 0
-            self.msprobe_debugger = None
-            self.canary_manager = None
-            self.enable_elastic_ep = False
-            self.eplb_manager = None
-            self.decode_cuda_graph_runner = None
-            self.spec_algorithm = SpeculativeAlgorithm.EAGLE3
-            self.attn_backend = type(
-                "FakeCudaAttnBackend", (), {"init_forward_metadata": staticmethod(lambda fb: None)}
-            )()
+            _init_bare_draft_runner(self)
             hf_config = type("HfCfg", (), {"architectures": ["LlamaForCausalLMEagle3"]})()
             self.model_config = type(
                 "Cfg",
@@ -304,3 +282,21 @@ def fake_cuda_reference_draft_runner(drafter):
             )
 
     return FakeCudaReferenceDraftRunner()
+
+
+def _init_bare_draft_runner(runner) -> None:
+    """The fields `ModelRunner.forward` reads on a draft runner built without `__init__` (which
+    allocates CUDA pools): no graphs, no debuggers, an attention backend with nothing to plan."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    runner.is_draft_worker = True
+    runner.forward_pass_id = 0
+    runner.msprobe_debugger = None
+    runner.canary_manager = None
+    runner.enable_elastic_ep = False
+    runner.eplb_manager = None
+    runner.decode_cuda_graph_runner = None
+    runner.spec_algorithm = SpeculativeAlgorithm.EAGLE3
+    runner.attn_backend = type(
+        "FakeCudaAttnBackend", (), {"init_forward_metadata": staticmethod(lambda fb: None)}
+    )()

@@ -123,3 +123,49 @@ def verify_input(seq_lens, draft_tokens, *, num_steps: int, ndt: int):
         seq_lens_sum=int(seq_lens.sum()),
         seq_lens_cpu=seq_lens,
     )
+
+
+def draft_worker(hot_token_id, draft_runner, *, num_steps: int, ndt: int, **extra):
+    """`EagleDraftWorker` built without `__init__` (which allocates CUDA pools): the fields its
+    topk=1 extend / draft / decode-extend paths read on CPU, plus `extra`."""
+    import contextlib
+
+    from sglang.srt.speculative import eagle_worker_v2
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    draft = eagle_worker_v2.EagleDraftWorker.__new__(eagle_worker_v2.EagleDraftWorker)
+    draft.__dict__.update(
+        topk=1,
+        hot_token_id=hot_token_id,
+        speculative_algorithm=SpeculativeAlgorithm.EAGLE3,
+        seed_dsa_topk_from_draft_extend=False,
+        speculative_num_steps=num_steps,
+        speculative_num_draft_tokens=ndt,
+        device="cpu",
+        plan_stream=None,
+        plan_stream_ctx=contextlib.nullcontext(),
+        cuda_graph_runner_for_draft_extend=None,
+        draft_runner=draft_runner,
+        **extra,
+    )
+    return draft
+
+
+def target_worker(*, ndt: int):
+    """`EAGLEWorkerV2` built without `__init__`: the fields `verify` reads on CPU."""
+    import contextlib
+
+    from sglang.srt.speculative import eagle_worker_v2
+
+    worker = eagle_worker_v2.EAGLEWorkerV2.__new__(eagle_worker_v2.EAGLEWorkerV2)
+    worker.__dict__.update(
+        topk=1,
+        speculative_num_draft_tokens=ndt,
+        device="cpu",
+        plan_stream=None,
+        plan_stream_ctx=contextlib.nullcontext(),
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+        _target_worker=None,
+    )
+    return worker

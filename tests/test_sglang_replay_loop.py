@@ -13,7 +13,6 @@ Replay must find nothing on the clean trace, and the layer shift on the misread 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import subprocess
@@ -45,7 +44,6 @@ from sglang.srt.models.llama import LlamaForCausalLM  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.speculative import eagle_worker_common, eagle_worker_v2  # noqa: E402
 from sglang.srt.speculative.eagle_info import EagleVerifyInput  # noqa: E402
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 from hstrace.drafter import load_drafter  # noqa: E402
 from hstrace.trace import TraceWriter, create_trace, open_trace  # noqa: E402
@@ -73,35 +71,17 @@ def _layers_to_capture(layer_ids: list[int]) -> list[int]:
 
 
 def _workers(drafter, hot):
-    draft = eagle_worker_v2.EagleDraftWorker.__new__(eagle_worker_v2.EagleDraftWorker)
-    draft.__dict__.update(
-        topk=1,
-        hot_token_id=hot,
-        speculative_algorithm=SpeculativeAlgorithm.EAGLE3,
-        seed_dsa_topk_from_draft_extend=False,
+    draft = sglang_world.draft_worker(
+        hot,
+        sglang_fakes.fake_cuda_reference_draft_runner(drafter),
+        num_steps=NUM_STEPS,
+        ndt=NDT,
         index_share_for_mtp_iteration=False,
-        speculative_num_steps=NUM_STEPS,
-        speculative_num_draft_tokens=NDT,
-        device="cpu",
-        plan_stream=None,
-        plan_stream_ctx=contextlib.nullcontext(),
-        cuda_graph_runner_for_draft_extend=None,
-        draft_runner=sglang_fakes.fake_cuda_reference_draft_runner(drafter),
         draft_attn_backend=SimpleNamespace(attn_backends=[None] * NUM_STEPS),
         _topk1_parents_prealloc=torch.zeros(64, 0, dtype=torch.long),
         _topk1_score_indices_prealloc=torch.arange(NUM_STEPS).repeat(64, 1),
     )
-    worker = eagle_worker_v2.EAGLEWorkerV2.__new__(eagle_worker_v2.EAGLEWorkerV2)
-    worker.__dict__.update(
-        topk=1,
-        speculative_num_draft_tokens=NDT,
-        device="cpu",
-        plan_stream=None,
-        plan_stream_ctx=contextlib.nullcontext(),
-        req_to_token_pool=None,
-        token_to_kv_pool_allocator=None,
-        _target_worker=None,
-    )
+    worker = sglang_world.target_worker(ndt=NDT)
     return draft, worker
 
 

@@ -11,7 +11,6 @@ disk and are read back with `open_trace`.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from array import array
@@ -39,7 +38,6 @@ from sglang.srt.model_executor.forward_batch_info import (  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.speculative import eagle_worker_common, eagle_worker_v2  # noqa: E402
 from sglang.srt.speculative.eagle_info import EagleDraftInput, EagleVerifyInput  # noqa: E402
-from sglang.srt.speculative.spec_info import SpeculativeAlgorithm  # noqa: E402
 
 from hstrace.engines import sglang_taps  # noqa: E402
 from hstrace.trace import TraceWriter, create_trace, open_trace, request_key  # noqa: E402
@@ -73,31 +71,8 @@ def world(tmp_path, monkeypatch):
     rec.spec_topk = 1
     monkeypatch.setattr(sglang_patches, "REC", rec)
 
-    draft = eagle_worker_v2.EagleDraftWorker.__new__(eagle_worker_v2.EagleDraftWorker)
-    draft.__dict__.update(
-        topk=1,
-        hot_token_id=HOT,
-        speculative_algorithm=SpeculativeAlgorithm.EAGLE3,
-        seed_dsa_topk_from_draft_extend=False,
-        speculative_num_steps=NUM_STEPS,
-        speculative_num_draft_tokens=NDT,
-        device="cpu",
-        plan_stream=None,
-        plan_stream_ctx=contextlib.nullcontext(),
-        cuda_graph_runner_for_draft_extend=None,
-        draft_runner=runner_cls(),
-    )
-    worker = eagle_worker_v2.EAGLEWorkerV2.__new__(eagle_worker_v2.EAGLEWorkerV2)
-    worker.__dict__.update(
-        topk=1,
-        speculative_num_draft_tokens=NDT,
-        device="cpu",
-        plan_stream=None,
-        plan_stream_ctx=contextlib.nullcontext(),
-        req_to_token_pool=None,
-        token_to_kv_pool_allocator=None,
-        _target_worker=None,
-    )
+    draft = sglang_world.draft_worker(HOT, runner_cls(), num_steps=NUM_STEPS, ndt=NDT)
+    worker = sglang_world.target_worker(ndt=NDT)
     yield {
         "rec": rec,
         "out": out,
