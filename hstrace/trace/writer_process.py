@@ -20,6 +20,7 @@ import mmap
 import os
 import sys
 import time
+from functools import partial
 from multiprocessing.connection import Connection
 
 import numpy as np
@@ -105,6 +106,19 @@ def _abandon(rec) -> None:
     rec.commit(clean_close=False)
 
 
+def _consume(rec, data_r: Connection, free_w: Connection, end, dropped, write) -> None:
+    """Write one staged part, hand its ring space back whatever happened, then book-keep."""
+    try:
+        write()
+    except HstraceError as exc:  # keep recording other tables; the error is in the trace
+        rec.note_error("writer", str(exc))
+    finally:
+        free_w.send(end)
+    if dropped is not None:
+        rec.set_dropped(dropped)
+    rec.tick(backlog=data_r.poll(0))
+
+
 def _serve(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
     # The writer sleeps between polls rather than blocking on the pipe: a pipe write that
     # wakes a blocked reader costs the serving thread tens of microseconds (and, on a busy
@@ -130,26 +144,14 @@ def _serve(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
         kind = msg[0]
         if kind == "step":  # a whole step in one part, laid out in spec order (the fast path)
             _, table, offset, end, counts, dropped = msg
-            try:
-                _write_step(rec, shm, offset, table, counts)
-            except HstraceError as exc:
-                rec.note_error("writer", str(exc))
-            finally:
-                free_w.send(end)
-            if dropped is not None:
-                rec.set_dropped(dropped)
-            rec.tick(backlog=data_r.poll(0))
+            write = partial(_write_step, rec, shm, offset, table, counts)
+            _consume(rec, data_r, free_w, end, dropped, write)
         elif kind == "part":
             _, table, offset, end, layout, counts, spec, column_attrs, dropped = msg
-            try:
-                _write_part(rec, shm, offset, table, layout, counts, spec, column_attrs)
-            except HstraceError as exc:  # keep recording other tables; the error is in the trace
-                rec.note_error("writer", str(exc))
-            finally:
-                free_w.send(end)
-            if dropped is not None:
-                rec.set_dropped(dropped)
-            rec.tick(backlog=data_r.poll(0))
+            write = partial(
+                _write_part, rec, shm, offset, table, layout, counts, spec, column_attrs
+            )
+            _consume(rec, data_r, free_w, end, dropped, write)
         elif kind == "static":
             rec.update_static(msg[1])
         elif kind == "error":
