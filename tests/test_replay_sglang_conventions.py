@@ -53,8 +53,9 @@ def specforge_trace(tmp_path_factory) -> Path:
 
 def _as_sglang_writes_it(src: Path, dst: Path) -> dict[str, int]:
     """A copy of the trace whose draft_extend top-k follows SGLang's conventions: a multi-row
-    (prefill) extend keeps its top-k on the last row only (ids -1, log-prob -inf elsewhere);
-    single-row extends (after a verify, topk == 1) keep ids but record NaN log-probs."""
+    extend keeps its top-k on the last row only (ids -1, log-prob -inf elsewhere); extends after
+    a verify (every extend of a request but its first, topk == 1) keep ids but record NaN
+    log-probs. (A drafter this good has every post-verify extend multi-row, so both apply.)"""
     shutil.copytree(src, dst)
     table = dst / "rank0" / "draft_extend"
     offsets = zarr.open_array(str(table / "offsets"), mode="r")
@@ -63,15 +64,19 @@ def _as_sglang_writes_it(src: Path, dst: Path) -> dict[str, int]:
         name: zarr.open_array(str(table / f"tok.{name}"), mode="r+")
         for name in ("topk_draft_ids", "topk_target_ids", "topk_logprobs")
     }
+    req_keys = zarr.open_array(str(table / "req.req_key"), mode="r")[:]
     ids, tids, lps = (cols[n][:] for n in ("topk_draft_ids", "topk_target_ids", "topk_logprobs"))
     dropped = nan = 0
-    for a, b in zip(off[:-1], off[1:], strict=True):
+    seen: set[int] = set()
+    for step, (a, b) in enumerate(zip(off[:-1], off[1:], strict=True)):
         if b - a > 1:
             ids[a : b - 1], tids[a : b - 1], lps[a : b - 1] = -1, -1, -np.inf
             dropped += int(b - a - 1)
-        else:
-            lps[a:b] = np.nan
-            nan += int(b - a)
+        key = int(req_keys[step])  # one request per extend step in the reference engine
+        if key in seen:
+            lps[b - 1 : b] = np.nan
+            nan += 1
+        seen.add(key)
     cols["topk_draft_ids"][:], cols["topk_target_ids"][:] = ids, tids
     cols["topk_logprobs"][:] = lps
     return {"dropped": dropped, "nan": nan, "rows": int(off[-1])}

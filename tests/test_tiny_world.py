@@ -139,7 +139,10 @@ def test_drafter_reaches_60_percent_heldout_step0(data, target, dialect, layer_i
 
 
 @pytest.mark.slow
-def test_rebuild_is_bit_identical(tmp_path):
+def test_rebuild_reproduces_the_world(tmp_path):
+    """Same torch and CPU kernels: bit-identical files. Other kernels (an AVX2 machine rebuilding
+    an AVX-512 world, or the reverse) take other reduction orders, so the bits differ; there the
+    rebuild must agree numerically: same sizes and held-out figures within a small margin."""
     res = subprocess.run(
         [sys.executable, str(WORLD / "build.py"), "--out", str(tmp_path)],
         capture_output=True,
@@ -148,5 +151,19 @@ def test_rebuild_is_bit_identical(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-2000:]
     rebuilt = json.loads((tmp_path / "MANIFEST.json").read_text())
-    assert rebuilt["files"] == MANIFEST["files"]
-    assert rebuilt["heldout"] == MANIFEST["heldout"]
+    assert rebuilt["sizes"] == MANIFEST["sizes"]
+    same_kernels = (rebuilt["torch_version"], rebuilt.get("cpu_capability")) == (
+        MANIFEST["torch_version"],
+        MANIFEST.get("cpu_capability"),
+    )
+    if same_kernels:
+        assert rebuilt["files"] == MANIFEST["files"]
+        assert rebuilt["heldout"] == MANIFEST["heldout"]
+        return
+    assert rebuilt["files"].keys() == MANIFEST["files"].keys()
+    for key in ("acc0_teacher", "acc0_target"):
+        assert abs(rebuilt["heldout"][key] - MANIFEST["heldout"][key]) < 0.03, key
+    assert abs(
+        rebuilt["heldout"]["sim_accept_len_with_bonus"]
+        - MANIFEST["heldout"]["sim_accept_len_with_bonus"]
+    ) < 0.2

@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     manifest = {
         "builder": "traces/tiny-world/build.py",
         "torch_version": torch.__version__,
+        # kernels (hence the bits) differ between AVX2 and AVX-512 machines: a rebuild is
+        # bit-identical only where this matches (tests/test_tiny_world.py compares otherwise)
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "seeds": {
             "language": SEED,
             "target": SEED + 1,

@@ -26,8 +26,8 @@ def drafter_config(target_cfg, d2t_len: int) -> DrafterConfig:
         hidden_size=target_cfg.hidden_size,
         vocab_size=target_cfg.vocab_size,
         draft_vocab_size=d2t_len,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,  # head_dim 32, as the target (engines' CPU kernels need >= 32)
+        num_key_value_heads=1,
         intermediate_size=128,
         target_hidden_size=target_cfg.hidden_size,
         num_aux=3,

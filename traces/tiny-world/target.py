@@ -19,8 +19,9 @@ def target_config() -> LlamaConfig:
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        # head_dim 32: vLLM's CPU attention and rotary op refuse head_dim 16 (sizes 32, 64, ...)
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=2048,
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
