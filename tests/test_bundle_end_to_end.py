@@ -41,7 +41,7 @@ def world(tmp_path_factory) -> Path:
 
 
 def _record(world: Path, out: Path, **knobs) -> Path:
-    from hstrace.cli.record import load_prompts_from_training as load  # the CLI's prompts
+    from hstrace.prompts import load_prompts_from_training as load  # the CLI's prompts
 
     engine = ReferenceEngine(
         EngineConfig(target=world / "target", drafter=world / "drafter-speculators", extra=knobs)

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from hstrace.cli.record import load_prompts_from_training
 
+from hstrace.prompts import load_prompts_from_training
 from hstrace.training import open_training
 
 TINY = Path(__file__).resolve().parents[1] / "traces" / "tiny-world"

@@ -6,6 +6,9 @@ draft outputs, judged against fp32), `whatif` (which misreading reproduces the e
 `step0` (batched reference forwards). I/O: `serving` (reads a trace), `run` (`replay()`).
 """
 
+import sys
+import types
+
 from hstrace.replay.result import ReplayResult
 
 
@@ -14,5 +17,15 @@ def replay(*args, **kwargs) -> ReplayResult:  # noqa: D103 - see hstrace.replay.
 
     return _replay(*args, **kwargs)
 
+
+class _CallablePackage(types.ModuleType):
+    """`hstrace.replay` is both this package and the public function: importing the package
+    binds it as `hstrace.replay`, shadowing the function, so the package itself calls it."""
+
+    def __call__(self, *args, **kwargs) -> ReplayResult:
+        return replay(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallablePackage
 
 __all__ = ["ReplayResult", "replay"]

@@ -48,7 +48,7 @@ class EngineContract:
 
     @pytest.fixture()
     def prompts(self) -> Sequence[Prompt]:
-        from hstrace.cli.record import load_prompts_from_training
+        from hstrace.prompts import load_prompts_from_training
 
         return load_prompts_from_training(TINY / "training-speculators", 2)
 
