@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -15,34 +16,39 @@ from hstrace.findings import Finding, in_dataflow_order
 DEFAULT_SGLANG = "0.5.23"
 
 
-def _metrics_from_training(
-    model: Any, report: Any, path: str, target: str | None, samples: int, steps: int
-) -> tuple[list[Finding], dict[str, Any]]:
-    from hstrace.check import load_target_embedding, training_findings
-    from hstrace.metrics import TargetHead
-    from hstrace.training import open_training
+def _target_layers(target: str) -> int:
+    """The target's decoder layer count, from its config.json (SGLang's default capture)."""
+    from hstrace.drafter.checkpoint import read_config
+    from hstrace.errors import CheckpointError
 
-    td = open_training(path)  # TrainingDataError (one line) for a bad dir
-    head = None
-    if target is not None:
-        head = TargetHead.from_pretrained(target)  # CheckpointError (one line) for a bad dir
-        if "embed_tokens.weight" in report.missing:
-            emb = load_target_embedding(target)
-            if tuple(emb.shape) != tuple(model.embed_tokens.weight.shape):
-                from hstrace.errors import CheckpointError
+    cfg = read_config(Path(target))
+    n = cfg.get("num_hidden_layers") or (cfg.get("text_config") or {}).get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        raise CheckpointError(f"{target}/config.json: no num_hidden_layers")
+    return n
 
-                raise CheckpointError(
-                    f"{target}: target embedding {list(emb.shape)} does not fit the drafter's {list(model.embed_tokens.weight.shape)}"
-                )
-            model.embed_tokens.weight.data.copy_(emb)
-    elif "embed_tokens.weight" in report.missing:
-        found, info = training_findings(model, td, report.dialect, max_samples=1, steps=0)
-        info["skipped"] = (
-            "accuracy needs the target's embedding, which this checkpoint does not carry "
-            f"({report.dialect} saves none): pass --target TARGET_DIR"
-        )
-        return found, info
-    return training_findings(model, td, report.dialect, head=head, max_samples=samples, steps=steps)
+
+def _embedding(model: Any, report: Any, target: str | None) -> tuple[Any, str | None, bool]:
+    """(embedding to compare stored slots with, its source, whether the drafter has a real one).
+    A drafter saved without an embedding gets the target's; without a target it has none, and
+    nothing computed with its random init is reported."""
+    from hstrace.check import load_target_embedding
+    from hstrace.errors import CheckpointError
+
+    missing = "embed_tokens.weight" in report.missing
+    if target is None:
+        if missing:
+            return None, None, False
+        return model.embed_tokens.weight.detach(), "the drafter checkpoint's embed_tokens", True
+    emb = load_target_embedding(target)  # CheckpointError (one line) for a bad dir
+    if missing:
+        if tuple(emb.shape) != tuple(model.embed_tokens.weight.shape):
+            raise CheckpointError(
+                f"{target}: target embedding {list(emb.shape)} does not fit the drafter's "
+                f"{list(model.embed_tokens.weight.shape)}"
+            )
+        model.embed_tokens.weight.data.copy_(emb)
+    return emb, "the target's model.embed_tokens", True
 
 
 @click.command(name="check")
@@ -105,14 +111,48 @@ def check(
     all_versions: bool,
 ) -> int:
     """Load a drafter checkpoint and report static wiring problems (exit 0 clean, 1 faults, 2 bad input)."""
-    from hstrace.check import applies, static_findings
+    from hstrace.check import (
+        applies,
+        norm_output_flags,
+        resolve_norm_output,
+        static_findings,
+        training_findings,
+    )
     from hstrace.drafter import load_drafter
+    from hstrace.metrics import TargetHead
+    from hstrace.training import open_training
 
     model, report = load_drafter(drafter, dialect=dialect)
-    findings, metrics = static_findings(report, model)
+    n_layers = _target_layers(target) if target else None
+    td = head = None
+    embedding, emb_source, emb_ok = None, None, False
     if against:
-        more, metrics["training"] = _metrics_from_training(
-            model, report, against, target, samples, steps
+        td = open_training(against)  # TrainingDataError (one line) for a bad dir
+        if target is not None:
+            head = TargetHead.from_pretrained(target)  # CheckpointError for a bad dir
+        embedding, emb_source, emb_ok = _embedding(model, report, target)
+    resolution = None
+    if report.dialect == "specforge" and "norm_output" in report.config and td and emb_ok:
+        # SpecForge PR #879 changed what norm_output means; the training tensors tell which.
+        value = bool(report.config["norm_output"])
+        resolution = resolve_norm_output(model, td, value, head)
+        if resolution["reading"] is not None:
+            for name, v in norm_output_flags(value, resolution["reading"]).items():
+                setattr(model.cfg, name, v)
+    findings, metrics = static_findings(report, model, n_layers, resolution)
+    if resolution is not None:
+        metrics["norm_output_resolution"] = resolution
+    if td is not None:
+        more, metrics["training"] = training_findings(
+            model,
+            td,
+            report.dialect,
+            head=head,
+            max_samples=samples,
+            steps=steps,
+            embedding=embedding,
+            embedding_source=emb_source,
+            embedding_loaded=emb_ok,
         )
         findings += more
     hidden = 0

@@ -118,7 +118,113 @@ def check_weights(rep: LoadReport) -> list[Finding]:
     return out
 
 
-def check_flags(rep: LoadReport, model: Eagle3Drafter) -> list[Finding]:
+# SpecForge's `norm_output` before and after SpecForge PR #879 (merged 2026-09-15). The installed
+# specforge 0.2.0 (`LlamaForCausalLMEagle3.compute_logits`; the backbone output is what the next
+# step gets) is "before": the flag only chooses lm_head(norm(h)) vs lm_head(h), the fed-back state
+# is always h. After #879 the logits always use norm(h) and the flag chooses the fed-back state
+# (true = EAGLE-3.1, norm(h); false = EAGLE-3, h), as SGLang (default False) and vLLM read it.
+# A checkpoint's config.json carries no SpecForge version, so the reading is a question: hstrace
+# answers it from the training tensors (`resolve_norm_output`), or says it cannot.
+PRE_879, POST_879 = "before-specforge-pr-879", "after-specforge-pr-879"
+NORM_OUTPUT_READINGS = (PRE_879, POST_879)
+
+
+def norm_output_flags(value: bool, reading: str) -> dict[str, bool]:
+    """The drafter math a SpecForge `norm_output: value` means under each reading."""
+    if reading == PRE_879:
+        return {"logits_use_norm": bool(value), "feed_normed": False}
+    return {"logits_use_norm": True, "feed_normed": bool(value)}
+
+
+def _norm_output_meaning(value: bool, reading: str) -> str:
+    f = norm_output_flags(value, reading)
+    logits = "lm_head(norm(h))" if f["logits_use_norm"] else "lm_head(h) (no final norm)"
+    fed = "norm(h) (EAGLE-3.1)" if f["feed_normed"] else "h (EAGLE-3)"
+    return f"logits {logits}, next step gets {fed}"
+
+
+def specforge_norm_output_findings(
+    rep: LoadReport, resolution: dict[str, Any] | None = None
+) -> list[Finding]:
+    """`resolution`: what `resolve_norm_output` found on the training tensors, if it ran."""
+    value = bool(rep.config.get("norm_output"))
+    reading = resolution.get("reading") if resolution else None
+    both = {
+        "norm_output": value,
+        "meaning_before_pr_879": _norm_output_meaning(value, PRE_879),
+        "meaning_after_pr_879": _norm_output_meaning(value, POST_879),
+        "engines_serve": "logits lm_head(norm(h)); next step gets norm(h) iff norm_output "
+        "(SGLang >= 0.5.23, vLLM; older SGLang always h)",
+    }
+    if reading is None:
+        return [
+            Finding(
+                "norm-flag-mismatch",
+                f"SpecForge `norm_output: {str(value).lower()}` changed meaning in SpecForge PR "
+                "#879 (2026-09-15) and this checkpoint does not say which SpecForge trained it: "
+                f"before #879 (specforge <= 0.2.0) {_norm_output_meaning(value, PRE_879)}; after "
+                f"it {_norm_output_meaning(value, POST_879)}",
+                {
+                    **both,
+                    "reading": "unknown",
+                    "hstrace_loads_it_as": PRE_879,
+                    "tested_on_training_data": resolution.get("why") if resolution else "not run",
+                },
+                (
+                    "Check the SpecForge commit of the training run (PR #879 or later means the "
+                    "new reading) and write the config accordingly."
+                    if resolution
+                    else "Run `hstrace check DRAFTER --against TRAINING_DIR --target TARGET_DIR`: "
+                    "hstrace scores both readings on the training tensors and names the one the "
+                    "weights were trained with; or check the SpecForge commit of the training run "
+                    "(PR #879 or later means the new reading)."
+                ),
+                severity="warning",
+            )
+        ]
+    both["reading"] = reading
+    if reading == PRE_879 and value:
+        return [
+            Finding(
+                "norm-flag-mismatch",
+                "trained before SpecForge PR #879: `norm_output: true` meant 'norm before "
+                "lm_head, feed h back' (EAGLE-3), but SGLang >= 0.5.23 and vLLM read it as 'feed "
+                "norm(h) back' (EAGLE-3.1): steps >= 1 get another input than in training",
+                both,
+                "Drop `norm_output` from the served config.json (the norm before lm_head is "
+                "applied anyway; absent = feed h back, as trained).",
+                applies_to="sglang>=0.5.23, vllm",
+            )
+        ]
+    if reading == PRE_879 and not value:
+        return [
+            Finding(
+                "norm-flag-mismatch",
+                "trained before SpecForge PR #879 with `norm_output: false`: lm_head on the "
+                "un-normed state, which no engine serves (they always norm before lm_head)",
+                both,
+                "Retrain (SpecForge >= PR #879, or norm_output true before it); engines cannot "
+                "serve lm_head(h).",
+            )
+        ]
+    if value:  # after #879, true = EAGLE-3.1: served as trained where norm_output is read
+        return [
+            Finding(
+                "norm-flag-mismatch",
+                "EAGLE-3.1 drafter (SpecForge >= PR #879, `norm_output: true`: feed norm(h) back); "
+                "SGLang before 0.5.23 feeds h",
+                both,
+                "Serve with SGLang >= 0.5.23 or vLLM with PR #46488.",
+                severity="warning",
+                applies_to="sglang<0.5.23",
+            )
+        ]
+    return []
+
+
+def check_flags(
+    rep: LoadReport, model: Eagle3Drafter, norm_output_resolution: dict[str, Any] | None = None
+) -> list[Finding]:
     cfg, flags, out = model.cfg, rep.flags, []
 
     def src(name: str) -> str:
@@ -165,26 +271,14 @@ def check_flags(rep: LoadReport, model: Eagle3Drafter) -> list[Finding]:
                 applies_to="sglang<0.5.23",
             )
         )
-    explicit_no = "norm_output" in rep.config
-    if rep.dialect == "specforge" and explicit_no and rep.config.get("norm_output") is True:
+    if rep.dialect == "specforge" and "norm_output" in rep.config:
+        out += specforge_norm_output_findings(rep, norm_output_resolution)
+    elif not cfg.logits_use_norm:
         out.append(
             Finding(
                 "norm-flag-mismatch",
-                "SpecForge `norm_output: true` means 'norm before lm_head', but SGLang/vLLM read it as 'feed the normed state back': steps >= 1 get another input than in training",
-                {
-                    "norm_output": True,
-                    "specforge_meaning": "logits use norm; feedback pre-norm",
-                    "engine_meaning": "feedback normed",
-                },
-                "Drop `norm_output` from the served config.json (SpecForge's default already applies the norm before lm_head).",
-                applies_to="sglang>=0.5.23, vllm",
-            )
-        )
-    if not cfg.logits_use_norm:
-        out.append(
-            Finding(
-                "norm-flag-mismatch",
-                "trained with norm_output=false (SpecForge: lm_head on the un-normed state); every engine applies the final norm before lm_head",
+                "trained with norm_output=false (lm_head on the un-normed state); every engine "
+                "applies the final norm before lm_head",
                 {"logits_use_norm": False, "source": src("logits_use_norm")},
                 "Retrain with norm_output true, the only form engines serve.",
             )
@@ -304,6 +398,22 @@ def check_vocab(rep: LoadReport, model: Eagle3Drafter) -> tuple[list[Finding], d
                 "Store offsets: d2t = target_ids - arange(draft_vocab_size).",
             )
         ], info
+    mismatch = _t2d_vs_d2t(model, target) if "t2d" in rep.loaded else None
+    if mismatch is not None:
+        return [
+            Finding(
+                "vocab-map-inconsistent",
+                f"t2d marks {mismatch['t2d_true']} target ids but d2t maps the {Vd} draft ids to "
+                f"{mismatch['d2t_distinct_targets']} distinct ones, {mismatch['n_only_in_d2t']} "
+                f"of them outside t2d and {mismatch['n_only_in_t2d']} t2d ids that no draft id "
+                "reaches: training restricts the teacher with t2d, serving maps drafts with d2t, "
+                "so they use different vocabularies",
+                {**info, **mismatch},
+                "Rebuild both from one vocab mapping: t2d = zeros(V, bool); t2d[arange(Vd) + d2t] "
+                "= True (speculators d2t.npy/t2d.npy, SpecForge vocab_mapping.pt); retrain if the "
+                "teacher was restricted with the wrong t2d.",
+            )
+        ], info
     if bool((d2t[1:] < d2t[:-1]).any()):
         return [
             Finding(
@@ -315,6 +425,78 @@ def check_vocab(rep: LoadReport, model: Eagle3Drafter) -> tuple[list[Finding], d
             )
         ], info
     return [], info
+
+
+def _t2d_vs_d2t(model: Eagle3Drafter, target: torch.Tensor) -> dict[str, Any] | None:
+    """The set {i + d2t[i]} must equal t2d's true entries (both libraries build them from one
+    sorted id list); None when it does."""
+    t2d_ids = torch.nonzero(model.t2d).flatten()
+    d2t_ids = torch.unique(target)
+    if torch.equal(d2t_ids, t2d_ids):
+        return None
+    only_d2t = d2t_ids[~torch.isin(d2t_ids, t2d_ids)]
+    only_t2d = t2d_ids[~torch.isin(t2d_ids, d2t_ids)]
+    return {
+        "t2d_true": int(t2d_ids.numel()),
+        "d2t_distinct_targets": int(d2t_ids.numel()),
+        "d2t_duplicate_targets": int(target.numel() - d2t_ids.numel()),
+        "n_only_in_d2t": int(only_d2t.numel()),
+        "n_only_in_t2d": int(only_t2d.numel()),
+        "only_in_d2t": only_d2t[:10].tolist(),
+        "only_in_t2d": only_t2d[:10].tolist(),
+    }
+
+
+def sglang_default_hf_layers(n_layers: int) -> list[int]:
+    """SGLang's (and vLLM's) default capture with no ids: HF hidden_states [2, N//2, N-3]."""
+    return [2, n_layers // 2, n_layers - 3]
+
+
+def check_aux_source(rep: LoadReport, model: Eagle3Drafter, n_layers: int | None) -> list[Finding]:
+    """Aux layer ids at the config's top level with no `eagle_config`: SGLang's target reads only
+    `eagle_config.eagle_aux_hidden_state_layer_ids` and captures its defaults instead (the
+    recorder's audit says the same at record time: `sglang_audit.aux_layer_findings`)."""
+    from hstrace.engines.sglang_audit import aux_layer_source
+
+    src = aux_layer_source(rep.config)
+    if src["read_by_sglang"] is not None or src["top_level_ids"] is None:
+        return []
+    ids = [int(i) for i in src["top_level_ids"]]
+    conv = DIALECT_CONVENTION[rep.dialect]
+    trained_hf = [hf_index(i, conv) for i in ids]
+    evidence: dict[str, Any] = {
+        "top_level_ids": ids,
+        "eagle_config": rep.config.get("eagle_config"),
+        "id_convention": conv,
+        "trained_hf_indices": trained_hf,
+        "read_by_sglang": None,
+    }
+    if n_layers is not None:
+        default = sglang_default_hf_layers(n_layers)
+        evidence |= {"target_layers": n_layers, "sglang_default_hf_indices": default}
+        if default == trained_hf:
+            return []  # SGLang's default is what the drafter was trained on: harmless
+        summary = (
+            f"aux layer ids {ids} sit at the config's top level, which SGLang ignores: the "
+            f"target captures its default HF hidden_states {default} instead of {trained_hf}"
+        )
+    else:
+        summary = (
+            f"aux layer ids {ids} sit at the config's top level, which SGLang ignores: the target "
+            f"captures its default HF hidden_states [2, N//2, N-3] instead of {trained_hf} "
+            "(--target gives N and says whether they differ)"
+        )
+    return [
+        Finding(
+            "aux-layers-default",
+            summary,
+            evidence,
+            'Add "eagle_config": {"eagle_aux_hidden_state_layer_ids": [...]} to the draft '
+            "config.json, the ids in SGLang's convention (output of layer k, HF index k+1).",
+            severity="fault" if n_layers is not None else "warning",
+            applies_to=SGLANG_ALL,
+        )
+    ]
 
 
 def check_slots(rep: LoadReport, model: Eagle3Drafter) -> list[Finding]:
@@ -340,13 +522,21 @@ def check_slots(rep: LoadReport, model: Eagle3Drafter) -> list[Finding]:
     return out
 
 
-def static_findings(rep: LoadReport, model: Eagle3Drafter) -> tuple[list[Finding], dict[str, Any]]:
+def static_findings(
+    rep: LoadReport,
+    model: Eagle3Drafter,
+    n_layers: int | None = None,
+    norm_output_resolution: dict[str, Any] | None = None,
+) -> tuple[list[Finding], dict[str, Any]]:
+    """`n_layers`: the target's decoder layer count (from --target), for SGLang's defaults.
+    `norm_output_resolution`: `resolve_norm_output`'s answer when it ran."""
     vocab, vinfo = check_vocab(rep, model)
     found = (
         check_weights(rep)
-        + check_flags(rep, model)
+        + check_flags(rep, model, norm_output_resolution)
         + check_head_and_embed(rep, model)
         + vocab
+        + check_aux_source(rep, model, n_layers)
         + check_slots(rep, model)
     )
     return found, {"vocab": vinfo}
@@ -469,6 +659,100 @@ def _slot_findings(model: Eagle3Drafter, dialect: str, first: Any) -> list[Findi
     ]
 
 
+# A stored slot "is" the token embedding when it equals embed_tokens[input_ids] up to bf16
+# rounding (relative error <= 2^-8 per element, so <= ~4e-3 over a row); the stream after one
+# decoder layer is further away by orders of magnitude (it adds attention and MLP outputs).
+EMBED_SLOT_REL_TOL = 1e-2
+
+
+def embedding_slots(sample: Any, embedding: torch.Tensor) -> list[dict[str, Any]]:
+    """For each stored aux slot (and the final state), its relative distance to
+    `embedding[input_ids]`: ||slot - emb|| / ||emb|| over all rows. Slots of another width than
+    the embedding are not compared."""
+    ids = sample.input_ids.long()
+    if int(ids.max()) >= embedding.shape[0]:
+        return []
+    emb = embedding[ids].float()
+    slots = [(j, sample.aux[:, j]) for j in range(sample.aux.shape[1])]
+    if sample.last is not None:
+        slots.append(("last", sample.last))
+    out = []
+    for j, x in slots:
+        if x.shape[-1] != emb.shape[-1]:
+            continue
+        rel = float((x.float() - emb).norm() / emb.norm().clamp_min(1e-12))
+        out.append({"slot": j, "rel_error": rel, "is_embedding": rel <= EMBED_SLOT_REL_TOL})
+    return out
+
+
+def _embedding_slot_findings(
+    model: Eagle3Drafter,
+    dialect: str,
+    first: Any,
+    embedding: torch.Tensor | None,
+    embedding_source: str | None,
+) -> tuple[list[Finding], dict[str, Any]]:
+    """B12 / the seed incident ([embed, L3, L31, L59] stored, [2, 30, 58] served): a training
+    slot that IS the token embedding (HF hidden_states[0]) while the drafter's config asks the
+    engine for decoder layers only. Decided from the numbers, with the drafter's own saved
+    embedding when no target is given (speculators saves the target's)."""
+    if embedding is None:
+        return [], {
+            "embedding_slot_test": "not run: no embedding (the checkpoint has none; pass --target)"
+        }
+    tested = embedding_slots(first, embedding)
+    info = {
+        "embedding_slot_test": {
+            "embedding_source": embedding_source,
+            "slots": tested,
+            "rows": first.num_tokens,
+            "tolerance": EMBED_SLOT_REL_TOL,
+        }
+    }
+    aux_embed = [t["slot"] for t in tested if t["is_embedding"] and t["slot"] != "last"]
+    if not aux_embed:
+        return [], info
+    ids = model.cfg.aux_layer_ids
+    conv = DIALECT_CONVENTION[dialect]
+    config_hf = [hf_index(int(i), conv) for i in ids] if ids is not None else None
+    if config_hf is not None and all(j < len(config_hf) and config_hf[j] == 0 for j in aux_embed):
+        return [], info  # the config asks for the embedding where the data stores it
+    n_slots = int(first.aux.shape[1])
+    stored = ["embed" if j in aux_embed else "layer?" for j in range(n_slots)]
+    if first.last is not None:
+        stored.append("last (teacher)")
+    served = (
+        f"HF hidden_states {config_hf} (ids {ids}, {conv} convention)"
+        if config_hf is not None
+        else "the engine's default layers (no ids in the config), none of them the embedding"
+    )
+    return [
+        Finding(
+            "slot-layout",
+            f"training aux slot(s) {aux_embed} of {n_slots} are the token embedding "
+            f"(embed_tokens[input_ids] up to bf16, HF hidden_states[0]), but the drafter's config "
+            f"asks the engine for {served}: fc was trained on an embedding slot that serving "
+            "never delivers",
+            {
+                "embedding_slots": aux_embed,
+                "stored_layout": stored,
+                "slot_rel_errors": {str(t["slot"]): t["rel_error"] for t in tested},
+                "embedding_source": embedding_source,
+                "rows": first.num_tokens,
+                "tolerance": EMBED_SLOT_REL_TOL,
+                "config_layer_ids": ids,
+                "config_convention": conv,
+                "config_hf_indices": config_hf,
+                "data_format": first.provenance.get("format"),
+                "data_last": first.provenance.get("last"),
+            },
+            "Regenerate the training data at the layers the drafter is served with (no embedding "
+            "slot) and retrain; or, if the drafter is meant to take the embedding, make the served "
+            "config capture it (vLLM: id 0; SGLang >= 0.5.22: layers_to_capture 0).",
+        )
+    ], info
+
+
 def _data_reference(ids: torch.Tensor) -> torch.Tensor:
     """Row t's stored next-next token ids[t+2]; -1 where the data has none."""
     ref = torch.full_like(ids, -1)
@@ -484,6 +768,20 @@ def _padded(rows: list[torch.Tensor], fill: Any) -> torch.Tensor:
     return out
 
 
+ACCURACY_NAMES = ("acc0_teacher", "acc0_target", "acc0_data", "teacher_agrees_with_data")
+
+
+def _skipped(info: dict[str, Any], reason: str) -> dict[str, Any]:
+    """Every accuracy marked skipped with no value: a number computed with a stand-in
+    embedding would be noise presented as a measurement."""
+    info["skipped"] = reason
+    for name in ACCURACY_NAMES:
+        info[name] = {"value": None, "skipped": True, "convention": CONVENTIONS[name]}
+    info["per_position"] = {"skipped": True}
+    info["accept_len"] = {"value": None, "skipped": True}
+    return info
+
+
 def training_findings(
     model: Eagle3Drafter,
     td: Any,
@@ -491,17 +789,37 @@ def training_findings(
     head: TargetHead | None = None,
     max_samples: int = 16,
     steps: int = 3,
+    embedding: torch.Tensor | None = None,
+    embedding_source: str | None = None,
+    embedding_loaded: bool = True,
 ) -> tuple[list[Finding], dict[str, Any]]:
     """Run the drafter (teacher-forced, `steps` TTT steps) on the first `max_samples` training
     samples and report accuracy metrics, each with its convention (`CONVENTIONS`). `head` (the
     target's final norm + lm_head) rebuilds the library's teacher from the stored final state;
-    without it only the teacher-free metrics (vs the stored tokens) are reported."""
+    without it only the teacher-free metrics (vs the stored tokens) are reported.
+
+    `embedding` [V, Ht] (the target's, or the drafter's saved copy) is what stored slots are
+    compared with to find an embedding slot. `embedding_loaded=False` (the drafter has no
+    embedding and none was given): the slot checks run, every accuracy is marked skipped."""
     n = min(len(td), max_samples)
     info: dict[str, Any] = {"format": getattr(td, "format", None), "samples": n, "steps": steps}
     if n == 0:
         return [], info
     first = td[0]
     found = _slot_findings(model, dialect, first)
+    if not any(f.severity == "fault" for f in found):
+        more, slot_info = _embedding_slot_findings(
+            model, dialect, first, embedding, embedding_source
+        )
+        found += more
+        info |= slot_info
+    if not embedding_loaded:
+        return found, _skipped(
+            info,
+            "accuracy needs the target's embedding, which this checkpoint does not carry"
+            + (f" ({dialect} saves none)" if dialect != "speculators" else "")
+            + ": pass --target TARGET_DIR (a random stand-in would give a meaningless number)",
+        )
     if any(f.severity == "fault" for f in found):
         return found, info  # the drafter's fc cannot consume these slots
     dtype = next(model.parameters()).dtype
@@ -583,3 +901,89 @@ def _specforge_sim_len(uncond: list[float]) -> float:
         prod *= a
         total += prod
     return total
+
+
+def _reading_hits(
+    model: Eagle3Drafter, td: Any, head: TargetHead | None, n: int, steps: list[int], K: int
+) -> torch.Tensor:
+    """Per scored row, whether the drafter's teacher-forced step-k draft (target space) is right,
+    for k in `steps`, concatenated over samples: vs the target's argmax (rebuilt from the stored
+    final state) with `head`, else vs the stored token."""
+    dtype = next(model.parameters()).dtype
+    out = []
+    with torch.no_grad():
+        for i in range(n):
+            s = td[i]
+            ids, mask = s.input_ids.long(), s.loss_mask.bool()
+            if ids.shape[0] < K + 2:
+                continue
+            next_ids = torch.cat([ids[1:], ids.new_zeros(1)])
+            outs = model.ttt(next_ids, s.aux_concat.to(dtype), steps=K)
+            if head is not None and s.last is not None and s.last_norm is not None:
+                teacher = head.teacher_logits(s.last, s.last_norm)
+                refs = [reference_ids(teacher, k) for k in range(K)]
+            else:
+                data_ref = _data_reference(ids)
+                refs = [torch.cat([data_ref[k:], data_ref.new_full((k,), -1)]) for k in range(K)]
+            for k in steps:
+                T = ids.shape[0]
+                valid = torch.zeros(T, dtype=torch.bool)
+                valid[: T - 1 - k] = mask[1 + k :]  # row t scores where loss_mask[t+1+k]
+                valid &= refs[k] >= 0
+                drafted = model.draft_to_target(outs[k].logits.argmax(-1))
+                out.append((drafted == refs[k])[valid])
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool)
+
+
+def resolve_norm_output(
+    model: Eagle3Drafter,
+    td: Any,
+    value: bool,
+    head: TargetHead | None = None,
+    max_samples: int = 16,
+    steps: int = 3,
+    min_discordant: int = 10,
+    z: float = 3.0,
+) -> dict[str, Any]:
+    """Which SpecForge `norm_output` reading (before/after PR #879) the weights were trained
+    with, from the training tensors: the drafter is scored teacher-forced under both readings on
+    the same rows; they differ at step 0 for `false` (norm before lm_head or not) and at steps
+    >= 1 for `true` (the fed-back state). Paired test (McNemar): of the rows where exactly one
+    reading is right, one reading must win by `z` standard deviations (|b - c| >= z*sqrt(b + c),
+    b + c >= `min_discordant`); otherwise `reading` is None and hstrace says it cannot tell.
+    The model's flags are left as they were."""
+    n = min(len(td), max_samples)
+    scored = list(range(1, steps)) if value else [0]
+    saved = (model.cfg.logits_use_norm, model.cfg.feed_normed)
+    hits: dict[str, torch.Tensor] = {}
+    try:
+        for reading in NORM_OUTPUT_READINGS:
+            flags = norm_output_flags(value, reading)
+            model.cfg.logits_use_norm = flags["logits_use_norm"]
+            model.cfg.feed_normed = flags["feed_normed"]
+            hits[reading] = _reading_hits(model, td, head, n, scored, steps)
+    finally:
+        model.cfg.logits_use_norm, model.cfg.feed_normed = saved
+    a, b = (hits[r] for r in NORM_OUTPUT_READINGS)
+    only_a, only_b = int((a & ~b).sum()), int((~a & b).sum())
+    disc = only_a + only_b
+    decided = disc >= min_discordant and abs(only_a - only_b) >= z * disc**0.5
+    best = NORM_OUTPUT_READINGS[0] if only_a > only_b else NORM_OUTPUT_READINGS[1]
+    return {
+        "reading": best if decided else None,
+        "accuracy": {r: float(h.float().mean()) if h.numel() else None for r, h in hits.items()},
+        "rows": int(a.numel()),
+        "only_right_before_pr_879": only_a,
+        "only_right_after_pr_879": only_b,
+        "compared": (
+            "teacher-forced accuracy at steps >= 1 (the fed-back state)"
+            if value
+            else "step-0 accuracy (norm before lm_head or not)"
+        )
+        + (" vs the target's argmax" if head is not None else " vs the stored tokens"),
+        "test": f"McNemar: |b - c| >= {z} sqrt(b + c), b + c >= {min_discordant}",
+        "why": None
+        if decided
+        else f"the readings disagree on {disc} of {int(a.numel())} rows ({only_a} vs {only_b}): "
+        "not enough to tell",
+    }

@@ -23,6 +23,10 @@ STAGES: tuple[str, ...] = (
 
 # code -> (stage, one-line meaning). Keep in sync with docs/findings.md.
 CODES: dict[str, tuple[str, str]] = {
+    "acceptance-simulated": (
+        "config",
+        "a simulated/synthetic acceptance switch is on in the engine: every accept number is fake",
+    ),
     "spec-params-adjusted": (
         "config",
         "the engine silently changed speculative settings (e.g. num_draft_tokens)",
@@ -52,6 +56,10 @@ CODES: dict[str, tuple[str, str]] = {
         "vocab-map",
         "the draft vocab is smaller than the target's but no d2t mapping is applied",
     ),
+    "vocab-map-inconsistent": (
+        "vocab-map",
+        "t2d and d2t describe different draft vocabularies (training and serving use different ones)",
+    ),
     "aux-layers-default": (
         "target-capture",
         "the engine captured its default aux layers, not the ones the drafter was trained on",
@@ -73,10 +81,22 @@ CODES: dict[str, tuple[str, str]] = {
         "target-capture",
         "the target's hidden states differ from training beyond precision noise",
     ),
+    "batch-coupling": (
+        "target-capture",
+        "a request's aux rows or draft inputs belong to another request of the same batch",
+    ),
     "fc-skipped": ("draft-input", "the drafter's fc projection was skipped (a width check passed)"),
     "token-shift": (
         "draft-input",
         "draft input tokens or positions are shifted relative to training",
+    ),
+    "chunk-boundary-token": (
+        "draft-input",
+        "at chunked-prefill seams the drafter got the target's prediction, not the next prompt token",
+    ),
+    "draft-kv-stale": (
+        "draft-logits",
+        "after a prefix-cache hit the drafter attends over stale, zero or foreign KV",
     ),
     "teacher-norm": (
         "acceptance",
@@ -90,6 +110,8 @@ CODES: dict[str, tuple[str, str]] = {
 }
 
 SEVERITIES = ("fault", "warning", "info")
+# Codes that lead a report whatever else is found: they make every other number meaningless.
+LEADING: tuple[str, ...] = ("acceptance-simulated",)
 
 
 @dataclass
@@ -123,5 +145,13 @@ class Finding:
 
 
 def in_dataflow_order(findings: list[Finding]) -> list[Finding]:
-    """Faults before warnings before info, each in dataflow order; stable otherwise."""
-    return sorted(findings, key=lambda f: (SEVERITIES.index(f.severity), STAGES.index(f.stage)))
+    """`LEADING` codes first, then faults before warnings before info, each in dataflow order;
+    stable otherwise."""
+    return sorted(
+        findings,
+        key=lambda f: (
+            f.code not in LEADING,
+            SEVERITIES.index(f.severity),
+            STAGES.index(f.stage),
+        ),
+    )

@@ -149,7 +149,11 @@ def test_slot_layout_from_config(tmp_path, capsys):
         ck, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 16, 29])
     )  # embedding slot claimed
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--sglang-version", "0.5.23")
-    assert rc == 1 and codes(doc) == ["slot-layout"]
+    # speculators writes the ids at the top level, which SGLang ignores: a warning without
+    # --target (no layer count to compare SGLang's defaults with)
+    assert rc == 1 and codes(doc) == ["slot-layout", "aux-layers-default"]
+    assert doc["findings"][1]["severity"] == "warning"
+    assert doc["findings"][1]["evidence"]["top_level_ids"] == [0, 2, 16, 29]
 
 
 @pytest.mark.parametrize(
