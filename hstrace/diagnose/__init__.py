@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from hstrace.diagnose import acceptance, capture, config, draft_input, vocab, weights
+from hstrace.diagnose import (
+    acceptance,
+    batch,
+    cache,
+    capture,
+    config,
+    draft_input,
+    measurement,
+    vocab,
+    weights,
+)
 from hstrace.errors import HstraceError
 from hstrace.findings import Finding, in_dataflow_order
 
@@ -20,6 +30,7 @@ Check = Callable[..., list[Finding]]
 # In dataflow order; the what-if search (config/weights codes confirmed from draft logits)
 # lives in `config.whatif_findings` and runs where its earliest code belongs.
 CHECKS: tuple[Check, ...] = (
+    measurement.acceptance_simulated,
     config.spec_params,
     config.static_load_findings,
     config.checkpoint_findings,
@@ -27,9 +38,12 @@ CHECKS: tuple[Check, ...] = (
     config.fed_back_state,
     weights.weights_dropped,
     vocab.vocab_mapping,
+    batch.batch_coupling,
     capture.capture_slots,
     draft_input.fc_skipped,
     draft_input.token_shift,
+    draft_input.chunk_boundary_token,
+    cache.draft_kv_stale,
     acceptance.teacher_norm,
     acceptance.metric_overstates,
 )

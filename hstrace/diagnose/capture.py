@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from hstrace.findings import Finding
 from hstrace.replay.fingerprint import SAME_COS, UNRELATED_COS
@@ -39,6 +40,82 @@ def _finding(code: str, summary: str, evidence: dict[str, Any], fix: str) -> lis
     return [Finding(code, summary, evidence=evidence, fix=fix)]
 
 
+def _spans(positions: list[int]) -> list[list[int]]:
+    """[[first, last], ...] runs of consecutive positions."""
+    out: list[list[int]] = []
+    for p in positions:
+        if out and p == out[-1][1] + 1:
+            out[-1][1] = p
+        else:
+            out.append([p, p])
+    return out
+
+
+def dead_rows(ctx) -> list[dict[str, Any]]:
+    """Per request, the captured rows that cannot be hidden states: a slot exactly zero or
+    not finite. A real residual stream is never exactly zero, so even a few such rows (the
+    cached prompt part, a chunk the capture missed) are named, row by row."""
+    ht = ctx.slot_width
+    if ht is None or ctx.serving_width is None or ctx.serving_width % ht:
+        return []
+    out = []
+    for r in ctx.serving.requests:
+        if not r.aux_rows:
+            continue
+        x = ctx.serving_slots_of(r)
+        zero = (x == 0).all(-1)  # [rows, K]
+        bad = ~torch.isfinite(x).all(-1)
+        dead = (zero | bad).any(-1)
+        if not dead.any():
+            continue
+        idx = torch.nonzero(dead).flatten()
+        positions = (idx + r.aux_start + r.position_base).tolist()
+        slots = sorted({int(k) for k in torch.nonzero((zero | bad)[idx]).T[1].tolist()})
+        item: dict[str, Any] = {
+            "request": r.name,
+            "positions": _spans(positions),
+            "rows": int(dead.sum()),
+            "of_rows": int(r.aux_rows),
+            "slots": slots,
+            "kind": "non-finite" if bool(bad[idx].any()) else "all-zero",
+        }
+        if r.n_cached:
+            item["n_cached"] = r.n_cached
+            item["within_cached_prefix"] = bool(max(positions) < r.n_cached)
+        out.append(item)
+    return out
+
+
+def _partly_dead(ctx) -> list[Finding]:
+    found = dead_rows(ctx)
+    if not found:
+        return []
+    total = sum(f["rows"] for f in found)
+    first = found[0]
+    spans = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in first["positions"][:4])
+    prefix = any(f["positions"][0][0] == 0 and f["rows"] < f["of_rows"] for f in found)
+    return _finding(
+        "hidden-corrupt",
+        f"{total} serving aux row(s) are {first['kind']} in {len(found)} request(s), e.g. "
+        f"{first['request']} positions {spans} ({first['rows']} of {first['of_rows']} rows): "
+        "the capture did not cover them, so the drafter got no hidden state there",
+        {"dead_rows": found[:20], "requests": len(found), "rows": total},
+        (
+            "the capture skipped part of these requests"
+            + (
+                " (the leading rows: typically the cached prompt prefix, whose states the "
+                "engine zero-fills instead of taking them from the cache; serve once with the "
+                "prefix cache off, SGLang --disable-radix-cache / vLLM "
+                "--no-enable-prefix-caching, to confirm)"
+                if prefix
+                else ""
+            )
+            + "; a producer must record only rows it computed (a cached prefix has no target "
+            "rows, see docs/trace-format.md), never zeros in their place"
+        ),
+    )
+
+
 def capture_slots(ctx) -> list[Finding]:
     cfg = ctx.cfg
     width = ctx.serving_width
@@ -62,6 +139,9 @@ def capture_slots(ctx) -> list[Finding]:
                 "before the layers were configured, sglang PR #22836; a hybrid model that "
                 "writes nothing): rerun with --disable-cuda-graph to confirm, then upgrade",
             )
+    partly = _partly_dead(ctx)
+    if partly:  # never target-drift: dead rows drag every cosine down
+        return partly
     if ctx.slots is None:
         return []
     serving, training = ctx.slots
@@ -92,6 +172,8 @@ def capture_slots(ctx) -> list[Finding]:
     if (diag >= SAME_COS).all():
         return []
     crossed = ctx.crossed_requests
+    if crossed and ctx.metrics.get("batch_coupling"):
+        return []  # rows of a request of the same batch: batch-coupling says whose
     if crossed:
         i, j, c = crossed[0]
         return _finding(

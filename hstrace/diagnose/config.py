@@ -227,6 +227,15 @@ def whatif_findings(ctx) -> list[Finding]:
             "reason": "engine matches the reference within the fp32-judged tolerance",
         }
         return []
+    from hstrace.diagnose.cache import confined_to_cache_hits
+
+    if confined_to_cache_hits(ctx):
+        ctx.metrics["whatif"] = {
+            "ran": False,
+            "reason": "fresh requests match the reference, only prefix-cache hits disagree: "
+            "a cache question (draft-kv-stale), not a misreading of the drafter",
+        }
+        return []
     baseline = base.top1 if base is not None else 0.0
     rows = ctx.engine_rows
     results = search(whatif_list(ctx), rows.topk_draft_ids.long(), rows.topk_logprobs)

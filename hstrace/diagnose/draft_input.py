@@ -115,3 +115,68 @@ def token_shift(ctx) -> list[Finding]:
                 )
             )
     return found
+
+
+# A global pairing this good means the rows outside the seams are right.
+SEAM_CONTEXT_AGREE = 0.99
+
+
+def chunk_boundary_token(ctx) -> list[Finding]:
+    """Chunked prefill: at the last row of every non-final chunk the drafter must get the next
+    chunk's first prompt token; an engine that hands it the target's prediction there
+    (sglang PR #26329, fixed by #26800) is wrong on one row per seam, which a global shift test
+    cannot see. The seams come from the trace: one target step per prefill chunk."""
+    seams_seen, wrong, other_ok, other_total = 0, [], 0, 0
+    for r in ctx.serving.requests:
+        d = r.draft
+        if d is None or len(r.prefill_chunks) < 2:
+            continue
+        seams = set(r.seams)
+        idx = np.asarray(d.index)
+        fed = np.asarray(d.input_ids)
+        ok = idx + 1 < len(r.tokens)
+        expected = np.full(len(idx), -1, dtype=np.int64)
+        expected[ok] = np.asarray(r.tokens)[idx[ok] + 1]
+        at_seam = np.array([int(i) in seams for i in idx], dtype=bool) & ok
+        rest = ok & ~at_seam
+        other_ok += int((fed[rest] == expected[rest]).sum())
+        other_total += int(rest.sum())
+        seams_seen += int(at_seam.sum())
+        for row in np.flatnonzero(at_seam & (fed != expected)):
+            item = {
+                "request": r.name,
+                "position": int(idx[row]),
+                "fed_token": int(fed[row]),
+                "next_prompt_token": int(expected[row]),
+                "chunk": next(list(c) for c in r.prefill_chunks if c[1] - 1 == int(idx[row])),
+            }
+            if ctx.target is not None:
+                pred = ctx.target.forward(torch.as_tensor(r.tokens[: idx[row] + 1]).long())
+                item["fed_is_target_prediction"] = int(pred.logits[-1].argmax()) == int(fed[row])
+            wrong.append(item)
+    if seams_seen:
+        ctx.metrics["chunk_seams"] = {"rows": seams_seen, "wrong": len(wrong)}
+    if not wrong or not other_total or other_ok / other_total < SEAM_CONTEXT_AGREE:
+        return []  # no seam is wrong, or everything is: token-shift speaks for that
+    first = wrong[0]
+    return [
+        Finding(
+            "chunk-boundary-token",
+            f"at {len(wrong)} of {seams_seen} chunked-prefill seam row(s) the drafter was fed "
+            f"another token than the next prompt token (e.g. {first['request']} position "
+            f"{first['position']}: fed {first['fed_token']}, prompt has "
+            f"{first['next_prompt_token']}); {other_ok / other_total:.0%} of the other rows "
+            "are paired right",
+            evidence={
+                "seam_rows": wrong[:20],
+                "seams": seams_seen,
+                "other_rows_token_agreement": round(other_ok / other_total, 4),
+            },
+            fix=(
+                "at the end of a non-final prefill chunk the draft input's last token must be "
+                "the first token of the next chunk, not the target's sampled prediction: "
+                "upgrade SGLang to a version with PR #26800 (the fix of PR #26329), or serve "
+                "with a --chunked-prefill-size larger than the prompts to confirm"
+            ),
+        )
+    ]

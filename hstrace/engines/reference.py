@@ -60,6 +60,19 @@ class ReferenceKnobs:
     # Draft inputs.
     token_shift: int = 0  # aux row t is fed with token t+1+shift
     position_shift: int = 0
+    # Prefix caching (radix-cache like): a prompt whose leading tokens an earlier request
+    # committed is prefilled only for its uncached suffix (target and draft-extend rows at
+    # their true positions; `requests.n_cached` says how many were cached).
+    prefix_cache: bool = False
+    # The drafter's KV over a cache hit's cached span: None = rebuilt right; "zeros" = computed
+    # from zero states (never restored, sglang PR #19897 / #16964, vllm#41838).
+    draft_kv_stale: str | None = None
+    # Chunked prefill: prompts are prefilled in chunks of this many tokens, one target step and
+    # one draft-extend step per chunk (the seam row gets the next chunk's first prompt token).
+    chunked_prefill_size: int | None = None
+    # A simulated-acceptance switch (SGLang SGLANG_SIMULATE_ACC_LEN): every verify accepts
+    # this many drafts whatever the target says; the static audit records the switch.
+    simulate_accept_len: int | None = None
     # Speculative settings as the user gave them; adjusted like SGLang (topk=1 -> steps+1).
     num_steps: int = 3
     topk: int = 1
@@ -235,6 +248,10 @@ class ReferenceChain:
         from hstrace.training.conventions import default_hf_indices, hf_index
 
         self.knobs = knobs
+        if knobs.draft_kv_stale not in (None, "zeros"):
+            raise EngineError(
+                f"reference-engine knob draft_kv_stale takes null or 'zeros', got {knobs.draft_kv_stale!r}"
+            )
         self.target = ReferenceTarget(target_dir)
         self.target_dir, self.drafter_dir = target_dir, drafter_dir
         try:
@@ -263,6 +280,7 @@ class ReferenceChain:
         self.d2t = drafter.d2t.clone()
         self.prev_aux: torch.Tensor | None = None
         self.noise = torch.Generator().manual_seed(1234)
+        self.cached: list[list[int]] = []  # committed sequences of earlier requests (the cache)
 
     # -- the drafter as the engine loaded it --------------------------------------------------
     def _engine_drafter(self, drafter: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -342,6 +360,26 @@ class ReferenceChain:
             },
             "weights": self.weights_audit,
             "spec": {**effective, **settings},
+            **(
+                {
+                    "acceptance_simulation": {
+                        "enabled": True,
+                        "settings": {
+                            "SGLANG_SIMULATE_ACC_LEN": k.simulate_accept_len,
+                            "SGLANG_SIMULATE_ACC_METHOD": "fixed",
+                        },
+                        "source": "reference engine knob simulate_accept_len",
+                    }
+                }
+                if k.simulate_accept_len is not None
+                else {}
+            ),
+            "prefix_cache": {"enabled": bool(k.prefix_cache)},
+            **(
+                {"chunked_prefill_size": int(k.chunked_prefill_size)}
+                if k.chunked_prefill_size
+                else {}
+            ),
             # Provenance for people only: replay never reads it (it must find faults from data).
             "reference_knobs": k.to_json(),
         }
@@ -382,14 +420,19 @@ class ReferenceChain:
 
     @torch.inference_mode()
     def _draft(
-        self, seq: torch.Tensor, aux: torch.Tensor
+        self, seq: torch.Tensor, aux: torch.Tensor, cached: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Step 0 over every committed row, then the chain from the last row. Returns step-0
         logits [T, Vd], the chain's draft ids [K], their logits [K, Vd], and the hidden state
-        fed into each step k >= 1 at the chain's row [K-1, H] (what the engine feeds back)."""
+        fed into each step k >= 1 at the chain's row [K-1, H] (what the engine feeds back).
+        `cached`: rows of a prefix-cache hit's cached span (their KV came from the cache)."""
         T = aux.shape[0]
         ids, pos = self._draft_inputs(seq, T)
-        out = self.engine_drafter(ids, aux.float(), positions=pos)
+        aux = aux.float()
+        if cached and self.knobs.draft_kv_stale == "zeros":
+            aux = aux.clone()
+            aux[:cached] = 0.0  # the cache never held the drafter's KV for this span
+        out = self.engine_drafter(ids, aux, positions=pos)
         step0 = out.logits
         drafts, logits, fed = [int(step0[-1].argmax())], [step0[-1]], []
         for _ in range(1, self.num_steps):
@@ -411,25 +454,35 @@ class ReferenceChain:
         streams = options.streams
         seq = torch.tensor(prompt, dtype=torch.long)
         rid_bytes = torch.tensor(list(rid.encode("utf-8")), dtype=torch.uint8)
+        n_cached = self._cached_prefix(prompt) if self.knobs.prefix_cache else 0
         if "requests" in streams:
-            w.write(
-                "requests",
-                req={"req_key": [key], "n_prompt": [len(prompt)], "rid_len": [len(rid_bytes)]},
-                tok={"prompt_ids": seq},
-                rid={"bytes": rid_bytes},
-            )
-        # Prefill: the target over the prompt, then a draft extend over all of it.
+            req_cols: dict[str, Any] = {
+                "req_key": [key],
+                "n_prompt": [len(prompt)],
+                "rid_len": [len(rid_bytes)],
+            }
+            if self.knobs.prefix_cache:
+                req_cols["n_cached"] = [n_cached]
+            w.write("requests", req=req_cols, tok={"prompt_ids": seq}, rid={"bytes": rid_bytes})
+        # Prefill: the target over the uncached prompt suffix (in chunks when chunked), then a
+        # draft extend over the same rows. The forward is recomputed over the whole prompt:
+        # the cached span's states are exactly what the cache was filled with.
         aux, nxt = self._capture(seq)
+        chunks = self._chunks(n_cached, len(seq))
         if "target" in streams:
-            self._write_target(w, key, MODE_PREFILL, seq, torch.arange(len(seq)), aux)
+            for a, b in chunks:
+                rows = torch.arange(a, b)
+                self._write_target(w, key, MODE_PREFILL, seq[rows], rows, aux[rows])
         seq = torch.cat([seq, nxt[-1:]])
         committed_aux = aux  # aux rows of the committed positions, 0..len(seq)-2
         new_tokens, rounds, accepted_total = 1, 0, 0
-        extend_from = 0
+        extend_from = n_cached
         while new_tokens < max_new:
-            step0, drafts, chain_logits, fed_in = self._draft(seq, committed_aux)
+            step0, drafts, chain_logits, fed_in = self._draft(seq, committed_aux, n_cached)
             if "draft_extend" in streams:
-                self._write_draft(w, "draft_extend", key, seq, committed_aux, step0, extend_from)
+                spans = chunks if rounds == 0 else [(extend_from, committed_aux.shape[0])]
+                for a, b in spans:
+                    self._write_draft(w, "draft_extend", key, seq, committed_aux[:b], step0[:b], a)
             if "draft_step" in streams:
                 self._write_chain(w, key, seq, drafts, chain_logits, fed_in)
             # Verify [last committed token, d1..dK] with the target, greedily.
@@ -443,6 +496,8 @@ class ReferenceChain:
             accept = 0
             while accept < len(proposed) and int(argmax_v[p0 + accept]) == int(proposed[accept]):
                 accept += 1
+            if self.knobs.simulate_accept_len is not None:  # the switch overrides the target
+                accept = min(len(proposed), max(0, int(self.knobs.simulate_accept_len)))
             bonus = int(argmax_v[p0 + accept])
             if "verify" in streams:
                 w.write(
@@ -467,12 +522,33 @@ class ReferenceChain:
             accepted_total += accept
         if self.knobs.corrupt == "other-request":
             self.prev_aux = self.target.forward(seq).layers[:, self.layers].clone()
+        # The committed sequence minus its last token (which has no KV yet) stays cached.
+        self.cached.append(seq[:-1].tolist())
         return {
             "rid": rid,
             "completion_tokens": new_tokens,
             "verify_rounds": rounds,
             "accept_length_mean_excl_bonus": accepted_total / rounds if rounds else 0.0,
         }
+
+    def _cached_prefix(self, prompt: list[int]) -> int:
+        """Longest prefix of `prompt` an earlier request committed (at least one prompt token
+        is always prefilled, as engines do)."""
+        best = 0
+        for other in self.cached:
+            n = 0
+            for a, b in zip(prompt, other, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return min(best, len(prompt) - 1)
+
+    def _chunks(self, start: int, stop: int) -> list[tuple[int, int]]:
+        size = self.knobs.chunked_prefill_size
+        if not size or size <= 0:
+            return [(start, stop)]
+        return [(a, min(a + size, stop)) for a in range(start, stop, size)]
 
     # -- writers -------------------------------------------------------------------------------
     def _write_target(self, w: Any, key: int, mode: int, ids, positions, aux) -> None:

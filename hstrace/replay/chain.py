@@ -10,6 +10,7 @@ step-k argmax is compared with the engine's recorded step-k top-1.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,10 +19,16 @@ import torch
 MAX_CHAINS = 256
 
 
-def chain_agreement(model: torch.nn.Module, requests: list[Any]) -> list[dict[str, float | int]]:
+def chain_agreement(
+    model: torch.nn.Module,
+    requests: list[Any],
+    prefix_of: Callable[[Any], Any] | None = None,
+) -> list[dict[str, float | int]]:
     """[{draft_step, rows, top1_agreement, max_logit_diff}] over the chains of `requests`
-    (`hstrace.replay.serving.ServingRequest` with draft rows and hidden inputs)."""
+    (`hstrace.replay.serving.ServingRequest` with draft rows and hidden inputs). `prefix_of(r)`
+    gives a prefix-cache hit's cached span as a `Step0Input` (None: no cached span)."""
     from hstrace.replay.compare import logprob_gap
+    from hstrace.replay.step0 import Step0Input
 
     hits: dict[int, int] = defaultdict(int)
     diff: dict[int, float] = defaultdict(float)
@@ -38,14 +45,19 @@ def chain_agreement(model: torch.nn.Module, requests: list[Any]) -> list[dict[st
             ks = chain.step_index.tolist()
             if T <= 0 or ks != list(range(1, len(ks) + 1)):
                 continue  # a chain recorded with gaps cannot be rerun step by step
-            done += 1
-            out = model(
+            item = Step0Input(
                 torch.as_tensor(d.input_ids[:T]).long(),
                 d.hidden_in[:T].float(),
-                positions=torch.as_tensor(d.positions[:T]).long(),
+                torch.as_tensor(d.positions[:T]).long(),
+                prefix=prefix_of(r) if prefix_of is not None and r.aux_start else None,
             )
+            if r.aux_start and item.prefix is None:
+                continue  # a cache hit whose cached span cannot be rebuilt
+            done += 1
+            item = item.with_prefix()
+            out = model(item.input_ids, item.aux.float(), positions=item.positions)
             for j, k in enumerate(ks):
-                fed = torch.full((T,), int(chain.input_ids[j]), dtype=torch.long)
+                fed = torch.full((len(item.input_ids),), int(chain.input_ids[j]), dtype=torch.long)
                 out = model.step(fed, out.hidden, out.cache)
                 engine_ids = torch.as_tensor(chain.topk_draft_ids[j]).long()
                 if int(engine_ids[0]) < 0:

@@ -37,7 +37,10 @@ from hstrace.replay.target import ReferenceTarget
 class Aligned:
     serving: ServingRequest
     sample: Any  # hstrace.training.TrainingSample
-    n: int  # aligned positions 0..n-1, present on both sides
+    n: int  # aligned positions 0..n-1 (the tokens agree on all of them)
+    # Positions start..n-1 have a serving capture (start > 0: a prefix-cache hit, the cached
+    # span has none); slot comparisons use these rows only.
+    start: int = 0
 
 
 @dataclass
@@ -52,6 +55,7 @@ class EngineRows:
     positions: torch.Tensor  # [R] recorded positions
     index: torch.Tensor  # [R] the row's sequence index
     steps: torch.Tensor | None = None  # [R] the draft_extend step each row was recorded in
+    request: torch.Tensor | None = None  # [R] the row's request (index into engine_requests)
 
 
 class ReplayContext:
@@ -119,10 +123,9 @@ class ReplayContext:
         out = []
         for m in self.matches:
             req, sample = self.serving.requests[m.serving], self.samples[m.training]
-            rows = req.aux_rows
-            n = min(m.length, rows, int(sample.aux.shape[0]))
-            if n > 0:
-                out.append(Aligned(req, sample, n))
+            n = min(m.length, req.aux_end, int(sample.aux.shape[0]))
+            if n > req.aux_start:
+                out.append(Aligned(req, sample, n, start=req.aux_start))
         return out
 
     @cached_property
@@ -159,16 +162,19 @@ class ReplayContext:
         return widths.pop() if len(widths) == 1 else None
 
     def serving_slots_of(self, r: ServingRequest, n: int | None = None) -> torch.Tensor:
-        """[n, K, Ht] serving slots of one request, or [n, K, D] sketches when redacted."""
+        """[m, K, Ht] serving slots of one request up to sequence index n (its captured rows:
+        from r.aux_start on), or [m, K, D] sketches when redacted."""
+        stop = None if n is None else max(0, n - r.aux_start)
         if self.sketched:
-            x = r.aux_sketch[:n]
+            x = r.aux_sketch[:stop]
             return x.reshape(len(x), -1, int(self.serving.sketch_attrs.get("sketch_dim", 32)))
-        x = r.aux[:n].float()
+        x = r.aux[:stop].float()
         return x.reshape(len(x), -1, self.slot_width)
 
     def training_slots_of(self, a: Aligned) -> torch.Tensor:
-        """[n, Kt, Ht] training slots on the aligned tokens, sketched like serving if needed."""
-        t = a.sample.aux[: a.n].float()
+        """[m, Kt, Ht] training slots on the aligned, captured tokens, sketched like serving if
+        needed."""
+        t = a.sample.aux[a.start : a.n].float()
         return self.sketch(t) if self.sketched else t
 
     def sketch(self, slots: torch.Tensor) -> torch.Tensor:
@@ -242,6 +248,7 @@ class ReplayContext:
         out = []
         for a in self.aligned:
             layers = self.target.forward(torch.as_tensor(a.sample.input_ids[: a.n]).long()).layers
+            layers = layers[a.start :]
             out.append(self.sketch(layers.float()) if self.sketched else layers)
             self.tick("target forward", a.n)
         return torch.cat(out)
@@ -262,11 +269,19 @@ class ReplayContext:
     # -- the drafter on recorded inputs ----------------------------------------------------------
     @cached_property
     def engine_requests(self) -> list[ServingRequest]:
-        return [
+        reqs = [
             r
             for r in self.serving.requests
             if r.draft is not None and r.draft.topk_draft_ids is not None
         ]
+        left = {r.key for r in self.unreplayable_hits}
+        if left:
+            self.skip(
+                "engine vs reference (cache hits)",
+                f"{len(left)} prefix-cache hit(s) left out: no recorded capture covers their "
+                "cached span (no earlier request of the trace, no aligned training sample)",
+            )
+        return [r for r in reqs if r.key not in left]
 
     @cached_property
     def training_layers(self) -> list[int] | None:
@@ -287,6 +302,57 @@ class ReplayContext:
             return [hf_index(i, conv) for i in self.cfg.aux_layer_ids]
         return None
 
+    # -- prefix-cache hits -----------------------------------------------------------------------
+    @cached_property
+    def _prefix_sources(self) -> list[ServingRequest]:
+        return [r for r in self.serving.requests if r.aux is not None and r.aux_start == 0]
+
+    def cached_aux(self, r: ServingRequest) -> tuple[torch.Tensor, str] | None:
+        """[c, W] the capture of a cache hit's cached span (c = r.aux_start), rebuilt from what
+        was recorded: the rows of an earlier request of the trace with the same leading tokens
+        (what the engine's cache was filled from), else the aligned training sample's rows.
+        None when neither holds them (the drafter's context for the hit is then unknown)."""
+        c = r.aux_start
+        if c == 0:
+            return torch.zeros(0, 0), "none"
+        want = np.asarray(r.tokens[:c])
+        for o in self._prefix_sources:
+            if o is not r and o.aux_end >= c and len(o.tokens) >= c:
+                if np.array_equal(np.asarray(o.tokens[:c]), want):
+                    return o.aux[:c], f"recorded capture of {o.name}"
+        for a in self.aligned:
+            if a.serving is r:
+                aux = a.sample.aux_concat if hasattr(a.sample, "aux_concat") else None
+                if aux is not None and a.n >= c and aux.shape[-1] == self.fc_in:
+                    return aux[:c].to(r.aux.dtype), "training sample"
+        return None
+
+    def prefix_of(self, r: ServingRequest) -> Step0Input | None:
+        """The drafter's context over a cache hit's cached span: aux rows rebuilt by
+        `cached_aux`, each fed its successor token, at the engine's positions."""
+        c = r.aux_start
+        if c == 0 or r.draft is None or not len(r.draft.positions):
+            return None
+        got = self.cached_aux(r)
+        if got is None:
+            return None
+        offset = int(r.draft.positions[0]) - int(r.draft.index[0])
+        tok = torch.as_tensor(r.tokens).long()
+        return Step0Input(tok[1 : c + 1], got[0], torch.arange(c) + offset)
+
+    @cached_property
+    def unreplayable_hits(self) -> list[ServingRequest]:
+        """Cache hits whose cached span no recorded capture covers: left out of the
+        engine-vs-reference comparison (their drafter attended over KV we cannot rebuild)."""
+        return [
+            r
+            for r in self.serving.requests
+            if r.draft is not None
+            and r.draft.topk_draft_ids is not None
+            and r.aux_start > 0
+            and self.cached_aux(r) is None
+        ]
+
     @cached_property
     def engine_rows(self) -> EngineRows | None:
         reqs = self.engine_requests
@@ -297,7 +363,12 @@ class ReplayContext:
         for r in reqs:
             d = r.draft
             items.append(
-                Step0Input(torch.as_tensor(d.input_ids), d.hidden_in, torch.as_tensor(d.positions))
+                Step0Input(
+                    torch.as_tensor(d.input_ids),
+                    d.hidden_in,
+                    torch.as_tensor(d.positions),
+                    prefix=self.prefix_of(r) if d.hidden_in is not None else None,
+                )
             )
             nxt = torch.full((len(d.input_ids),), -1, dtype=torch.long)
             idx = d.index + 1
@@ -318,6 +389,12 @@ class ReplayContext:
             positions=torch.cat([torch.as_tensor(r.draft.positions) for r in reqs]),
             index=torch.cat([torch.as_tensor(r.draft.index) for r in reqs]),
             steps=torch.cat([torch.as_tensor(r.draft.steps) for r in reqs]),
+            request=torch.cat(
+                [
+                    torch.full((len(r.draft.input_ids),), i, dtype=torch.long)
+                    for i, r in enumerate(reqs)
+                ]
+            ),
         )
 
     def run_drafter(
@@ -371,7 +448,7 @@ class ReplayContext:
         if not reqs:
             self.skip("draft steps k >= 1", "the trace has no draft_step rows to replay")
             return []
-        return chain_agreement(model if model is not None else self.drafter, reqs)
+        return chain_agreement(model if model is not None else self.drafter, reqs, self.prefix_of)
 
     @cached_property
     def chain_by_step(self) -> list[dict[str, Any]]:
@@ -410,12 +487,21 @@ class ReplayContext:
         for r in self.serving.requests:
             if r.aux is None or r.aux.shape[-1] != self.fc_in:
                 continue
-            n = min(len(r.aux), len(r.tokens) - 2)
+            c = r.aux_start
+            prefix = None
+            if c:
+                got = self.cached_aux(r)
+                if got is None:
+                    continue  # the cached span's context is unknown
+                tok = torch.as_tensor(r.tokens).long()
+                prefix = Step0Input(tok[1 : c + 1], got[0], torch.arange(c))
+            n = min(len(r.aux), len(r.tokens) - 2 - c)
             if n <= 0:
                 continue
             tok = torch.as_tensor(r.tokens).long()
-            items.append(Step0Input(tok[1 : n + 1], r.aux[:n], torch.arange(n)))
-            labels.append(tok[2 : n + 2])
+            rows = torch.arange(c, c + n)
+            items.append(Step0Input(tok[rows + 1], r.aux[:n], rows, prefix=prefix))
+            labels.append(tok[rows + 2])
         if not items:
             if self.sketched:
                 why = "hidden states redacted: the drafter needs them, sketches cannot feed fc"
@@ -482,7 +568,13 @@ class ReplayContext:
         items = []
         for a, n in ts["rows"]:
             tok = torch.as_tensor(a.sample.input_ids).long()
-            items.append(Step0Input(tok[1 : n + 1], a.serving.aux[:n], torch.arange(n)))
+            aux = a.serving.aux[: max(0, n - a.start)]
+            if a.start:  # a cache hit: its cached span as the cache holds it
+                got = self.cached_aux(a.serving)
+                if got is None:
+                    return None
+                aux = torch.cat([got[0].to(aux.dtype), aux])[:n]
+            items.append(Step0Input(tok[1 : n + 1], aux, torch.arange(n)))
         pred = self.map_to_target(self.run_drafter(self.drafter, items).argmax(-1))
         m = ts["mask"] if ts["mask"].any() else torch.ones_like(ts["mask"])
         return agreement(pred[m], ts["labels"][m])

@@ -102,7 +102,9 @@ def _training_side(
             recover_serving_ids(data, recovery)
         samples = []
         for i, r in enumerate(data.requests):
-            if r.aux is None:
+            # A cache hit has no capture of its cached span: it cannot stand in for a sample
+            # (the request that filled the cache usually does).
+            if r.aux is None or r.aux_start:
                 continue
             aux = r.aux
             ht = int((data.aux_attrs or {}).get("slot_width") or slot_width)

@@ -58,14 +58,45 @@ class ServingRequest:
     aux_stats: torch.Tensor | None = None
     # The recorded chains (`draft_step`), in round order; empty when not recorded.
     chains: list[DraftChain] = field(default_factory=list)
+    # Prefix caching: the first `aux_start` tokens were served from the cache (no target rows
+    # for them; their ids come from the `requests` table's prompt). aux[i] is the capture of
+    # sequence index aux_start + i.
+    aux_start: int = 0
+    # What the producer declared (`requests.n_cached`); None: not recorded.
+    n_cached: int | None = None
+    rid: str | None = None
+    # Each prefill/extend target block of the request: (first position, last position + 1), in
+    # order. More than one: chunked prefill (the seams are the ends of all but the last).
+    prefill_chunks: list[tuple[int, int]] = field(default_factory=list)
+    # The target step (event on this rank) each aux row was recorded in: the batch it rode in.
+    aux_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def aux_rows(self) -> int:
-        """Committed positions with a recorded capture (full, or sketched)."""
+        """Rows with a recorded capture (full, or sketched)."""
         for x in (self.aux, self.aux_sketch):
             if x is not None:
                 return len(x)
         return 0
+
+    @property
+    def aux_end(self) -> int:
+        """Sequence index one past the last captured row (aux_start + aux_rows)."""
+        return self.aux_start + self.aux_rows if self.aux_rows else 0
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.aux_start > 0 or bool(self.n_cached)
+
+    @property
+    def name(self) -> str:
+        """How a report names the request: the engine's id if recorded, else the key."""
+        return self.rid if self.rid is not None else f"req_key {self.key}"
+
+    @property
+    def seams(self) -> list[int]:
+        """Chunked prefill: the last position of every non-final prefill chunk."""
+        return [end - 1 for _start, end in self.prefill_chunks[:-1]]
 
 
 @dataclass
@@ -78,6 +109,16 @@ class ServingData:
     sketch_attrs: dict[str, Any] = field(default_factory=dict)
     # Streams or columns the trace lacks (not recorded, or redacted by `hstrace bundle`).
     missing: dict[str, str] = field(default_factory=dict)
+    # Batch composition: the req_keys of every target step, and of every draft-extend step.
+    target_batches: list[list[int]] = field(default_factory=list)
+    draft_batches: list[list[int]] = field(default_factory=list)
+    # Per req_key, the accept_len of each of its verify rounds (in order), and the batch size
+    # of the verify step each came from.
+    accept_by_key: dict[int, list[int]] = field(default_factory=dict)
+    verify_batch_sizes: dict[int, list[int]] = field(default_factory=dict)
+
+    def by_key(self) -> dict[int, ServingRequest]:
+        return {r.key: r for r in self.requests}
 
     @property
     def static(self) -> dict[str, Any]:
@@ -149,7 +190,12 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         )
     rows: dict[int, dict[int, int]] = {}  # key -> position -> tok row (the committed one)
     seen_verify: dict[int, int] = {}
+    chunks: dict[int, list[tuple[int, int]]] = {}
+    step_of_row = np.zeros(len(pos), dtype=np.int64)
     for s, key, a, b in _per_request_blocks(target):
+        step_of_row[a:b] = s
+        if modes[s] != MODE_VERIFY and b > a:
+            chunks.setdefault(key, []).append((int(pos[a]), int(pos[b - 1]) + 1))
         n_keep = b - a
         if modes[s] == MODE_VERIFY and key in accept:
             i = seen_verify.get(key, 0)
@@ -162,6 +208,7 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
 
     drafts = _draft_rows(ext)
     chains = _draft_chains(ext, view.table("draft_step"))
+    prompts = _prompts(view.table("requests"))
     requests = []
     for key, by_pos in rows.items():
         positions = np.array(sorted(by_pos), dtype=np.int64)
@@ -171,13 +218,25 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
             positions = positions[: contiguous[0] + 1]
         idx = np.array([by_pos[p] for p in positions], dtype=np.int64)
         aux = _torch(aux_all[idx]) if aux_all is not None else None
+        tokens, base, start = ids[idx], int(positions[0]) if len(positions) else 0, 0
+        info = prompts.get(key, {})
+        prompt = info.get("prompt")
+        if base > 0 and prompt is not None and _continues(prompt, base, tokens):
+            # A prefix-cache hit: the target ran on the suffix only, at its true positions.
+            # The cached prefix is the prompt's first `base` ids; it has no target rows.
+            tokens, start, base = np.concatenate([prompt[:base], tokens]), base, 0
         req = ServingRequest(
             key=key,
-            tokens=ids[idx],
+            tokens=tokens,
             aux=aux,
-            position_base=int(positions[0]) if len(positions) else 0,
+            position_base=base,
             aux_sketch=_torch(sketch_all[idx]).float() if sketch_all is not None else None,
             aux_stats=_torch(stats_all[idx]).float() if stats_all is not None else None,
+            aux_start=start,
+            n_cached=info.get("n_cached"),
+            rid=info.get("rid"),
+            prefill_chunks=chunks.get(key, []),
+            aux_steps=step_of_row[idx],
         )
         if key in drafts:
             req.draft = _index_draft(drafts[key], req)
@@ -201,7 +260,74 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         accept_lens=flat_accept,
         sketch_attrs=sketch_attrs,
         missing=missing,
+        target_batches=_batches(target),
+        draft_batches=_batches(ext) if ext is not None else [],
+        accept_by_key=accept,
+        verify_batch_sizes=_verify_batch_sizes(view.table("verify")),
     )
+
+
+def _verify_batch_sizes(verify: Any) -> dict[int, list[int]]:
+    if verify is None or verify.num_steps == 0:
+        return {}
+    out: dict[int, list[int]] = {}
+    for keys in _batches(verify):
+        for k in keys:
+            out.setdefault(k, []).append(len(keys))
+    return out
+
+
+def _batches(table: Any) -> list[list[int]]:
+    """The req_keys of every step (the batch composition the producer recorded)."""
+    off_req = table.offsets("req")
+    keys = _np(table.column("req", "req_key")).astype(np.int64)
+    return [
+        [int(k) for k in keys[int(off_req[s]) : int(off_req[s + 1])]]
+        for s in range(table.num_steps)
+    ]
+
+
+def _continues(prompt: np.ndarray, base: int, tokens: np.ndarray) -> bool:
+    """The recorded suffix starting at position `base` is the prompt's continuation there."""
+    n = min(len(prompt) - base, len(tokens))
+    return len(prompt) >= base and n > 0 and bool((prompt[base : base + n] == tokens[:n]).all())
+
+
+def _prompts(table: Any) -> dict[int, dict[str, Any]]:
+    """Per req_key: the prompt ids, the engine's request id, and the cached prompt length when
+    the producer recorded it (`requests.n_cached`, optional)."""
+    if table is None or table.num_steps == 0:
+        return {}
+    cols = table.columns
+    if "prompt_ids" not in cols.get("tok", []):
+        return {}
+    keys = _np(table.column("req", "req_key")).astype(np.int64)
+    n_prompt = _np(table.column("req", "n_prompt")).astype(np.int64)
+    prompt_ids = _np(table.column("tok", "prompt_ids")).astype(np.int64)
+    cached = _col(table, "req", "n_cached")
+    cached = _np(cached).astype(np.int64) if cached is not None else None
+    rid_bytes, rid_len = None, None
+    if "rid" in table.axes and "bytes" in cols.get("rid", []) and "rid_len" in cols.get("req", []):
+        rid_bytes = _np(table.column("rid", "bytes")).astype(np.uint8)
+        rid_len = _np(table.column("req", "rid_len")).astype(np.int64)
+    off_req, off_tok = table.offsets("req"), table.offsets("tok")
+    off_rid = table.offsets("rid") if rid_bytes is not None else None
+    out: dict[int, dict[str, Any]] = {}
+    for s in range(table.num_steps):
+        tok = int(off_tok[s])
+        rb = int(off_rid[s]) if off_rid is not None else 0
+        for r in range(int(off_req[s]), int(off_req[s + 1])):
+            n = int(n_prompt[r])
+            info: dict[str, Any] = {"prompt": prompt_ids[tok : tok + n]}
+            tok += n
+            if cached is not None:
+                info["n_cached"] = int(cached[r])
+            if rid_bytes is not None:
+                m = int(rid_len[r])
+                info["rid"] = bytes(rid_bytes[rb : rb + m]).decode("utf-8", "replace")
+                rb += m
+            out.setdefault(int(keys[r]), info)
+    return out
 
 
 def _accept_lens(verify: Any) -> dict[int, list[int]]:
@@ -298,8 +424,9 @@ def _draft_chains(ext: Any, steps: Any) -> dict[int, list[DraftChain]]:
 
 def _index_draft(cols: dict[str, Any], req: ServingRequest) -> DraftRows:
     """Draft rows whose position lies within the committed sequence (the engine's own positions
-    may be shifted; the sequence index is the row's rank among the request's draft rows)."""
-    n = min(len(cols["positions"]), len(req.tokens))
+    may be shifted; the sequence index is the row's rank among the request's draft rows, after
+    the cached prefix: a cache hit's draft extend starts where its target rows start)."""
+    n = max(0, min(len(cols["positions"]), len(req.tokens) - req.aux_start))
 
     def cut(x: Any) -> torch.Tensor | None:
         return _torch(x[:n]) if x is not None else None
@@ -311,6 +438,6 @@ def _index_draft(cols: dict[str, Any], req: ServingRequest) -> DraftRows:
         topk_draft_ids=cut(cols["topk_draft_ids"]),
         topk_target_ids=cut(cols["topk_target_ids"]),
         topk_logprobs=cut(cols["topk_logprobs"]),
-        index=np.arange(n, dtype=np.int64),
+        index=req.aux_start + np.arange(n, dtype=np.int64),
         steps=_np(cols["steps"][:n]).astype(np.int64),
     )

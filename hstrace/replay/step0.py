@@ -28,6 +28,24 @@ class Step0Input:
         torch.Tensor | None
     )  # [T, W] hidden input (fc's, or H wide when fc is skipped); None: unrecorded
     positions: torch.Tensor  # [T]
+    # Rows the drafter attends over before these (a prefix-cache hit's cached span, rebuilt
+    # from recorded captures): run as context, no logits returned for them.
+    prefix: Step0Input | None = None
+
+    def with_prefix(self) -> Step0Input:
+        """The rows with their prefix in front (one sequence), or self without one."""
+        p = self.prefix
+        if p is None:
+            return self
+        return Step0Input(
+            torch.cat(
+                [torch.as_tensor(p.input_ids).long(), torch.as_tensor(self.input_ids).long()]
+            ),
+            torch.cat([p.aux.to(self.aux.dtype), self.aux]) if self.aux is not None else None,
+            torch.cat(
+                [torch.as_tensor(p.positions).long(), torch.as_tensor(self.positions).long()]
+            ),
+        )
 
 
 def _batches(items: Sequence[Step0Input], batch_tokens: int) -> list[list[int]]:
@@ -53,7 +71,10 @@ def step0_logits(
     batch_tokens: int = DEFAULT_BATCH_TOKENS,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[torch.Tensor]:
-    """Draft-vocab logits [T_i, Vd] (fp32) for every item, in the order given."""
+    """Draft-vocab logits [T_i, Vd] (fp32) for every item, in the order given (an item's
+    prefix rows are attended over, and left out of its logits)."""
+    skip = [len(it.prefix.input_ids) if it.prefix is not None else 0 for it in items]
+    items = [it.with_prefix() for it in items]
     out: list[torch.Tensor | None] = [None] * len(items)
     for group in _batches(items, batch_tokens):
         T = max(len(items[i].input_ids) for i in group)
@@ -72,7 +93,7 @@ def step0_logits(
         # Padding positions keep increasing so RoPE stays finite and no row is special.
         logits = model(ids, aux, positions=pos, document_ids=docs).logits.float()
         for b, i in enumerate(group):
-            out[i] = logits[b, : len(items[i].input_ids)].clone()
+            out[i] = logits[b, skip[i] : len(items[i].input_ids)].clone()
         if on_batch is not None:
             on_batch(sum(len(items[i].input_ids) for i in group))
     return [o for o in out if o is not None]

@@ -1,0 +1,172 @@
+"""`batch-coupling`: a request's rows belong to another request of the same batch.
+
+Decided from the trace's own batch composition (the `req` axis of each step): within one
+target step, a request's captured row that equals another co-batched request's row although
+their token prefixes differ was copied from it (a hidden state depends on every token before
+it, so two different prefixes never give the same state); within one draft-extend step, a
+request fed the other request's tokens. The evidence names the request whose rows these are.
+The accept lengths by verify batch size are reported beside it (sglang#16274, PR #20492,
+TensorRT-LLM#9208: acceptance that depends on batch size or DP rank).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from hstrace.findings import Finding
+
+# A copied row is bit-identical; bf16 rounding of the same state computed twice stays above.
+COPY_COS = 0.9999
+# Fed tokens: at most this share matches the request's own tokens, at least MATCH the other's.
+OWN_AT_MOST = 0.5
+OTHER_AT_LEAST = 0.9
+
+
+def _unit(x: torch.Tensor) -> torch.Tensor:
+    return x / x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+
+
+def _rows_in_step(r: Any, step: int) -> np.ndarray:
+    return np.flatnonzero(np.asarray(r.aux_steps) == step)
+
+
+def _same_context(a: Any, ia: int, b: Any, ib: int) -> bool:
+    """The two rows' states must be equal: same position, same tokens up to it."""
+    pa, pb = ia + a.aux_start, ib + b.aux_start
+    return pa == pb and np.array_equal(a.tokens[: pa + 1], b.tokens[: pb + 1])
+
+
+def coupled_aux_rows(ctx) -> list[dict[str, Any]]:
+    """[{request, rows_of, step, positions, rows}] for every request whose captured rows in a
+    batched target step are another co-batched request's rows."""
+    if ctx.sketched or ctx.slot_width is None:
+        return []
+    by_key = ctx.serving.by_key()
+    found = []
+    for step, keys in enumerate(ctx.serving.target_batches):
+        if len(set(keys)) < 2:
+            continue
+        reqs = [by_key[k] for k in dict.fromkeys(keys) if k in by_key and by_key[k].aux_rows]
+        rows = {r.key: _rows_in_step(r, step) for r in reqs}
+        for r in reqs:
+            mine = rows[r.key]
+            if not len(mine):
+                continue
+            x = _unit(r.aux[mine].float())
+            for o in reqs:
+                theirs = rows[o.key]
+                if o is r or not len(theirs):
+                    continue
+                cos = x @ _unit(o.aux[theirs].float()).T  # [mine, theirs]
+                best, j = cos.max(dim=1)
+                copied = [
+                    int(mine[i])
+                    for i in range(len(mine))
+                    if float(best[i]) >= COPY_COS
+                    and not _same_context(r, int(mine[i]), o, int(theirs[int(j[i])]))
+                ]
+                if copied:
+                    found.append(
+                        {
+                            "request": r.name,
+                            "rows_of": o.name,
+                            "step": step,
+                            "batch": [by_key[k].name for k in keys if k in by_key],
+                            "positions": [i + r.aux_start + r.position_base for i in copied][:32],
+                            "rows": len(copied),
+                            "of_rows_in_step": len(mine),
+                        }
+                    )
+                    break
+    return found
+
+
+def coupled_draft_inputs(ctx) -> list[dict[str, Any]]:
+    """Requests whose draft-extend rows in a batched step were fed another co-batched
+    request's tokens (own tokens mostly wrong, the other's right)."""
+    by_key = ctx.serving.by_key()
+    found = []
+    for step, keys in enumerate(ctx.serving.draft_batches):
+        if len(set(keys)) < 2:
+            continue
+        reqs = [by_key[k] for k in dict.fromkeys(keys) if k in by_key and by_key[k].draft]
+        expected: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for r in reqs:
+            d = r.draft
+            m = np.flatnonzero(np.asarray(d.steps) == step)
+            idx = np.asarray(d.index)[m] + 1
+            ok = idx < len(r.tokens)
+            expected[r.key] = (np.asarray(d.input_ids)[m][ok], np.asarray(r.tokens)[idx[ok]])
+        for r in reqs:
+            fed, own = expected[r.key]
+            if len(fed) < 2 or float((fed == own).mean()) > OWN_AT_MOST:
+                continue
+            for o in reqs:
+                if o is r:
+                    continue
+                theirs = expected[o.key][1]
+                n = min(len(fed), len(theirs))
+                if n >= 2 and float((fed[:n] == theirs[:n]).mean()) >= OTHER_AT_LEAST:
+                    found.append(
+                        {
+                            "request": r.name,
+                            "tokens_of": o.name,
+                            "step": step,
+                            "rows": int(n),
+                            "own_token_agreement": round(float((fed == own).mean()), 4),
+                        }
+                    )
+                    break
+    return found
+
+
+def acceptance_by_batch_size(ctx) -> dict[str, dict[str, float]]:
+    lens: dict[int, list[int]] = defaultdict(list)
+    for key, accepts in ctx.serving.accept_by_key.items():
+        sizes = ctx.serving.verify_batch_sizes.get(key) or []
+        for a, b in zip(accepts, sizes, strict=False):
+            lens[b].append(a)
+    return {
+        str(b): {"verify_rows": len(v), "mean_accept_len": round(sum(v) / len(v), 4)}
+        for b, v in sorted(lens.items())
+    }
+
+
+def batch_coupling(ctx) -> list[Finding]:
+    by_size = acceptance_by_batch_size(ctx)
+    if len(by_size) > 1:
+        ctx.metrics["accept_len_by_verify_batch_size"] = by_size
+    aux = coupled_aux_rows(ctx)
+    fed = coupled_draft_inputs(ctx)
+    if not aux and not fed:
+        return []
+    ctx.metrics["batch_coupling"] = {"aux_rows": aux[:20], "draft_inputs": fed[:20]}
+    first = aux[0] if aux else fed[0]
+    owner = first.get("rows_of") or first.get("tokens_of")
+    what = "aux rows" if aux else "draft input tokens"
+    pos = first.get("positions")
+    where = f" (positions {pos[0]}-{pos[-1]})" if pos else ""
+    evidence: dict[str, Any] = {"aux_rows": aux[:20], "draft_inputs": fed[:20]}
+    if len(by_size) > 1:
+        evidence["accept_len_by_verify_batch_size"] = by_size
+    return [
+        Finding(
+            "batch-coupling",
+            f"the {what} of {first['request']}{where} in batched step {first['step']} are "
+            f"those of {owner}, batched with it: rows were taken from the wrong request of the "
+            "batch",
+            evidence=evidence,
+            fix=(
+                "the engine indexes the batch wrongly when it hands rows to the drafter (a "
+                "gather over the wrong group, offsets after a reorder or padding): confirm by "
+                "serving with --max-running-requests 1 (SGLang) / --max-num-seqs 1 (vLLM) and "
+                "without --enable-dp-attention; known fixes: sglang PR #20492 (eagle3 gather "
+                "under attention-DP), vllm-ascend PR #2794 (proposer source indices), "
+                "TensorRT-LLM PR #10654"
+            ),
+        )
+    ]
