@@ -64,6 +64,11 @@ class Recorder:
                     import atexit
 
                     atexit.register(self.close)
+                    from hstrace.hooks.bootstrap import _state
+
+                    # how the hooks got into this process: "plugin" (SGLang's entry point) or
+                    # "sitecustomize" (the generated fallback)
+                    self._writer.update_static({"hooks_via": _state.get("via")})
             return self._writer
 
     def close(self) -> None:

@@ -169,3 +169,78 @@ def target_worker(*, ndt: int):
         _target_worker=None,
     )
     return worker
+
+
+# ---- the live server on CPU (HSTRACE_SGLANG_CPU=1: hooks/sglang_cpu_shim.py) ----------------
+
+WORLD = Path(__file__).resolve().parents[1] / "traces" / "tiny-world"
+LIVE_FLAGS = (
+    "--device cpu --attention-backend torch_native --dtype bfloat16 --disable-cuda-graph "
+    "--mem-fraction-static 0.05 --host 127.0.0.1"
+)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def live_server_cmd(drafter: Path, port: int, extra: str = "", target: Path | None = None) -> str:
+    """The EAGLE-3 launch command of the live tests (topk 1, 3 steps, 4 draft tokens)."""
+    import sys
+
+    return (
+        f"{sys.executable} -m sglang.launch_server --model-path {target or WORLD / 'target'} "
+        f"{LIVE_FLAGS} --port {port} --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {drafter} --speculative-eagle-topk 1 "
+        f"--speculative-num-steps 3 --speculative-num-draft-tokens 4 {extra}"
+    ).strip()
+
+
+def live_env(**extra: str) -> dict[str, str]:
+    import os
+
+    env = dict(os.environ, HSTRACE_SGLANG_CPU="1", HF_HUB_OFFLINE="1", **extra)
+    env.pop("HSTRACE_RECORD", None)
+    return env
+
+
+def live_record(
+    out: Path,
+    server_cmd: str,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int = 16,
+    env: dict[str, str] | None = None,
+):
+    """`hstrace record --server-cmd ...` against the live CPU server (a subprocess, as a user
+    runs it): the hooks load in SGLang's real processes through the plugin entry point."""
+    import json
+    import subprocess
+    import sys
+
+    prompts_file = out.parent / f"{out.stem}.prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
+    cmd = [sys.executable, "-m", "hstrace", "record", "--server-cmd", server_cmd]
+    cmd += ["--out", str(out), "--prompts", str(prompts_file)]
+    cmd += ["--max-new-tokens", str(max_new_tokens), "--startup-timeout", "400"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env or live_env(), timeout=900)
+
+
+def live_replay(trace: Path, against: Path, drafter: Path) -> dict:
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "hstrace", "replay", str(trace), "--against", str(against)]
+        + ["--drafter", str(drafter), "--target", str(WORLD / "target"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode in (0, 1), res.stderr[-3000:]
+    return json.loads(res.stdout)

@@ -33,6 +33,7 @@ SPEC_METRIC_KEYS = (
     "spec_accept_rate",
     "spec_num_correct_drafts",
     "spec_num_proposed_drafts",
+    "cached_tokens",  # prompt tokens served from the radix cache (cf. requests.n_cached)
 )
 
 
@@ -97,16 +98,13 @@ class SGLangEngine(Engine):
         version = getattr(self, "version", None) or self.check_supported()
         create_trace(
             out,
-            engine={"name": "sglang", "version": version},
+            engine={"name": self.name, "version": version},
             command_line=argv,
-            static={
-                "engine_version": version,
-                "sglang_version": version,
-                "server_cmd": self.config.server_cmd,
-            },
+            static=self._launch_static(version),
         )
         work = Path(tempfile.mkdtemp(prefix="hstrace-record-"))
         status = work / "status.jsonl"
+        self._status_path = status  # the hooks' side channel, for subclasses' shutdown
         env = dict(os.environ)
         # extra["baseline"]: the same launch and client without hooks (bench/gpu_e2e.sh's
         # side-by-side overhead measurement); the trace then holds only the run outcome.
@@ -122,16 +120,17 @@ class SGLangEngine(Engine):
                     "streams": sorted(options.streams),
                     "on_full": options.on_full,
                     "status": str(status),
+                    "engine": self.name,  # bootstrap installs only this engine's hooks
                 }
             )
         )
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(work), env.get("PYTHONPATH", "")) if p)
         log_path = work / "server.log"
-        host, port = server_address(argv)
+        host, port = self._address(argv)
         base = f"http://{host}:{port}"
         result = RecordResult(
             out=Path(out),
-            engine="sglang",
+            engine=self.name,
             engine_version=version,
             prompts_sent=0,
             prompts_completed=0,
@@ -157,6 +156,16 @@ class SGLangEngine(Engine):
         result.ok = error is None
         self._finish_trace(out, result, status)
         return result
+
+    def _launch_static(self, version: str) -> dict[str, Any]:
+        return {
+            "engine_version": version,
+            "sglang_version": version,
+            "server_cmd": self.config.server_cmd,
+        }
+
+    def _address(self, argv: Sequence[str]) -> tuple[str, int]:
+        return server_address(argv)
 
     def _wait_healthy(self, proc: subprocess.Popen, base: str, timeout_s: float) -> str | None:
         deadline = time.monotonic() + timeout_s
@@ -222,19 +231,28 @@ class SGLangEngine(Engine):
                 progress.advance(task)
         return None
 
+    # SIGTERM to SGLang's main process alone is its graceful stop: the tokenizer manager sends
+    # every scheduler a ShutdownReq, they leave their event loop and exit normally, so the
+    # trace writers close cleanly (atexit). A signal to the whole group instead kills the
+    # schedulers mid-loop (their parent-death SIGKILL): the trace keeps only committed steps.
+    stop_group_at_once = False
+
     def _shutdown(self, proc: subprocess.Popen) -> None:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)  # SGLang's clean path: kills its process tree
+            if self.stop_group_at_once:
+                os.killpg(proc.pid, signal.SIGINT)
+            else:
+                proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=60)
+                proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-        else:  # the server is gone; make sure no scheduler child lingers
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # make sure no scheduler child lingers
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def _finish_trace(self, out: Path, result: RecordResult, status: Path | None = None) -> None:
         """Say in the trace how the run ended (the ranks' writers close their own groups), and

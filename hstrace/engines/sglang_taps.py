@@ -34,15 +34,22 @@ def _keys(rids: list[str]) -> torch.Tensor:
     return torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
 
 
-def _extend_positions(batch: Any) -> torch.Tensor:
-    """Positions of an extend batch: each request continues from its cached prefix
-    (`ScheduleBatch.prefix_lens`, what `ForwardBatch.init_new` builds positions from)."""
+def _prefix_lens(batch: Any) -> list[int]:
+    """Per request of an extend batch, the tokens already in the KV cache before it (radix-cache
+    hits, earlier chunks): `ScheduleBatch.prefix_lens`, what `ForwardBatch.init_new` builds
+    positions from."""
     prefix = getattr(batch, "prefix_lens", None)
     if prefix is None:
         prefix = [
             len(r.prefix_indices) if getattr(r, "prefix_indices", None) is not None else 0
             for r in batch.reqs
         ]
+    return [int(p) for p in prefix]
+
+
+def _extend_positions(batch: Any) -> torch.Tensor:
+    """Positions of an extend batch: each request continues from its cached prefix."""
+    prefix = _prefix_lens(batch)
     return torch.cat(
         [
             torch.arange(int(p), int(p) + int(n), dtype=torch.int64)
@@ -66,10 +73,15 @@ def draft_topk(
 
 
 def requests_rows(batch: Any, seen: set[str]) -> TableWrite | None:
-    """One `requests` row per request not seen before (its id and prompt token ids)."""
-    new = [r for r in batch.reqs if str(r.rid) not in seen]
-    if not new:
+    """One `requests` row per request not seen before (its id and prompt token ids), in the
+    extend batch that first schedules it. `n_cached`: the prompt tokens SGLang served from its
+    radix cache, i.e. the request's prefix length in that batch (its first chunk's prefix; what
+    SGLang adds to `cached_tokens` / meta_info)."""
+    prefix = _prefix_lens(batch)
+    new_at = [i for i, r in enumerate(batch.reqs) if str(r.rid) not in seen]
+    if not new_at:
         return None
+    new = [batch.reqs[i] for i in new_at]
     seen.update(str(r.rid) for r in new)
     prompts = [torch.as_tensor(list(r.origin_input_ids), dtype=torch.int64) for r in new]
     rid_bytes = [torch.frombuffer(bytearray(str(r.rid).encode()), dtype=torch.uint8) for r in new]
@@ -79,6 +91,7 @@ def requests_rows(batch: Any, seen: set[str]) -> TableWrite | None:
             "req_key": _keys([str(r.rid) for r in new]),
             "n_prompt": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
             "rid_len": torch.tensor([len(b) for b in rid_bytes], dtype=torch.int64),
+            "n_cached": torch.tensor([prefix[i] for i in new_at], dtype=torch.int64),
         },
         tok={"prompt_ids": torch.cat(prompts)},
         other={"rid": {"bytes": torch.cat(rid_bytes)}},
