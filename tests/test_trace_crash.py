@@ -164,28 +164,130 @@ for s in range(3):
     w.write("target", step={"mode": 0}, req={"req_key": [7], "n_tok": [2]},
             tok={"input_ids": torch.tensor([s, s + 1]), "positions": torch.tensor([0, 1]),
                  "aux_hidden": torch.ones(2, 4, dtype=torch.bfloat16)})
-print(w.writer_pid, w._shm.name, flush=True)
+print(w.writer_pid, flush=True)
 # exits without close(): a crashed or careless producer
 """
 
 
-def test_a_producer_that_never_closes_leaks_nothing_and_keeps_its_steps(tmp_path):
+def test_a_producer_that_never_closes_keeps_its_steps(tmp_path):
     path = str(tmp_path / "t.zarr")
     create_trace(path, engine={"name": "test", "version": "0"}, command_line=["t"], static={})
     out = subprocess.run(
         [sys.executable, "-c", ABANDONING_PRODUCER, path], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
-    pid, segment = out.stdout.split()
-    for _ in range(200):  # the writer process finishes on its own once the producer is gone
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    assert not os.path.exists(f"/dev/shm/{segment}"), "staging segment leaked"
+    _wait_gone(int(out.stdout.split()[0]))
     assert "Traceback" not in out.stderr
     with open_trace(path) as tr:
         rank = tr.rank(0)
         assert not rank.clean_close
         assert rank.table("target").column("tok", "input_ids").tolist() == [0, 1, 1, 2, 2, 3]
+
+
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still alive after {timeout_s} s")
+
+
+# Writes steps until killed; prints "<step>" after each write returned (the step is handed over).
+STEADY_PRODUCER = """
+import os, sys, time
+sys.path.insert(0, {tests!r})
+{prelude}
+from test_trace_crash import step_data
+from hstrace.trace import TraceWriter
+w = TraceWriter({path!r}, rank=0, tail_flush_s=0.2, staging_bytes=8 << 20,
+                max_part_bytes=1 << 20)
+print("pids", os.getpid(), w.writer_pid, flush=True)
+s = 0
+while True:
+    w.write("target", **step_data(s))
+    print(s, flush=True)
+    s += 1
+"""
+
+
+def _shared_maps(pid: int) -> list[str]:
+    """Paths of the shared mappings of a process that are staging memory (memfd or /dev/shm)."""
+    with open(f"/proc/{pid}/maps") as f:
+        paths = [ln.split(None, 5)[5].strip() for ln in f if len(ln.split(None, 5)) == 6]
+    return [p for p in paths if "hstrace-ring" in p or p.startswith("/dev/shm/")]
+
+
+def _start_steady(tmp_path, prelude: str = "") -> tuple[subprocess.Popen, int, int, object]:
+    path = tmp_path / "steady.zarr"
+    create_trace(path, engine={"name": "test"})
+    tests = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            STEADY_PRODUCER.format(tests=tests, path=str(path), prelude=prelude),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a server's process tree
+    )
+    first = proc.stdout.readline().split()
+    assert first[:1] == ["pids"], (first, proc.stderr.read() if proc.poll() is not None else "")
+    return proc, int(first[1]), int(first[2]), path
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
+@pytest.mark.parametrize(
+    "prelude",
+    [
+        "",
+        # Where there is no memfd, a named /dev/shm segment unlinked once both sides mapped it.
+        "del os.memfd_create",
+    ],
+    ids=["memfd", "named-segment"],
+)
+def test_killing_the_whole_process_group_leaks_no_shared_memory(tmp_path, prelude):
+    before = set(os.listdir("/dev/shm"))
+    proc, pid, writer_pid, path = _start_steady(tmp_path, prelude)
+    try:
+        for _ in range(20):
+            proc.stdout.readline()
+        maps = _shared_maps(pid) + _shared_maps(writer_pid)
+    finally:
+        os.killpg(pid, signal.SIGKILL)  # the server's process tree: producer and writer at once
+        proc.wait(timeout=30)
+    _wait_gone(writer_pid)
+    # Both sides map the ring, and none of the mappings has a name left in /dev/shm ...
+    assert len(maps) >= 2, maps
+    for m in maps:
+        assert "(deleted)" in m or m.startswith("/memfd:"), m
+    # ... so nothing stays behind once the group is gone.
+    leaked = [n for n in set(os.listdir("/dev/shm")) - before if any(n in m for m in maps)]
+    assert not leaked, leaked
+    assert "Traceback" not in proc.stderr.read()
+    verify_prefix(path)  # whatever was committed is intact
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (Linux)")
+def test_a_killed_producer_loses_only_what_it_had_not_handed_over(tmp_path):
+    """The writer drains the messages still in the pipe after the producer died, then commits
+    (it used to stop at the first BrokenPipeError answering the dead producer)."""
+    for trial in range(3):
+        sub = tmp_path / f"t{trial}"
+        sub.mkdir()
+        proc, pid, writer_pid, path = _start_steady(sub)
+        handed = -1
+        for _ in range(150 + 60 * trial):
+            line = proc.stdout.readline().strip()
+            handed = int(line)
+        os.kill(pid, signal.SIGKILL)  # the producer only: the writer lives on and drains
+        proc.wait(timeout=30)
+        handed = max([handed] + [int(x) for x in proc.stdout.read().split() if x.isdigit()])
+        _wait_gone(writer_pid)
+        committed = verify_prefix(path)
+        assert committed >= handed + 1, (trial, committed, handed)
+        assert "Traceback" not in proc.stderr.read()

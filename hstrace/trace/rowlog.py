@@ -5,23 +5,176 @@ re-encodes a partial chunk on every call, and under SIGKILL leaves a shape that 
 the data. Here rows are staged in RAM and written one whole unit (a chunk, or a whole shard)
 at a time, so no key is ever read-modify-written on the hot path; the shape is a capacity
 grown in big steps, and how many rows are valid lives only in the rank's commit record.
+
+The data path bypasses zarr's (asyncio, per-call) write pipeline, which ran at ~150 MB/s
+against ~650 MB/s for the codec alone (bench/README.md): zarr creates every array and its
+metadata, but chunks and shards are encoded here with the very codec chain the metadata
+declares (bytes little-endian + Blosc zstd-1 byte shuffle; shards: chunks back to back, then
+the uint64 (offset, nbytes) index and its crc32c), and written as files next to zarr's,
+atomically (temp file + rename, as zarr's LocalStore does). Plain zarr reads them.
+
+Chunks are encoded as soon as they fill, by a small thread pool (Blosc releases the GIL), and
+appended to their shard's temp file, so a writer holds a few chunks per column in RAM, not a
+whole shard. While the writer process says it is behind (`set_behind`), chunks may be stored
+with Blosc level 0 (a valid Blosc frame holding the bytes as they are: readers need nothing
+new); each column counts them (`raw_chunks`) and the commit record says so.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import threading
 import time
+import uuid
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
+import google_crc32c
+import numcodecs.blosc
 import numpy as np
 import zarr
+from numcodecs import Blosc
 from zarr.codecs import BloscCodec
+from zarr.storage import LocalStore
 
 from hstrace.trace.schema import unit_rows
 
 # Blosc zstd-1, byte shuffle, 1 MiB blocks: ~1.4x on bf16, releases the GIL (§3).
-COMPRESSORS = [BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", blocksize=1 << 20)]
+CNAME, CLEVEL, SHUFFLE, BLOCKSIZE = "zstd", 1, "shuffle", 1 << 20
+COMPRESSORS = [BloscCodec(cname=CNAME, clevel=CLEVEL, shuffle=SHUFFLE, blocksize=BLOCKSIZE)]
 # Capacity grows by this many units at a time, so zarr.json is rewritten rarely.
 GROW_UNITS = 64
+# Chunks of one column being encoded at once; the column waits for the oldest beyond this.
+MAX_INFLIGHT = 4
+# An empty inner chunk in a shard index (zarr's sharding codec).
+_EMPTY = np.uint64(2**64 - 1)
+
+
+class Encoder:
+    """How chunks are encoded in this process: the thread pool, and level 0 while behind."""
+
+    def __init__(self) -> None:
+        self.threads = 0
+        self.raw_when_behind = False
+        self.behind = False
+        self._pool: ThreadPoolExecutor | None = None
+        self._codecs: dict[tuple[int, int], Blosc] = {}
+        self._lock = threading.Lock()
+
+    def configure(self, threads: int, raw_when_behind: bool) -> None:
+        """threads: encoding threads (0: encode on the caller's thread)."""
+        # One Blosc thread per call, whichever thread calls: numcodecs otherwise fans a call
+        # from the main thread out to blosc's global threads (behind a global lock).
+        numcodecs.blosc.use_threads = False
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.threads = max(0, int(threads))
+        self._pool = (
+            ThreadPoolExecutor(self.threads, thread_name_prefix="hstrace-encode")
+            if self.threads
+            else None
+        )
+        self.raw_when_behind = bool(raw_when_behind)
+
+    def codec(self, typesize: int, raw: bool) -> Blosc:
+        key = (typesize, 0 if raw else CLEVEL)
+        c = self._codecs.get(key)
+        if c is None:
+            with self._lock:
+                c = self._codecs[key] = Blosc(
+                    cname=CNAME,
+                    clevel=key[1],
+                    shuffle=Blosc.SHUFFLE,
+                    blocksize=BLOCKSIZE,
+                    typesize=typesize,
+                )
+        return c
+
+    def submit(self, chunk: np.ndarray) -> tuple[Future, bool]:
+        """Encode a chunk (C-contiguous, little-endian); (future of the bytes, stored raw?)."""
+        raw = self.raw_when_behind and self.behind
+        codec = self.codec(chunk.dtype.itemsize, raw)
+        if self._pool is None:
+            f: Future = Future()
+            f.set_result(codec.encode(chunk))
+            return f, raw
+        return self._pool.submit(codec.encode, chunk), raw
+
+
+ENCODER = Encoder()
+
+
+def configure(threads: int = 0, raw_when_behind: bool = False) -> None:
+    ENCODER.configure(threads, raw_when_behind)
+
+
+def set_behind(flag: bool) -> None:
+    """The writer process is behind the producer: chunks encoded from now on may be raw."""
+    ENCODER.behind = bool(flag)
+
+
+def _write_file(path: str, parts: list) -> None:
+    """Write `parts` (bytes-likes) as the file at path, atomically (temp file + rename)."""
+    tmp = f"{path}.{uuid.uuid4().hex}.partial"
+    with open(tmp, "wb") as f:
+        for p in parts:
+            f.write(p)
+    os.replace(tmp, path)
+
+
+def _index_bytes(index: np.ndarray) -> list:
+    raw = index.astype("<u8", copy=False).tobytes()
+    return [raw, np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes()]
+
+
+class _Shard:
+    """A shard being filled: encoded inner chunks appended to a temp file, index in RAM."""
+
+    def __init__(self, path: str, n_inner: int) -> None:
+        self.path = path
+        self.tmp = f"{path}.{uuid.uuid4().hex}.partial"
+        self.f = open(self.tmp, "wb")  # noqa: SIM115 - held open while the shard fills
+        self.index = np.full((n_inner, 2), _EMPTY, dtype="<u8")
+        self.pos = 0
+        self.done = 0  # inner chunks in the file
+
+    def add(self, data: bytes) -> None:
+        self.f.write(data)
+        self.index[self.done] = (self.pos, len(data))
+        self.pos += len(data)
+        self.done += 1
+
+    def finish(self) -> None:
+        self.f.writelines(_index_bytes(self.index))
+        self.f.close()
+        os.replace(self.tmp, self.path)
+
+    def snapshot(self, tail: bytes | None) -> None:
+        """The key holds the chunks so far plus `tail` (a partly filled chunk), atomically."""
+        self.f.flush()
+        index = self.index.copy()
+        if tail is not None:
+            index[self.done] = (self.pos, len(tail))
+        tmp = f"{self.path}.{uuid.uuid4().hex}.partial"
+        with open(self.tmp, "rb") as src, open(tmp, "wb") as dst:
+            left = self.pos
+            while left:  # in-kernel copy of what is encoded so far
+                n = os.copy_file_range(src.fileno(), dst.fileno(), left)
+                if n == 0:
+                    raise OSError(f"{self.tmp}: shorter than the {self.pos} bytes written")
+                left -= n
+            if tail is not None:
+                dst.write(tail)
+            dst.writelines(_index_bytes(index))
+        os.replace(tmp, self.path)
+
+    def discard(self) -> None:
+        try:
+            self.f.close()
+            os.unlink(self.tmp)
+        except OSError:
+            pass
 
 
 class RowLog:
@@ -35,12 +188,13 @@ class RowLog:
         attributes: dict | None = None,
     ) -> None:
         self.row_shape = tuple(int(x) for x in row_shape)
-        self.dtype = np.dtype(dtype)
+        self.dtype = np.dtype(dtype)  # native: little-endian hosts, as zarr's bytes codec
         self.row_items = math.prod(self.row_shape)
-        row_bytes = self.dtype.itemsize * math.prod(self.row_shape)
+        row_bytes = self.dtype.itemsize * self.row_items
         chunk_rows, shard_rows = unit_rows(row_bytes)
         self.chunk_rows = chunk_rows
         self.unit = shard_rows or chunk_rows
+        self.sharded = shard_rows is not None
         extra = {"shards": (shard_rows, *self.row_shape)} if shard_rows else {}
         self.arr = group.create_array(
             name,
@@ -53,13 +207,27 @@ class RowLog:
             config={"write_empty_chunks": True},
             **extra,
         )
-        self.buf: np.ndarray | None = None  # allocated on first rows (units can be 128 MiB)
-        self.fill = 0  # rows staged in buf
-        self.flushed = 0  # rows written as whole units
-        self.tail_stored = 0  # rows durable through the last tail flush
+        store = group.store
+        # Where the chunk files go; None: not a local directory store (zarr writes them).
+        self.dir = (
+            os.path.join(str(store.root), *self.arr.path.split("/"))
+            if isinstance(store, LocalStore)
+            else None
+        )
+        self._made: set[str] = set()
+        self.buf: np.ndarray | None = None  # the chunk being filled (allocated on first rows)
+        self.fill = 0  # rows in buf
+        self.encoded = 0  # rows handed to the encoder (whole chunks)
+        self.flushed = 0  # rows on disk as whole units
+        self.tail_stored = 0  # rows on disk through the last tail flush
         self.capacity = 0
         self.dirty_since: float | None = None  # monotonic time of the oldest unwritten row
         self.units_written = 0
+        self.raw_chunks = 0  # chunks stored uncompressed (Blosc level 0) while behind
+        self._free: list[np.ndarray] = []
+        self._inflight: deque[tuple[int, Future, np.ndarray]] = deque()  # (chunk no., bytes)
+        self._shard: _Shard | None = None
+        self._shard_no = -1
 
     @property
     def stored(self) -> int:
@@ -68,7 +236,7 @@ class RowLog:
 
     @property
     def total(self) -> int:
-        return self.flushed + self.fill
+        return self.encoded + self.fill
 
     def _ensure_capacity(self, end: int) -> None:
         if end > self.capacity:
@@ -76,54 +244,147 @@ class RowLog:
             self.capacity = -(-end // grow) * grow
             self.arr.resize((self.capacity, *self.row_shape))
 
+    def _key_path(self, unit_no: int) -> str:
+        """File of unit `unit_no` (a shard, or a chunk when unsharded): zarr's default key
+        `c/<unit>/0/...` (one coordinate per dimension; rows are only split on the first)."""
+        coords = [str(unit_no)] + ["0"] * len(self.row_shape)
+        parent = os.path.join(self.dir, "c", *coords[:-1])
+        if parent not in self._made:
+            if not os.path.isdir(self.dir):
+                # Never recreate a removed trace (zarr would, without its root metadata).
+                raise FileNotFoundError(2, "the array's directory is gone", self.dir)
+            os.makedirs(parent, exist_ok=True)
+            self._made.add(parent)
+        return os.path.join(parent, coords[-1])
+
     def append(self, rows: np.ndarray, now: float | None = None) -> None:
         n = rows.shape[0]
         if n == 0:
             return
-        if self.buf is None:
-            self.buf = np.empty((self.unit, *self.row_shape), dtype=self.dtype)
         if self.dirty_since is None:
             self.dirty_since = time.monotonic() if now is None else now
         i = 0
         while i < n:
-            k = min(self.unit - self.fill, n - i)
+            if self.buf is None:
+                self.buf = self._free.pop() if self._free else self._new_buf()
+            k = min(self.chunk_rows - self.fill, n - i)
             self.buf[self.fill : self.fill + k] = rows[i : i + k]
             self.fill += k
             i += k
-            if self.fill == self.unit:
-                start = self.flushed
-                self._ensure_capacity(start + self.unit)
-                self.arr[start : start + self.unit] = self.buf  # a whole unit: no read
-                self.flushed += self.unit
-                self.fill = 0
+            if self.fill == self.chunk_rows:
+                self._submit()
+        self._drain(block=False)
+
+    def _new_buf(self) -> np.ndarray:
+        return np.empty((self.chunk_rows, *self.row_shape), dtype=self.dtype)
+
+    def _submit(self) -> None:
+        """Hand the full chunk in buf to the encoder (or to zarr when not a local store)."""
+        chunk_no = self.encoded // self.chunk_rows
+        self._ensure_capacity(self.encoded + self.chunk_rows)
+        buf, self.buf, self.fill = self.buf, None, 0
+        self.encoded += self.chunk_rows
+        if self.dir is None:
+            start = chunk_no * self.chunk_rows
+            self.arr[start : start + self.chunk_rows] = buf
+            self._free.append(buf)
+            if self.encoded % self.unit == 0:
+                self.flushed = self.encoded
                 self.units_written += 1
-                self.dirty_since = None if i == n else (time.monotonic() if now is None else now)
+            return
+        while len(self._inflight) >= MAX_INFLIGHT:
+            self._drain(block=True, upto=1)
+        fut, raw = ENCODER.submit(buf)
+        self.raw_chunks += raw
+        self._inflight.append((chunk_no, fut, buf))
+
+    def _drain(self, block: bool, upto: int | None = None) -> None:
+        """Write encoded chunks in order: append to their shard, or write the chunk file."""
+        done = 0
+        while self._inflight and (upto is None or done < upto):
+            chunk_no, fut, buf = self._inflight[0]
+            if not block and not fut.done():
+                return
+            data = fut.result()
+            self._inflight.popleft()
+            self._free.append(buf)
+            done += 1
+            per_unit = self.unit // self.chunk_rows
+            unit_no, inner = divmod(chunk_no, per_unit)
+            if not self.sharded:
+                _write_file(self._key_path(unit_no), [data])
+            else:
+                if self._shard is None or self._shard_no != unit_no:
+                    self._shard = _Shard(self._key_path(unit_no), per_unit)
+                    self._shard_no = unit_no
+                assert self._shard.done == inner
+                self._shard.add(data)
+                if inner < per_unit - 1:
+                    continue
+                self._shard.finish()
+                self._shard = None
+            self.flushed = (chunk_no + 1) * self.chunk_rows
+            self.units_written += 1
+            # The oldest row not on disk is now younger: age it from here, as a tail would.
+            self.dirty_since = None if self.flushed >= self.total else time.monotonic()
+
+    def drain(self) -> None:
+        """Write whatever the encoder has finished (the writer calls this when idle)."""
+        if self._inflight:
+            self._drain(block=False)
 
     def needs_tail_flush(self, now: float, max_age_s: float) -> bool:
         return self.dirty_since is not None and now - self.dirty_since >= max_age_s
 
     def flush_tail(self) -> bool:
-        """Write the staged partial unit; the next whole-unit write replaces the same key.
-
-        In a shard, inner chunks that an earlier tail flush already wrote whole are not
-        re-encoded: the write starts at the first inner chunk that gained rows."""
+        """Make every appended row durable: wait for the encoder, and write the partly filled
+        unit (a partial chunk padded with zeros; a shard with the chunks it has so far). The
+        next whole-unit write replaces the same key."""
         if self.dirty_since is None:
             return False
+        self._drain(block=True)
         if self.fill:
-            done = max(0, self.tail_stored - self.flushed)
-            a = done // self.chunk_rows * self.chunk_rows
-            start = self.flushed
+            start = self.encoded
             self._ensure_capacity(start + self.fill)
-            self.arr[start + a : start + self.fill] = self.buf[a : self.fill]
+            if self.dir is None:
+                self.arr[start : start + self.fill] = self.buf[: self.fill]
+            else:
+                self.buf[self.fill :] = 0
+                data = ENCODER.codec(self.dtype.itemsize, False).encode(self.buf)
+                chunk_no = start // self.chunk_rows
+                per_unit = self.unit // self.chunk_rows
+                unit_no, inner = divmod(chunk_no, per_unit)
+                if not self.sharded:
+                    _write_file(self._key_path(unit_no), [data])
+                else:
+                    if self._shard is None:
+                        self._shard = _Shard(self._key_path(unit_no), per_unit)
+                        self._shard_no = unit_no
+                    self._shard.snapshot(data)
             self.tail_stored = start + self.fill
+        elif self._shard is not None:
+            self._shard.snapshot(None)  # whole chunks of an unfinished shard
+            self.tail_stored = self.encoded
         self.dirty_since = None
         return True
+
+    def abort(self) -> None:
+        """Stop after a write fault: drop this column's temp files (what the last tail flush
+        or whole-unit write put at the keys stays)."""
+        if self._shard is not None:
+            self._shard.discard()
+            self._shard = None
+        self._inflight.clear()
 
     def close(self) -> None:
         """Write the tail and trim the shape to the exact row count."""
         self.flush_tail()
+        if self._shard is not None:
+            self._shard.discard()  # its chunks are in the key through the snapshot
+            self._shard = None
         self.flushed = self.stored
         self.fill = 0
         self.arr.resize((self.flushed, *self.row_shape))
         self.capacity = self.flushed
         self.buf = None
+        self._free.clear()

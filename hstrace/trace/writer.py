@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import multiprocessing as mp
 import os
 import pickle
@@ -166,6 +167,8 @@ class TraceWriter:
         process: bool = True,
         staging_bytes: int = 256 << 20,
         max_part_bytes: int = 16 << 20,
+        compress_threads: int = 2,
+        raw_when_behind: bool = True,
     ) -> None:
         if on_full not in ("block", "drop"):
             raise TraceError(f"on_full must be 'block' or 'drop', got {on_full!r}")
@@ -181,6 +184,8 @@ class TraceWriter:
         self._plans: dict[str, _Plan] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Set once the writer process reports that the trace cannot be written any more.
+        self._fault: str | None = None
         if not process:
             from hstrace.trace.recorder import RankRecorder
 
@@ -188,12 +193,15 @@ class TraceWriter:
             return
         self._ring_bytes = _align(int(staging_bytes))
         self._part_bytes = min(_align(int(max_part_bytes)), self._ring_bytes // 2)
-        _check_shm_room(self._ring_bytes)
-        self._shm = SharedMemory(create=True, size=self._ring_bytes)
+        # The ring, then ALIGN bytes whose first int64 is the head counter (the writer process
+        # reads it to know how far behind it is).
+        self._shm = _Segment(self._ring_bytes + ALIGN)
         # A writer dropped without close() (a crashed caller, a test) must still release its
-        # segment: /dev/shm is not freed when the process lives on.
+        # segment: its memory is not freed while the process lives on.
         self._release = weakref.finalize(self, _release_segment, self._shm)
-        self._ring_np = _unexported_view(self._shm)
+        whole = _unexported_view(self._shm.mmap, self._shm.size)
+        self._ring_np = whole[: self._ring_bytes]
+        self._head_np = whole[self._ring_bytes : self._ring_bytes + 8].view(np.int64)
         self._ring = torch.from_numpy(self._ring_np)
         self._ring_addr = self._ring.data_ptr()
         self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
@@ -216,14 +224,15 @@ class TraceWriter:
             self.path,
             str(self.rank),
             str(float(tail_flush_s)),
-            self._shm.name,
+            self._shm.arg,
         ]
         args += [str(data_r.fileno()), str(free_w.fileno())]
+        args += [str(max(0, int(compress_threads))), "1" if raw_when_behind else "0"]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "hstrace.trace.writer_process", *args],
-            pass_fds=(data_r.fileno(), free_w.fileno()),
+            pass_fds=(data_r.fileno(), free_w.fileno(), *self._shm.pass_fds()),
             env=env,
         )
         data_r.close()
@@ -236,6 +245,9 @@ class TraceWriter:
         if reply[0] == "failed":
             self._teardown()
             raise TraceError(reply[1])
+        # Both sides have the ring mapped: drop its name / our descriptor now, so no kill of
+        # the producer, the writer or their whole process group can leak it (issue 12, item 6).
+        self._shm.mapped_by_both()
 
     @property
     def writer_pid(self) -> int | None:
@@ -255,6 +267,8 @@ class TraceWriter:
         with self._lock:
             if self._closed:
                 raise TraceError(f"{self.path}: rank {self.rank} writer is closed")
+            if self._fault is not None:
+                raise TraceError(self._fault)
             plan = self._plans.get(table)
             if plan is not None:
                 staged = self._fast_write(plan, step, req, tok, other_axes)
@@ -291,12 +305,17 @@ class TraceWriter:
                     f"table {table!r}: columns {_describe(spec)} differ from the first write's {_describe(known)}"
                 )
             if not self.process:
-                self._rec.write_step(
-                    table,
-                    {a: {c: to_numpy(t) for c, t in cc.items()} for a, cc in cols.items()},
-                    logical,
-                    column_attrs,
-                )
+                try:
+                    self._rec.write_step(
+                        table,
+                        {a: {c: to_numpy(t) for c, t in cc.items()} for a, cc in cols.items()},
+                        logical,
+                        column_attrs,
+                    )
+                except OSError as exc:
+                    raise TraceError(
+                        f"{self.path}: rank {self.rank}: cannot write ({exc})"
+                    ) from exc
                 return True
             staged = self._stage(table, cols, counts, spec, column_attrs)
             if table not in self._plans and table in self._announced:
@@ -333,6 +352,10 @@ class TraceWriter:
                 self._rec.close()
                 return
             try:
+                if self._fault is None:
+                    self._poll_free()
+                if self._fault is not None:
+                    raise TraceError(self._fault)
                 self._send(("close", dict(self.dropped)))
                 self._wait_control(("closed",), None)
                 self._proc.wait(timeout=60)
@@ -419,7 +442,7 @@ class TraceWriter:
             self.dropped[plan.table] = self.dropped.get(plan.table, 0) + 1
             return False
         addr = self._ring_addr + base
-        buf = self._shm.buf
+        buf = self._shm.mmap
         for offset, src, nbytes in srcs:
             if not nbytes:
                 continue
@@ -439,9 +462,7 @@ class TraceWriter:
         try:  # plain pickle: Connection.send's ForkingPickler costs more than the write itself
             self._data_w.send_bytes(pickle.dumps(msg, pickle.HIGHEST_PROTOCOL))
         except OSError as exc:
-            raise TraceError(
-                f"{self.path}: the writer process of rank {self.rank} exited ({exc})"
-            ) from exc
+            raise self._gone(exc) from exc
         return True
 
     def _control(self, msg: tuple) -> None:
@@ -517,9 +538,7 @@ class TraceWriter:
         try:
             self._data_w.send(msg)
         except OSError as exc:  # broken pipe: the writer process is gone
-            raise TraceError(
-                f"{self.path}: the writer process of rank {self.rank} exited ({exc})"
-            ) from exc
+            raise self._gone(exc) from exc
 
     def _pin(self) -> None:
         # Page-lock the ring once so non_blocking D2H copies really are asynchronous.
@@ -534,8 +553,9 @@ class TraceWriter:
 
     def _allocate(self, n: int, may_drop: bool) -> int | None:
         """Offset of n contiguous free bytes in the ring (None: full and may_drop)."""
-        while self._free_poll.poll(0):
-            self._take(self._recv_free())
+        self._poll_free()
+        if self._fault is not None:
+            raise TraceError(self._fault)
         if self._tail == self._head and self._head % self._ring_bytes:
             # Nothing in flight: start over at the ring's start, whose pages the last steps
             # touched and are likely still in cache (a FIFO walk copies into cold memory).
@@ -551,27 +571,44 @@ class TraceWriter:
             while self._head + need - self._tail > self._ring_bytes:
                 if self._free_r.poll(0.5):
                     self._take(self._recv_free())
+                    if self._fault is not None:
+                        raise TraceError(self._fault)
                 elif self._proc.poll() is not None:
-                    raise TraceError(
-                        f"{self.path}: the writer process of rank {self.rank} exited (code {self._proc.returncode})"
-                    )
+                    raise self._gone()
             self.stats["blocked_s"] += time.perf_counter() - t0
         self.stats["parts"] += 1
         self._head += need
+        self._head_np[0] = self._head
         return 0 if pad else pos
+
+    def _poll_free(self) -> None:
+        while self._free_poll.poll(0):
+            self._take(self._recv_free())
+
+    def _gone(self, exc: BaseException | None = None) -> TraceError:
+        """The error for a writer process that is gone: its fault report if it sent one."""
+        try:
+            while self._fault is None and self._free_r.poll(0):
+                self._take(self._free_r.recv())
+        except (EOFError, OSError):
+            pass
+        if self._fault is not None:
+            return TraceError(self._fault)
+        code = self._proc.poll()
+        why = f"code {code}" if exc is None else f"{exc}; code {code}"
+        return TraceError(f"{self.path}: the writer process of rank {self.rank} exited ({why})")
 
     def _recv_free(self) -> Any:
         try:
             return self._free_r.recv()
         except (EOFError, OSError):
-            code = self._proc.poll()
-            raise TraceError(
-                f"{self.path}: the writer process of rank {self.rank} exited (code {code})"
-            ) from None
+            raise self._gone() from None
 
     def _take(self, item: Any) -> None:
         if isinstance(item, int):
             self._tail = max(self._tail, item)
+        elif item[0] == "fault":
+            self._fault = str(item[1])
         else:
             self._pending_control.append(item)
 
@@ -581,13 +618,13 @@ class TraceWriter:
             for i, item in enumerate(self._pending_control):
                 if item[0] in kinds:
                     return self._pending_control.pop(i)
+            if self._fault is not None:
+                raise TraceError(self._fault)
             if self._free_r.poll(0.5):
                 self._take(self._recv_free())
                 continue
             if self._proc.poll() is not None and not self._free_r.poll(0):
-                raise TraceError(
-                    f"{self.path}: the writer process of rank {self.rank} exited (code {self._proc.returncode})"
-                )
+                raise self._gone()
             if t_end is not None and time.monotonic() > t_end:
                 raise TraceError(
                     f"{self.path}: the writer process of rank {self.rank} did not answer within {timeout:.0f} s"
@@ -608,7 +645,7 @@ class TraceWriter:
                 torch.cuda.cudart().cudaHostUnregister(self._ring.data_ptr())
             except Exception:  # noqa: BLE001 - the mapping goes away with the segment anyway
                 pass
-        del self._ring, self._ring_np
+        del self._ring, self._ring_np, self._head_np
         self._release()
 
 
@@ -697,22 +734,71 @@ def _pack(
     return parts
 
 
-def _unexported_view(shm: SharedMemory) -> np.ndarray:
-    """The segment as a uint8 array that does not hold a buffer export on the mapping (as
-    `np.frombuffer(shm.buf)` would), so the segment can be closed whatever order views and
-    writer are collected in. Only the writer uses these views, never after `_release`."""
-    anchor = ctypes.c_char.from_buffer(shm._mmap)  # a momentary export, just for the address
-    addr = ctypes.addressof(anchor)
-    del anchor
-    return np.ctypeslib.as_array(ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), (shm.size,))
+class _Segment:
+    """The staging ring's shared memory. On Linux a memfd: it has no name, the writer process
+    inherits its descriptor, and the memory lives exactly as long as someone maps it, so no
+    kill can leave anything behind. Elsewhere a named /dev/shm segment, unlinked as soon as
+    both sides have mapped it (`mapped_by_both`)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd: int | None = None
+        self.shm: SharedMemory | None = None
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("hstrace-ring", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(self.fd, size)
+                self.mmap = mmap.mmap(self.fd, size)
+            except BaseException:
+                os.close(self.fd)
+                raise
+            self.arg = f"fd:{self.fd}"
+        else:
+            _check_shm_room(size)
+            self.shm = SharedMemory(create=True, size=size)
+            self.mmap = self.shm._mmap
+            self.arg = self.shm.name
+
+    def pass_fds(self) -> tuple[int, ...]:
+        return (self.fd,) if self.fd is not None else ()
+
+    def mapped_by_both(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        elif self.shm is not None:
+            _unlink(self.shm)
+
+    def release(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            _unlink(self.shm)
+            return
+        self.mmap.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
-def _release_segment(shm: SharedMemory) -> None:
-    shm.close()
+def _unlink(shm: SharedMemory) -> None:
     try:
         shm.unlink()
-    except FileNotFoundError:  # already unlinked (e.g. by a resource tracker)
+    except FileNotFoundError:  # already unlinked
         pass
+
+
+def _unexported_view(mm: mmap.mmap, size: int) -> np.ndarray:
+    """The mapping as a uint8 array that does not hold a buffer export on it (as
+    `np.frombuffer(mm)` would), so it can be closed whatever order views and writer are
+    collected in. Only the writer uses these views, never after `_release`."""
+    anchor = ctypes.c_char.from_buffer(mm)  # a momentary export, just for the address
+    addr = ctypes.addressof(anchor)
+    del anchor
+    return np.ctypeslib.as_array(ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), (size,))
+
+
+def _release_segment(seg: _Segment) -> None:
+    seg.release()
 
 
 def _check_shm_room(n: int) -> None:

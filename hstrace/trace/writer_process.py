@@ -7,7 +7,8 @@ Imports no torch: it only needs numpy and zarr, so it starts fast and stays smal
   writer -> producer  ("ready",) | ("failed", message) once at start; then, for each part
                       consumed, its `end` (int: the producer's ring counter after that part, so
                       the bytes before it are free again); ("flushed",) / ("closed",) answering
-                      flush / close.
+                      flush / close; ("fault", message) once, when the trace cannot be written
+                      any more (disk full, read-only, directory removed), before exiting.
 A part occupies ring bytes [offset, offset + size); `layout` lists (axis, column, byte offset
 within the part, rows); dtype and row shape come from the table's spec, sent with the first
 step of each table.
@@ -15,6 +16,8 @@ step of each table.
 
 from __future__ import annotations
 
+import errno
+import json
 import math
 import mmap
 import os
@@ -26,6 +29,7 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from hstrace.errors import HstraceError
+from hstrace.trace import rowlog
 
 # Part and column alignment in the ring (hstrace.trace.writer.ALIGN; that module imports torch).
 ALIGN = 64
@@ -35,69 +39,184 @@ IDLE_POLL_MAX_S = 0.016
 
 
 def main(argv: list[str]) -> None:
-    """Entry point: `python -m hstrace.trace.writer_process PATH RANK TAIL_S SHM DATA_FD FREE_FD`.
+    """Entry point: `python -m hstrace.trace.writer_process PATH RANK TAIL_S RING DATA_FD
+    FREE_FD [THREADS RAW_WHEN_BEHIND]`; RING is `fd:N` (a memfd) or a /dev/shm name.
 
     Started with subprocess rather than multiprocessing's spawn, which would re-import the
     parent's __main__ (a server launcher inside SGLang, a test runner, a user script)."""
-    path, rank, tail_s, shm_name, data_fd, free_fd = argv
+    path, rank, tail_s, ring, data_fd, free_fd, *rest = argv
+    threads, raw_when_behind = (int(rest[0]), rest[1] == "1") if rest else (0, False)
     writer_main(
         path,
         int(rank),
         float(tail_s),
-        shm_name,
+        ring,
         Connection(int(data_fd)),
         Connection(int(free_fd)),
+        threads,
+        raw_when_behind,
     )
 
 
 class _Ring:
-    """The producer's shared-memory ring, mapped directly from /dev/shm. Not through
-    SharedMemory: its resource tracker would unlink the producer's segment when we exit."""
+    """The producer's staging ring: a memfd passed down (it has no name, so no kill leaves it
+    behind), or a /dev/shm segment mapped directly (not through SharedMemory: its resource
+    tracker would unlink the producer's segment when we exit). Its last ALIGN bytes hold the
+    producer's head counter, from which the writer knows how far behind it is."""
 
-    def __init__(self, name: str) -> None:
-        fd = os.open(os.path.join("/dev/shm", name.lstrip("/")), os.O_RDWR)
+    def __init__(self, ring: str) -> None:
+        if ring.startswith("fd:"):
+            fd = int(ring[3:])
+        else:
+            fd = os.open(os.path.join("/dev/shm", ring.lstrip("/")), os.O_RDWR)
         try:
             self.buf = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
+        self.size = len(self.buf) - ALIGN
+        self._head = np.frombuffer(self.buf, dtype=np.int64, count=1, offset=self.size)
+
+    def behind(self, end: int) -> bool:
+        """Whether the bytes staged after `end` fill more than half the ring."""
+        return int(self._head[0]) - end > self.size // 2
 
     def close(self) -> None:
+        del self._head
         try:
             self.buf.close()
         except BufferError:  # a numpy view still alive at exit; the OS unmaps it
             pass
 
 
+class _Replies:
+    """The pipe back to the producer. Once the producer is gone, replies are dropped: the
+    writer keeps draining what the producer had handed over (issue 12, item 5)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.gone = False
+
+    def send(self, msg) -> None:
+        if self.gone:
+            return
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            self.gone = True
+
+
+class _Fatal(Exception):
+    """The trace cannot be written any more (disk full, read-only, directory removed)."""
+
+
+class _Guard:
+    """Notices the trace directory being removed or replaced under a running writer: zarr
+    would silently recreate `rank{r}/` without the root metadata, and every write would
+    'succeed' into a trace nobody can open."""
+
+    def __init__(self, path: str, rank: int) -> None:
+        self.path = path
+        self.meta = os.path.join(path, "zarr.json")
+        # The root and our own rank group (inode numbers alone are reused at once by a
+        # trace recreated at the same path; a new trace has no rank group of ours).
+        self.dirs = [path, os.path.join(path, f"rank{rank}")]
+        self.ident = [self._ident(d) for d in self.dirs]
+
+    @staticmethod
+    def _ident(d: str) -> tuple[int, int]:
+        st = os.stat(d)
+        return st.st_dev, st.st_ino
+
+    def check(self) -> None:
+        try:
+            ok = [self._ident(d) for d in self.dirs] == self.ident and os.path.isfile(self.meta)
+        except OSError:
+            ok = False
+        if not ok:
+            raise _Fatal("the trace directory was removed or replaced while recording")
+
+
 def writer_main(
     path: str,
     rank: int,
     tail_flush_s: float,
-    shm_name: str,
+    ring: str,
     data_r: Connection,
     free_w: Connection,
+    threads: int = 0,
+    raw_when_behind: bool = False,
 ) -> None:
     from hstrace.trace.recorder import RankRecorder
 
+    replies = _Replies(free_w)
     try:
+        shm = _Ring(ring)
+        rowlog.configure(threads, raw_when_behind)
         rec = RankRecorder(path, rank, tail_flush_s=tail_flush_s)
-    except HstraceError as exc:
-        free_w.send(("failed", str(exc)))
+        guard = _Guard(path, rank)
+    except (HstraceError, OSError) as exc:
+        replies.send(("failed", str(exc)))
         return
-    shm = _Ring(shm_name)
     try:
-        free_w.send(("ready",))
-        _loop(rec, shm, data_r, free_w)
+        replies.send(("ready",))
+        _loop(rec, shm, guard, data_r, replies)
     finally:
         shm.close()
 
 
-def _loop(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
+def _loop(rec, shm: _Ring, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
     try:
-        _serve(rec, shm, data_r, free_w)
-    except (BrokenPipeError, ConnectionResetError):
-        # The producer went away while we answered it: what it sent is written; keep it, as
-        # an unclean close (no traceback into the server's stderr).
-        _abandon(rec)
+        _serve(rec, shm, guard, data_r, replies)
+    except _Fatal as exc:  # the trace itself is gone: nothing of it is ours to report as kept
+        _fault(rec, guard, replies, str(exc), commit=False, kept="nothing (the trace is gone)")
+    except OSError as exc:  # disk full, read-only remount, I/O error
+        _fault(rec, guard, replies, _describe_os_error(exc), commit=True)
+    except Exception as exc:  # noqa: BLE001 - never a traceback into the server's log
+        _fault(rec, guard, replies, f"unexpected {type(exc).__name__}: {exc}", commit=True)
+
+
+def _describe_os_error(exc: OSError) -> str:
+    code = errno.errorcode.get(exc.errno or 0, "")
+    what = {
+        errno.ENOSPC: "no space left on the device",
+        errno.EROFS: "the file system is read-only",
+        errno.EDQUOT: "disk quota exceeded",
+    }.get(exc.errno or 0, exc.strerror or str(exc))
+    where = f" writing {exc.filename}" if exc.filename else ""
+    return f"{what}{f' ({code})' if code else ''}{where}"
+
+
+def _fault(
+    rec, guard: _Guard, replies: _Replies, why: str, commit: bool, kept: str | None = None
+) -> None:
+    """Stop recording: free what we can, commit what is on disk if the disk lets us, and tell
+    the producer what happened and what was kept (its next write or close raises it)."""
+    for log in rec._all_logs():
+        log.abort()  # our temp files: space back on a full disk
+    if commit:
+        try:
+            guard.check()
+            rec.commit(clean_close=False)
+        except Exception:  # noqa: BLE001 - the last commit on disk stands
+            pass
+    kept = kept or _kept(guard.path, rec.rank)
+    replies.send(("fault", f"{guard.path}: rank {rec.rank} stopped recording: {why}; kept: {kept}"))
+
+
+def _kept(path: str, rank: int) -> str:
+    """What the trace holds, from the commit record on disk (not from memory)."""
+    meta_path = os.path.join(path, f"rank{rank}", "zarr.json")
+    try:
+        with open(meta_path, "rb") as f:
+            commit = json.load(f)["attributes"]["hstrace"]["commit"]
+        steps = {t: int(e["steps"]) for t, e in commit["tables"].items()}
+        age = (time.time_ns() - int(commit["updated_ns"])) / 1e9
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"nothing readable ({meta_path} is gone or unreadable)"
+    if not steps:
+        return "no committed steps yet"
+    listed = ", ".join(f"{n} steps of {t}" for t, n in sorted(steps.items()))
+    return f"{listed} (committed {age:.1f} s before the fault; later steps are lost)"
 
 
 def _abandon(rec) -> None:
@@ -106,31 +225,37 @@ def _abandon(rec) -> None:
     rec.commit(clean_close=False)
 
 
-def _consume(rec, data_r: Connection, free_w: Connection, end, dropped, write) -> None:
+def _consume(rec, shm: _Ring, data_r: Connection, replies: _Replies, end, dropped, write) -> None:
     """Write one staged part, hand its ring space back whatever happened, then book-keep."""
     try:
         write()
     except HstraceError as exc:  # keep recording other tables; the error is in the trace
         rec.note_error("writer", str(exc))
     finally:
-        free_w.send(end)
+        replies.send(end)
     if dropped is not None:
         rec.set_dropped(dropped)
-    rec.tick(backlog=data_r.poll(0))
+    behind = shm.behind(end)
+    rowlog.set_behind(behind)
+    rec.tick(backlog=behind or data_r.poll(0))
 
 
-def _serve(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
+def _serve(rec, shm: _Ring, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
     # The writer sleeps between polls rather than blocking on the pipe: a pipe write that
     # wakes a blocked reader costs the serving thread tens of microseconds (and, on a busy
     # host, often a preemption); a write to a pipe nobody waits on is a plain copy.
     pause = IDLE_POLL_MIN_S
     while True:
         if not data_r.poll(0):
+            guard.check()
+            for log in rec._all_logs():
+                log.drain()  # chunks the encoder finished meanwhile
             deadline = rec.next_deadline()
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 rec.tick()
                 continue
+            rec.tick()  # commits units the drain completed (rate-limited inside)
             time.sleep(pause if deadline is None else min(pause, deadline - now))
             pause = min(2 * pause, IDLE_POLL_MAX_S)
             continue
@@ -139,19 +264,21 @@ def _serve(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
             msg = data_r.recv()
         except (EOFError, OSError):
             # The producer is gone without closing: keep what we have, but not as a clean close.
+            guard.check()
             _abandon(rec)
             return
         kind = msg[0]
+        guard.check()
         if kind == "step":  # a whole step in one part, laid out in spec order (the fast path)
             _, table, offset, end, counts, dropped = msg
             write = partial(_write_step, rec, shm, offset, table, counts)
-            _consume(rec, data_r, free_w, end, dropped, write)
+            _consume(rec, shm, data_r, replies, end, dropped, write)
         elif kind == "part":
             _, table, offset, end, layout, counts, spec, column_attrs, dropped = msg
             write = partial(
                 _write_part, rec, shm, offset, table, layout, counts, spec, column_attrs
             )
-            _consume(rec, data_r, free_w, end, dropped, write)
+            _consume(rec, shm, data_r, replies, end, dropped, write)
         elif kind == "static":
             rec.update_static(msg[1])
         elif kind == "error":
@@ -162,12 +289,12 @@ def _serve(rec, shm: _Ring, data_r: Connection, free_w: Connection) -> None:
             for log in rec._all_logs():
                 log.flush_tail()
             rec.commit()
-            free_w.send(("flushed",))
+            replies.send(("flushed",))
         elif kind == "close":
             if msg[1:] and msg[1] is not None:
                 rec.set_dropped(msg[1])
             rec.close()
-            free_w.send(("closed",))
+            replies.send(("closed",))
             return
 
 
