@@ -40,6 +40,25 @@ def _same_context(a: Any, ia: int, b: Any, ib: int) -> bool:
     return pa == pb and np.array_equal(a.tokens[: pa + 1], b.tokens[: pb + 1])
 
 
+def _own_fit(ctx, r: Any, rows: np.ndarray) -> float | None:
+    """Mean cosine of r's captured rows with the training rows of r's own tokens (None: r is
+    not aligned with a training sample or widths differ). A copy leaves two requests with the
+    same rows; the one whose rows fit its own tokens is the owner."""
+    for a in ctx.aligned:
+        if a.serving is not r:
+            continue
+        seq = rows + r.aux_start
+        keep = seq < a.n
+        if not keep.any():
+            return None
+        t = a.sample.aux[seq[keep]].float().flatten(1)
+        x = r.aux[rows[keep]].float()
+        if t.shape[-1] != x.shape[-1]:
+            return None
+        return float((_unit(x) * _unit(t)).sum(-1).mean())
+    return None
+
+
 def coupled_aux_rows(ctx) -> list[dict[str, Any]]:
     """[{request, rows_of, step, positions, rows}] for every request whose captured rows in a
     batched target step are another co-batched request's rows."""
@@ -70,6 +89,10 @@ def coupled_aux_rows(ctx) -> list[dict[str, Any]]:
                     and not _same_context(r, int(mine[i]), o, int(theirs[int(j[i])]))
                 ]
                 if copied:
+                    rows_c = np.asarray(copied)
+                    fit = _own_fit(ctx, r, rows_c)
+                    if fit is not None and fit >= COPY_COS:
+                        continue  # r's rows are its own: the other request got a copy of them
                     found.append(
                         {
                             "request": r.name,
@@ -79,6 +102,7 @@ def coupled_aux_rows(ctx) -> list[dict[str, Any]]:
                             "positions": [i + r.aux_start + r.position_base for i in copied][:32],
                             "rows": len(copied),
                             "of_rows_in_step": len(mine),
+                            "own_tokens_cos": round(fit, 4) if fit is not None else None,
                         }
                     )
                     break

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from hstrace.findings import Finding
-from hstrace.replay.compare import AGREE_TOP1, agreement, compare_topk, with_topk
+from hstrace.replay.compare import (
+    AGREE_TOP1,
+    agreement,
+    compare_topk,
+    gathered_logprobs,
+    logprob_gap,
+    with_topk,
+)
 from hstrace.replay.step0 import Step0Input
 
 FIX = {
@@ -75,9 +82,17 @@ def _per_request(ctx) -> list[dict[str, Any]]:
             continue
         same = ref[m] == rows.topk_draft_ids[m][:, 0].long()
         pos = rows.index[m]
-        first = pos[~same][0].item() if (~same).any() else None
+        # The first row the engine's top-1 differs on, or else its log-probs do.
+        off = same.clone()
+        if rows.topk_logprobs is not None:
+            lp = gathered_logprobs(ctx.reference_logits[m], rows.topk_draft_ids[m])
+            diff = (lp - rows.topk_logprobs[m].float()).abs().nan_to_num(0.0).amax(-1)
+            off = same & (diff <= ctx.agreement.tolerance)
+        first = pos[~off][0].item() if (~off).any() else None
         accepts = ctx.serving.accept_by_key.get(r.key) or []
         got = ctx.cached_aux(r)
+        lps = rows.topk_logprobs[m] if rows.topk_logprobs is not None else None
+        gap = logprob_gap(ctx.reference_logits[m], rows.topk_draft_ids[m], lps)
         out.append(
             {
                 "request": r.name,
@@ -85,6 +100,7 @@ def _per_request(ctx) -> list[dict[str, Any]]:
                 "n_cached_recorded": r.n_cached,
                 "rows": int(m.sum()),
                 "top1_agreement": round(float(same.float().mean()), 4),
+                "max_logprob_diff": round(gap, 4) if gap == gap else None,
                 "first_disagreeing_position": first,
                 "mean_accept_len": round(sum(accepts) / len(accepts), 4) if accepts else None,
                 "cached_span_rebuilt_from": got[1] if got is not None else None,
