@@ -36,12 +36,15 @@ def parse_streams(value: str | None) -> frozenset[str]:
 @click.option(
     "--engine",
     "engine_name",
-    type=click.Choice(["sglang", "reference"]),
+    type=click.Choice(["sglang", "vllm", "reference"]),
     default=None,
-    help="Backend. Default: sglang when --server-cmd is given, else reference.",
+    help="Backend. Default: read from --server-cmd (vllm for a vllm command, else sglang), "
+    "else reference.",
 )
 @click.option(
-    "--server-cmd", help='The SGLang launch command, e.g. "python -m sglang.launch_server ...".'
+    "--server-cmd",
+    help='The server launch command, e.g. "python -m sglang.launch_server ..." or '
+    '"python -m vllm.entrypoints.openai.api_server ...".',
 )
 @click.option(
     "--target", type=click.Path(path_type=Path), help="reference engine: HF target model dir."
@@ -120,9 +123,13 @@ def record(
 ) -> None:
     """Run an engine with hstrace's hooks and record a trace."""
     if engine_name is None:
-        engine_name = "sglang" if server_cmd else "reference"
-    if engine_name == "sglang" and not server_cmd:
-        raise click.UsageError("--engine sglang needs --server-cmd")
+        from hstrace.engines.vllm import is_vllm_command
+
+        engine_name = (
+            ("vllm" if is_vllm_command(server_cmd) else "sglang") if server_cmd else "reference"
+        )
+    if engine_name in ("sglang", "vllm") and not server_cmd:
+        raise click.UsageError(f"--engine {engine_name} needs --server-cmd")
     if (prompts_file is None) == (training_dir is None):
         raise click.UsageError(
             "give exactly one of --prompts FILE.jsonl or --prompts-from TRAINING_DIR"

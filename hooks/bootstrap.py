@@ -1,4 +1,8 @@
-"""Entry into every SGLang process: active only when `HSTRACE_RECORD` is set.
+"""Entry into every SGLang / vLLM process: active only when `HSTRACE_RECORD` is set.
+
+vLLM: its `vllm.general_plugins` entry point calls `register_vllm()` in every process; the
+generated `sitecustomize` covers installs where that entry point is not visible. The launcher
+names the engine in the config (`"engine": "vllm"`), so only that engine's hooks install.
 
 Two ways in, one effect (`activate`, idempotent per process):
 - SGLang's plugin entry point (group `sglang.srt.plugins`, 0.5.11+): `register()` runs in the
@@ -46,10 +50,16 @@ def _refuse(cfg: dict[str, Any], message: str) -> None:
     raise SystemExit(2)  # not an Exception: SGLang's plugin loader does not swallow it
 
 
-def activate(via: str) -> bool:
+def activate(via: str, engine: str = "sglang") -> bool:
     cfg = config()
     if cfg is None or _state["active"]:
         return False
+    # The launcher names the engine it started (cfg["engine"], default sglang): a vLLM plugin
+    # call inside an SGLang server (or the reverse) does nothing.
+    if cfg.get("engine", "sglang") != engine:
+        return False
+    if engine == "vllm":
+        return _activate_vllm(cfg, via)
     from hstrace.engines.sglang_versions import check_supported_version
     from hstrace.errors import EngineError
 
@@ -68,6 +78,46 @@ def activate(via: str) -> bool:
     install(version, cfg)
     _state.update(active=True, via=via)
     return True
+
+
+def _activate_vllm(cfg: dict[str, Any], via: str) -> bool:
+    from hstrace.engines.vllm_versions import check_supported_version, installed_version
+    from hstrace.errors import EngineError
+
+    text = installed_version()
+    if text is None:
+        _refuse(
+            cfg, "hstrace record needs vLLM in the server's Python, and it is not installed there"
+        )
+    try:
+        version = check_supported_version(text)  # type: ignore[arg-type]
+    except EngineError as exc:
+        _refuse(cfg, str(exc))
+        return False
+    from hstrace.hooks.vllm_patches import install
+
+    install(version, cfg)
+    _state.update(active=True, via=via)
+    return True
+
+
+def register_vllm() -> None:
+    """vLLM plugin entry point (group `vllm.general_plugins`): vLLM calls it in every process
+    (API server, engine core, workers) before the model is built."""
+    activate("plugin", engine="vllm")
+
+
+def _vllm_plugin_will_run() -> bool:
+    from importlib.metadata import entry_points
+
+    from hstrace.engines.vllm_versions import PLUGIN_GROUP, installed_version
+
+    if installed_version() is None:
+        return False
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and "hstrace" not in {x.strip() for x in allowed.split(",")}:
+        return False
+    return any(ep.name == "hstrace" for ep in entry_points(group=PLUGIN_GROUP))
 
 
 def _sglang_cpu_shim() -> None:
@@ -101,7 +151,12 @@ def _plugin_will_run() -> bool:
 
 def activate_from_site() -> None:
     _sglang_cpu_shim()  # before anything imports SGLang (torchvision stand-in)
-    if config() is None:
+    cfg = config()
+    if cfg is None:
+        return
+    if cfg.get("engine", "sglang") == "vllm":
+        if not _vllm_plugin_will_run():
+            activate("sitecustomize", engine="vllm")
         return
     if _plugin_will_run():
         return

@@ -25,6 +25,7 @@ DEFAULT_STREAMS: frozenset[str] = frozenset(STREAMS) - {"logits"}
 # name -> "module:Class"; loaded lazily so the core imports without SGLang or transformers.
 ENGINE_NAMES: dict[str, str] = {
     "sglang": "hstrace.engines.sglang:SGLangEngine",
+    "vllm": "hstrace.engines.vllm:VLLMEngine",
     "reference": "hstrace.engines.reference:ReferenceEngine",
 }
 

@@ -1,0 +1,429 @@
+"""The wrappers hstrace puts around vLLM functions inside its processes (V1 model runner).
+
+Patch points come from `hstrace.engines.vllm_versions` (chosen by the installed version); row
+building is pure (`hstrace.engines.vllm_taps`, `hstrace.engines.vllm_audit`); the recorder,
+status protocol and patching machinery are shared with SGLang (`hstrace.engines.hooks_common`).
+This module only wires. A tap that raises is disabled, recorded with `note_error`, and vLLM
+returns its own result. All wrappers sit at Python function boundaries outside the compiled
+region (the drafter's outer `Eagle3LlamaForCausalLM`, not its compiled `LlamaModel`).
+
+One vLLM step = one `GPUModelRunner.propose_draft_token_ids` call: the wrapper opens a
+`Step`, the proposer/drafter wrappers fill it while the original runs, and the rows are
+written when it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hstrace.engines import vllm_audit as audit
+from hstrace.engines import vllm_taps as taps
+from hstrace.engines.hooks_common import Recorder, Version, install_points
+from hstrace.engines.vllm_versions import patch_points_for
+
+
+class VLLMRecorder(Recorder):
+    def __init__(self, cfg: dict[str, Any], version: Version) -> None:
+        super().__init__(cfg, version)
+        self.seen_rids: set[str] = set()
+        # vLLM's aux ids, sorted (= HF hidden_states indices): the `aux_hidden` layer_ids.
+        self.capture_layers: list[int] | None = None
+        self.current: taps.Step | None = None  # the step being collected
+        self.collecting = False  # inside the proposer: drafter calls belong to the step
+
+
+REC: VLLMRecorder | None = None
+
+
+def _bind(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    return inspect.signature(original).bind(*args, **kwargs).arguments
+
+
+def _tolist(x: Any) -> list:
+    return x.tolist() if hasattr(x, "tolist") else list(x)
+
+
+# ---- per step -------------------------------------------------------------------------------
+
+
+def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step:
+    batch = runner.input_batch
+    req_ids = [str(r) for r in list(batch.req_ids)[: batch.num_reqs]]
+    meta = a.get("spec_decode_metadata")
+    ndraft = [int(n) for n in meta.num_draft_tokens] if meta is not None else [0] * len(req_ids)
+    new = []
+    for nr in getattr(a["scheduler_output"], "scheduled_new_reqs", None) or []:
+        rid = str(nr.req_id)
+        if rid in rec.seen_rids:
+            continue
+        rec.seen_rids.add(rid)
+        new.append(
+            taps.NewRequest(rid, list(nr.prompt_token_ids or []), int(nr.num_computed_tokens))
+        )
+    sampled = a.get("sampled_token_ids")
+    return taps.Step(
+        req_ids=req_ids,
+        num_draft_tokens=ndraft,
+        new_requests=new,
+        draft_token_ids=meta.draft_token_ids.detach().cpu() if meta is not None else None,
+        sampled=[_tolist(r) for r in _tolist(sampled)] if sampled is not None else None,
+    )
+
+
+def _emit_step(rec: VLLMRecorder, step: taps.Step) -> None:
+    """Each table group is its own tap: one that fails is disabled, the others go on."""
+    new = taps.requests_rows(step.new_requests)
+    if new is not None:
+        rec.run_tap("requests", lambda: rec.emit([new]))
+    if step.target_ids is None or step.query_start is None:
+        return  # the proposer did not run (e.g. inputs too long for the drafter)
+    qs = step.query_start
+    lens = [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
+    rec.run_tap("target", lambda: rec.emit(taps.target_rows(step, rec.capture_layers)))
+    verifying = [i for i, n in enumerate(step.num_draft_tokens) if n > 0]
+    if verifying:
+        rec.run_tap("verify", lambda: rec.emit([taps.verify_rows(step, verifying)]))
+    rec.run_tap("draft", lambda: rec.emit(taps.draft_rows(step, lens)))
+
+
+def wrap_propose_draft_token_ids(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def propose_draft_token_ids(self, *args, **kwargs):
+        rec = REC
+        if rec is None or "step" in rec.disabled:
+            return original(self, *args, **kwargs)
+        rec.current = rec.run_tap(
+            "step", lambda: _begin_step(rec, self, _bind(original, (self, *args), kwargs))
+        )
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            step, rec.current, rec.collecting = rec.current, None, False
+        if step is not None:
+            _emit_step(rec, step)
+        return result
+
+    return propose_draft_token_ids
+
+
+def _fill_from_proposer(step: taps.Step, a: dict[str, Any]) -> None:
+    n = int(a["target_token_ids"].shape[0])
+    cad = a["common_attn_metadata"]
+    qs = [int(x) for x in _tolist(cad.query_start_loc_cpu)]
+    tis = a.get("token_indices_to_sample")
+    step.target_ids = a["target_token_ids"][:n].detach().clone()  # views of runner buffers
+    step.target_positions = a["target_positions"][..., :n].detach().clone()
+    step.target_aux = a["target_hidden_states"]  # a fresh torch.cat: not reused by vLLM
+    step.query_start = qs
+    step.sample_rows = (
+        [int(x) for x in _tolist(tis)] if tis is not None else [q - 1 for q in qs[1:]]
+    )
+
+
+def wrap_propose(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def propose(self, *args, **kwargs):
+        rec = REC
+        step = rec.current if rec is not None else None
+        if step is None or getattr(self, "method", None) != "eagle3":
+            return original(self, *args, **kwargs)
+        rec.run_tap(
+            "step", lambda: _fill_from_proposer(step, _bind(original, (self, *args), kwargs))
+        )
+        rec.collecting = "step" not in rec.disabled
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rec.collecting = False
+
+    return propose
+
+
+def wrap_drafter_forward(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def forward(self, input_ids, positions, hidden_states, *args, **kwargs):
+        rec = REC
+        if rec is not None and rec.collecting and rec.current is not None:
+            step = rec.current
+
+            def tap():
+                first = not step.calls  # the first pass gets fc(aux): recorded from propose
+                step.calls.append(
+                    taps.DraftCall(
+                        input_ids=input_ids.detach().clone(),
+                        positions=positions.detach().clone(),
+                        # later passes read the proposer's reused buffer: copy it now
+                        hidden_in=None if first else hidden_states.detach().clone(),
+                    )
+                )
+
+            rec.run_tap("draft", tap)
+        return original(self, input_ids, positions, hidden_states, *args, **kwargs)
+
+    return forward
+
+
+def wrap_compute_logits(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def compute_logits(self, hidden_states, *args, **kwargs):
+        logits = original(self, hidden_states, *args, **kwargs)
+        rec = REC
+        if rec is not None and rec.collecting and rec.current is not None:
+            step = rec.current
+
+            def tap():
+                if step.calls and step.calls[-1].topk is None:
+                    step.calls[-1].topk = taps.draft_topk(
+                        logits.detach(), getattr(self, "draft_id_to_target_id", None)
+                    )
+
+            rec.run_tap("draft", tap)
+        return logits
+
+    return compute_logits
+
+
+# ---- static audit ---------------------------------------------------------------------------
+
+
+def wrap_load_weights(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_weights(self, weights):
+        rec = REC
+        if rec is None or "load_weights" in rec.disabled:
+            return original(self, weights)
+        params = dict(self.named_parameters())
+        wa = audit.weights_audit(list(params))
+        name_of = {id(p): n for n, p in params.items()}
+        key_of: dict[int, str] = {}
+        held: list[Any] = []  # keeps the checkpoint tensors alive so their ids stay unique
+        saved: list[tuple[Any, Any]] = []
+
+        def watched(param: Any, loader: Callable) -> Callable:
+            @functools.wraps(loader)
+            def call(*a, **k):
+                wa.loaded_parameters.add(name_of[id(param)])
+                key = key_of.get(id(a[1])) if len(a) > 1 else None
+                if key is not None:
+                    wa.consumed_by.setdefault(key, []).append(name_of[id(param)])
+                return loader(*a, **k)
+
+            return call
+
+        def watch_all() -> None:
+            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+            for param in params.values():
+                saved.append((param, param.__dict__.get("weight_loader")))
+                param.weight_loader = watched(
+                    param, getattr(param, "weight_loader", default_weight_loader)
+                )
+
+        rec.run_tap("load_weights", watch_all)
+
+        def tapped():
+            for key, tensor in weights:
+                try:
+                    wa.checkpoint_keys[key] = {
+                        "shape": list(tensor.shape),
+                        "dtype": str(tensor.dtype).removeprefix("torch."),
+                    }
+                    key_of[id(tensor)] = key
+                    held.append(tensor)
+                    if "t2d" in key:
+                        wa.special_keys[key] = "skipped by vLLM (t2d is not used)"
+                    elif "d2t" in key:
+                        wa.special_keys[key] = "draft_id_to_target_id (read as offsets)"
+                except Exception:
+                    pass
+                yield key, tensor
+
+        try:
+            result = original(self, tapped())
+        finally:
+            for param, loader in saved:
+                if loader is None:
+                    param.__dict__.pop("weight_loader", None)
+                else:
+                    param.weight_loader = loader
+        # d2t is loaded through its own loader too; it counts as consumed, not special
+        for key in [k for k, v in wa.special_keys.items() if "d2t" in k and wa.consumed_by.get(k)]:
+            wa.special_keys.pop(key)
+        held.clear()
+        rec.run_tap(
+            "load_weights",
+            lambda: rec.static(
+                {
+                    "weights": wa.to_static(),
+                    "findings_load": [f.to_json() for f in audit.weights_findings(wa)],
+                }
+            ),
+        )
+        return result
+
+    return load_weights
+
+
+def wrap_setup_aux(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def _setup_eagle3_aux_hidden_state_outputs(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        rec = REC
+        if rec is not None and getattr(self, "use_aux_hidden_state_outputs", False):
+
+            def tap():
+                hf = self.speculative_config.draft_model_config.hf_config
+                n_layers = int(self.model_config.get_total_num_hidden_layers())
+                source = audit.aux_layer_source(hf.to_dict(), n_layers)
+                model = self.get_model()
+                holder = getattr(model, "model", model)
+                live = getattr(holder, "aux_hidden_state_layers", None)
+                layers = list(live) if live else list(source["sorted_ids"] or [])
+                rec.capture_layers = sorted(set(layers))
+                rec.static(
+                    {
+                        "capture": {
+                            **audit.capture_record(layers, source),
+                            "target_class": type(model).__name__,
+                        },
+                        "aux_layers": source,
+                        "aux_layer_ids": source["read_by_vllm"],
+                        "runner": {
+                            "class": type(self).__name__,
+                            "model_runner": "v1",
+                            "bases": [c.__name__ for c in type(self).__mro__[1:3]],
+                        },
+                    }
+                )
+
+            rec.run_tap("aux_layers", tap)
+        return result
+
+    return _setup_eagle3_aux_hidden_state_outputs
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+
+
+def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
+    import torch
+
+    from hstrace.engines.sglang_audit import hash_checkpoint_files
+
+    vc = proposer.vllm_config
+    spec = vc.speculative_config
+    dmc = spec.draft_model_config
+    drafter_path = Path(str(dmc.model))
+    on_disk = _read_json(drafter_path) if drafter_path.is_dir() else {}
+    hf = dmc.hf_config
+    served = hf.to_dict()
+    model = proposer.model
+    fmt = audit.config_format(on_disk)
+    d2t = getattr(model, "draft_id_to_target_id", None)
+    draft_vocab = int(getattr(hf, "draft_vocab_size", None) or hf.vocab_size)
+    target_vocab = int(vc.model_config.get_vocab_size())
+    inner = getattr(target_model, "model", target_model)
+    target_embed = getattr(inner, "embed_tokens", None)
+    eff = int(spec.num_speculative_tokens)
+    settings = audit.spec_settings(None, eff)
+    settings["configured_in_checkpoint"] = audit.configured_speculative_tokens(on_disk)
+    settings["method"] = spec.method
+    mc = vc.model_config
+    return {
+        "drafter": {
+            "path": str(dmc.model),
+            "dialect": "speculators" if fmt == "speculators" else "specforge",
+            "config_format": fmt,
+            "architecture": (served.get("architectures") or [None])[0],
+        },
+        "target": {
+            "path": str(mc.model),
+            "num_layers": int(mc.get_total_num_hidden_layers()),
+            "hidden_size": int(mc.get_hidden_size()),
+            "vocab_size": target_vocab,
+            "dtype": str(mc.dtype).removeprefix("torch."),
+        },
+        "draft_config": on_disk or served,
+        "draft_config_served": {
+            k: served.get(k)
+            for k in (
+                "architectures",
+                "draft_vocab_size",
+                "target_hidden_size",
+                "eagle_aux_hidden_state_layer_ids",
+                "eagle_config",
+                *audit.NORM_FLAGS,
+            )
+        },
+        "draft_class": type(model).__name__,
+        "norm_flags": audit.norm_flags(on_disk, served),
+        "d2t": audit.d2t_summary(
+            None if d2t is None else d2t.detach().cpu().tolist(), draft_vocab, target_vocab
+        ),
+        "embed_head": {
+            "has_own_embed_tokens": bool(getattr(model, "has_own_embed_tokens", False)),
+            "embed_shared_with_target": target_embed is not None
+            and getattr(model.model, "embed_tokens", None) is target_embed,
+            "has_own_lm_head": bool(getattr(model, "has_own_lm_head", False)),
+            "lm_head_shared_with_target": getattr(model, "lm_head", None) is not None
+            and getattr(model, "lm_head", None) is getattr(target_model, "lm_head", None),
+        },
+        "spec": settings,
+        "acceptance": audit.acceptance_setting(
+            getattr(spec, "rejection_sample_method", None),
+            getattr(spec, "synthetic_acceptance_rates", None),
+            getattr(spec, "synthetic_acceptance_length", None),
+        ),
+        "serving": {
+            "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+            "chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
+            "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
+            "padded_drafter_batch": not bool(getattr(spec, "disable_padded_drafter_batch", False)),
+            "enforce_eager": bool(mc.enforce_eager),
+            "compilation_mode": str(vc.compilation_config.mode),
+            "device": str(proposer.device),
+            "torch": torch.__version__,
+        },
+        "engine_version": ".".join(map(str, REC.version)) if REC is not None else None,
+        "checkpoint_sha256": hash_checkpoint_files(drafter_path) if drafter_path.is_dir() else {},
+    }
+
+
+def wrap_proposer_load_model(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def load_model(self, target_model, *args, **kwargs):
+        result = original(self, target_model, *args, **kwargs)
+        rec = REC
+        if rec is not None and getattr(self, "method", None) == "eagle3":
+            rec.run_tap("proposer", lambda: rec.static(_proposer_static(self, target_model)))
+        return result
+
+    return load_model
+
+
+WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+    "Eagle3LlamaForCausalLM.load_weights": wrap_load_weights,
+    "GPUModelRunner._setup_eagle3_aux_hidden_state_outputs": wrap_setup_aux,
+    "SpecDecodeBaseProposer.load_model": wrap_proposer_load_model,
+    "GPUModelRunner.propose_draft_token_ids": wrap_propose_draft_token_ids,
+    "SpecDecodeBaseProposer.propose": wrap_propose,
+    "Eagle3LlamaForCausalLM.forward": wrap_drafter_forward,
+    "Eagle3LlamaForCausalLM.compute_logits": wrap_compute_logits,
+}
+
+
+def install(version: Version, cfg: dict[str, Any]) -> VLLMRecorder:
+    global REC
+    REC = VLLMRecorder(cfg, version)
+    install_points(patch_points_for(version), WRAPPERS, REC)
+    return REC

@@ -1,0 +1,289 @@
+"""What every engine's hooks share: the per-process recorder, the status protocol with the
+launcher, the row type the taps produce, and the patch-point machinery (signature-checked
+wrapping at import time).
+
+Used inside serving processes (SGLang schedulers, vLLM engine core / workers); imports no engine.
+The engine-specific parts are the patch tables (`*_versions.py`), the pure row builders
+(`*_taps.py`, `*_audit.py`) and the wrappers (`hstrace.hooks.*_patches`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hstrace.errors import EngineError
+
+Version = tuple[int, int, int]
+# What the launcher sends a recording process to close its trace (`Recorder._close_on_signal`).
+CLOSE_SIGNAL = __import__("signal").SIGUSR1
+
+
+def parse_version(text: str, engine: str = "engine") -> Version:
+    match = re.match(r"^\s*(\d+)\.(\d+)\.(\d+)", text)
+    if not match:
+        raise EngineError(f"cannot read {engine} version {text!r}")
+    return int(match[1]), int(match[2]), int(match[3])
+
+
+@dataclass(frozen=True)
+class PatchPoint:
+    """One function hstrace wraps: `module:Qual.name`, the parameter names it binds by, the
+    versions in which they look like that, and what it feeds."""
+
+    target: str
+    params: tuple[str, ...]
+    since: Version
+    until: Version  # inclusive
+    feeds: tuple[str, ...]
+
+    def applies_to(self, version: Version) -> bool:
+        return self.since <= version <= self.until
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.split(":")[1]
+
+
+def choose_points(table: tuple[PatchPoint, ...], version: Version) -> tuple[PatchPoint, ...]:
+    chosen = tuple(p for p in table if p.applies_to(version))
+    targets = [p.target for p in chosen]
+    duplicated = {t for t in targets if targets.count(t) > 1}
+    if duplicated:  # a table bug, not bad input
+        raise AssertionError(f"patch table has overlapping rows for {sorted(duplicated)}")
+    return chosen
+
+
+@dataclass
+class TableWrite:
+    """Rows of one trace table for one event, axis by axis (what `TraceWriter.write` takes)."""
+
+    table: str
+    step: dict[str, Any] = field(default_factory=dict)
+    req: dict[str, Any] = field(default_factory=dict)
+    tok: dict[str, Any] = field(default_factory=dict)
+    other: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # extra axes: proposed, accepted, rid
+    column_attrs: dict[str, dict[str, Any]] | None = None
+
+
+# ---- the status protocol: the launcher's side channel (one JSON object a line) --------------
+
+
+def write_status(cfg: Mapping[str, Any], entry: dict[str, Any]) -> None:
+    status = cfg.get("status")
+    if not status:
+        return
+    with open(status, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"pid": os.getpid(), **entry}, default=str) + "\n")
+
+
+def refuse(cfg: Mapping[str, Any], message: str) -> None:
+    """Stop the server before it takes traffic: a clear line, and a status entry the launcher
+    reads. SystemExit, not an Exception: engines' plugin loaders swallow Exceptions."""
+    write_status(cfg, {"refused": message})
+    print(f"hstrace: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+# ---- the per-process recorder ---------------------------------------------------------------
+
+
+class Recorder:
+    """Per-process state: the config, the lazily opened writer (only processes that record a
+    row or an audit item open one), disabled taps."""
+
+    def __init__(self, cfg: dict[str, Any], version: Version) -> None:
+        self.cfg = cfg
+        self.version = version
+        self.streams = set(cfg.get("streams", ()))
+        self.disabled: set[str] = set()
+        self.lock = threading.Lock()
+        self._writer: Any = None
+        self.closed = False  # the launcher asked this process to close its trace
+        self.writer_factory: Callable[[int], Any] | None = None  # tests may inject the real writer
+
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def writer(self) -> Any:
+        with self.lock:
+            if self._writer is None:
+                if self.writer_factory is not None:
+                    self._writer = self.writer_factory(self.rank())
+                else:
+                    from hstrace.trace import TraceWriter
+
+                    self._writer = TraceWriter(
+                        self.cfg["out"], rank=self.rank(), on_full=self.cfg.get("on_full", "block")
+                    )
+                    import atexit
+                    import multiprocessing.util
+
+                    atexit.register(self.close)
+                    # engine workers started by multiprocessing end with os._exit, which skips
+                    # atexit; its own exit finalizers still run (before daemonic children die)
+                    multiprocessing.util.Finalize(self, self.close, exitpriority=100)
+                    self._close_on_signal()
+            return self._writer
+
+    def _close_on_signal(self) -> None:
+        """Let the launcher close this process's trace before it stops the server: engines
+        kill their workers' process trees at shutdown (vLLM: SIGKILL, writer included), so
+        the last tail-flush period would be lost. The launcher sends CLOSE_SIGNAL only to
+        pids that announced the handler in the status file (the default action would kill)."""
+        import signal
+
+        def handler(signum, frame):
+            # never close inside the handler: it may interrupt a write holding the writer lock
+            threading.Thread(target=self.close, name="hstrace-close", daemon=True).start()
+
+        try:
+            signal.signal(CLOSE_SIGNAL, handler)
+        except (ValueError, OSError):  # not the main thread: no close on request here
+            return
+        write_status(self.cfg, {"close_on": int(CLOSE_SIGNAL), "rank": self.rank()})
+
+    def close(self) -> None:
+        self.closed = True
+        if self._writer is not None:
+            self._writer.close()  # idempotent: a second call (atexit after Finalize) is a no-op
+
+    def static(self, items: dict[str, Any]) -> None:
+        if self.closed:
+            return
+        w = self.writer()
+        w.update_static(items)
+        w.flush()  # the audit must be on disk even if the server dies right after loading
+
+    def main_process_static(self, items: dict[str, Any]) -> None:
+        """Static facts found in a process without a trace writer (the engine's front end): a
+        status line, merged into the trace's `static` by the launcher when the run ends."""
+        write_status(self.cfg, {"static": items})
+
+    def emit(self, writes: list[TableWrite]) -> None:
+        if self.closed:  # closed on the launcher's request: the run is over
+            return
+        w = self.writer()
+        for tw in writes:
+            if tw.table not in self.streams:
+                continue
+            # only the axes this table has (verify has no `tok`, requests no per-step columns)
+            axes = {"step": tw.step, "req": tw.req, "tok": tw.tok, **tw.other}
+            kwargs: dict[str, Any] = {axis: cols for axis, cols in axes.items() if cols}
+            if tw.column_attrs:
+                kwargs["column_attrs"] = tw.column_attrs
+            w.write(tw.table, **kwargs)
+
+    def run_tap(self, name: str, fn: Callable[[], Any]) -> Any:
+        """Run one tap; an exception disables it (recorded in the trace) and never reaches the
+        engine."""
+        if name in self.disabled:
+            return None
+        try:
+            return fn()
+        except Exception as exc:  # never take serving down: disable and say so in the trace
+            self.disabled.add(name)
+            message = f"{type(exc).__name__}: {exc} | " + traceback.format_exc(limit=3).replace(
+                "\n", " "
+            )
+            try:
+                self.writer().note_error(name, message)
+                self.writer().flush()
+            except Exception:
+                print(f"hstrace: tap {name} disabled: {message}", file=sys.stderr)
+            return None
+
+
+# ---- installing wrappers: now, or right after the module is imported ------------------------
+
+Wrappers = Mapping[str, Callable[[Callable], Callable]]
+
+
+def apply_point(point: PatchPoint, module: Any, wrappers: Wrappers, rec: Recorder | None) -> None:
+    """Patch one point; a failure to patch is recorded and never reaches the engine's import."""
+    try:
+        _apply(point, module, wrappers, rec)
+    except Exception as exc:  # never take serving down: an unpatched point records nothing
+        message = f"cannot patch {point.qualname}: {type(exc).__name__}: {exc}"
+        if rec is not None:
+            rec.run_tap(f"patch:{point.target}", lambda: rec.static({"patch_error": message}))
+        print(f"hstrace: {message}", file=sys.stderr, flush=True)
+
+
+def _apply(point: PatchPoint, module: Any, wrappers: Wrappers, rec: Recorder | None) -> None:
+    cls_name, attr = point.qualname.split(".")
+    cls = getattr(module, cls_name)
+    original = cls.__dict__[attr]
+    if getattr(original, "__hstrace_wrapped__", False):
+        return
+    params = tuple(inspect.signature(original).parameters)
+    if params[: len(point.params)] != point.params:
+        if rec is not None:  # signature drift inside a supported range: record it, do not patch
+            mismatch = {point.target: {"expected": list(point.params), "found": list(params)}}
+            rec.run_tap(f"patch:{point.target}", lambda: rec.static({"patch_mismatch": mismatch}))
+        return
+    wrapped = wrappers[point.qualname](original)
+    wrapped.__hstrace_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(cls, attr, wrapped)
+
+
+class PostImport(importlib.abc.MetaPathFinder):
+    """Patches a module right after it executes (hooks installed before the engine imports it)."""
+
+    def __init__(
+        self, pending: dict[str, list[PatchPoint]], wrappers: Wrappers, rec: Recorder | None
+    ) -> None:
+        self.pending, self.wrappers, self.rec = pending, wrappers, rec
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.pending:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+        points = self.pending.pop(fullname)
+        wrappers, rec = self.wrappers, self.rec
+
+        def exec_and_patch(module):
+            exec_module(module)
+            for p in points:
+                apply_point(p, module, wrappers, rec)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def install_points(points: tuple[PatchPoint, ...], wrappers: Wrappers, rec: Recorder) -> None:
+    pending: dict[str, list[PatchPoint]] = {}
+    for point in points:
+        if point.module in sys.modules:
+            apply_point(point, sys.modules[point.module], wrappers, rec)
+        else:
+            pending.setdefault(point.module, []).append(point)
+    if pending:
+        sys.meta_path.insert(0, PostImport(pending, wrappers, rec))

@@ -1,0 +1,194 @@
+"""The static audit of a vLLM EAGLE-3 deployment, as pure functions over plain data.
+
+The hooks (hstrace.hooks.vllm_patches) gather the raw facts inside the worker process; the
+functions here turn them into the trace's `static` record. Nothing here imports vLLM. The
+weights audit type is shared with SGLang (`sglang_audit.WeightsAudit`): what differs between
+engines is which parameters are expected to come from the target, not the bookkeeping.
+
+vLLM's conventions (0.32.0, V1 runner; shared/reference/vllm-internals.md §2):
+- aux layer id k = the input of decoder layer k = HF `hidden_states[k]` (no +1; SGLang adds 1);
+- ids come from the draft config's top-level `eagle_aux_hidden_state_layer_ids`, else
+  `eagle_config["eagle_aux_hidden_state_layer_ids"]`, else the default `(2, N//2, N-3)`;
+  they are sorted and de-duplicated, so slots follow layer order, not the config's order;
+- a speculators-format config without `norm_before_residual` is served with True
+  (`update_eagle3`); a SpecForge-format one is read as False (`getattr(..., False)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hstrace.engines.sglang_audit import WeightsAudit
+from hstrace.findings import Finding
+
+CAPTURE_CONVENTION = "before_layer: id k = input of decoder layer k = HF hidden_states[k]"
+# Parameters vLLM fills from the target, not from the drafter checkpoint, when it shares them.
+SHARED_WHEN_ABSENT = ("model.embed_tokens.weight",)
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+# What vLLM reads when a flag is absent, per config format (update_eagle3 / model getattr).
+VLLM_DEFAULTS: dict[str, dict[str, bool]] = {
+    "speculators": {
+        "norm_before_residual": True,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+    },
+    "flat": {
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+    },
+}
+
+
+def weights_audit(parameters: Sequence[str]) -> WeightsAudit:
+    return WeightsAudit(parameters=list(parameters), expected_unloaded=SHARED_WHEN_ABSENT)
+
+
+def config_format(on_disk: Mapping[str, Any]) -> str:
+    """`speculators` (vLLM converts it with update_eagle3) or `flat` (SpecForge / EAGLE)."""
+    return (
+        "speculators"
+        if "speculators_config" in on_disk or "speculators_model_type" in on_disk
+        else "flat"
+    )
+
+
+def aux_layer_source(hf_config: Mapping[str, Any], num_target_layers: int | None) -> dict[str, Any]:
+    """Where vLLM reads the aux layer ids (the served draft config, after format conversion),
+    mirroring `GPUModelRunner._get_eagle3_aux_layers_from_config`."""
+    top = hf_config.get("eagle_aux_hidden_state_layer_ids")
+    eagle_config = hf_config.get("eagle_config")
+    nested = (
+        eagle_config.get("eagle_aux_hidden_state_layer_ids")
+        if isinstance(eagle_config, Mapping)
+        else None
+    )
+    if top:
+        source, read = "top-level eagle_aux_hidden_state_layer_ids", list(top)
+    elif nested:
+        source, read = "eagle_config.eagle_aux_hidden_state_layer_ids", list(nested)
+    else:
+        source, read = "default (2, N//2, N-3)", None
+    default = [2, num_target_layers // 2, num_target_layers - 3] if num_target_layers else None
+    effective = read if read is not None else default
+    return {
+        "configured": read,
+        "source": source,
+        "read_by_vllm": effective,
+        "default_ids": default,
+        "sorted_ids": sorted(set(effective)) if effective else None,
+        "sorted_differs_from_config": bool(effective) and list(effective) != sorted(set(effective)),
+        "capture_convention": CAPTURE_CONVENTION,
+        # what the same physical layers would be written as for SGLang (it adds 1)
+        "sglang_equivalent_ids": [k - 1 for k in sorted(set(effective))] if effective else None,
+    }
+
+
+def norm_flags(on_disk: Mapping[str, Any], served: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each norm flag as vLLM serves it, and where that value came from."""
+    fmt = config_format(on_disk)
+    nested = on_disk.get("eagle_config") if isinstance(on_disk.get("eagle_config"), Mapping) else {}
+    out: dict[str, dict[str, Any]] = {}
+    for flag in NORM_FLAGS:
+        if flag in on_disk:
+            source = f"config:{flag}"
+        elif flag in (nested or {}):
+            source = f"config:eagle_config.{flag}"
+        else:
+            reader = "update_eagle3" if fmt == "speculators" else "model default"
+            source = f"default:vllm ({reader}, absent from config.json)"
+        value = served.get(flag, VLLM_DEFAULTS[fmt][flag])
+        out[flag] = {"value": bool(value), "source": source}
+    return out
+
+
+def d2t_summary(d2t: Sequence[int] | None, draft_vocab: int, target_vocab: int) -> dict[str, Any]:
+    """vLLM reads d2t as offsets: target id = i + d2t[i] (`compute_logits`)."""
+    if d2t is None:
+        return {"present": False, "draft_vocab": draft_vocab, "target_vocab": target_vocab}
+    values = list(d2t)
+    mapped = [i + v for i, v in enumerate(values)]
+    return {
+        "present": True,
+        "read_as": "offsets (target = i + d2t[i])",
+        "size": len(values),
+        "head": values[:16],
+        "mapped_head": mapped[:16],
+        "is_zero": not any(values),
+        "mapped_in_range": all(0 <= t < target_vocab for t in mapped),
+        "mapped_distinct": len(set(mapped)) == len(mapped),
+        "draft_vocab": draft_vocab,
+        "target_vocab": target_vocab,
+    }
+
+
+def spec_settings(configured: int | None, effective: int) -> dict[str, Any]:
+    """The contract's `spec` shape: num_steps = drafter forwards per step, topk 1 (vLLM EAGLE-3
+    drafts a chain), num_draft_tokens = K + 1 (the verify width, bonus slot included, as
+    SGLang counts it)."""
+    eff = {"num_steps": effective, "topk": 1, "num_draft_tokens": effective + 1}
+    raw = dict(eff)
+    if configured is not None:
+        raw = {"num_steps": configured, "topk": 1, "num_draft_tokens": configured + 1}
+    adjusted = {n: {"user": raw[n], "effective": eff[n]} for n in eff if raw[n] != eff[n]}
+    return {**eff, "raw": raw, "effective": eff, "adjusted": adjusted}
+
+
+def acceptance_setting(
+    method: str | None, rates: Sequence[float] | None, length: float | None
+) -> dict[str, Any]:
+    """`rejection_sample_method: synthetic` accepts drafts at a set rate whatever the drafter
+    proposes: every acceptance number of such a run is simulated."""
+    return {
+        "rejection_sample_method": method or "standard",
+        "simulated": method == "synthetic",
+        "synthetic_acceptance_rates": list(rates) if rates is not None else None,
+        "synthetic_acceptance_length": length,
+    }
+
+
+def configured_speculative_tokens(on_disk: Mapping[str, Any]) -> int | None:
+    """What a speculators config asks for (`proposal_methods[0].speculative_tokens`)."""
+    methods = (on_disk.get("speculators_config") or {}).get("proposal_methods") or []
+    if methods and isinstance(methods[0], Mapping):
+        value = methods[0].get("speculative_tokens")
+        return int(value) if isinstance(value, int) else None
+    return None
+
+
+def capture_record(layer_ids: Sequence[int], source: Mapping[str, Any]) -> dict[str, Any]:
+    """The contract's `capture` item: `layers_to_capture` as HF hidden_states indices."""
+    ids = sorted(set(int(i) for i in layer_ids))
+    return {
+        "layers_to_capture": ids,
+        "capture_order": ids,
+        "num_captures": len(ids),
+        "layer_ids_source": source.get("source"),
+        "capture_convention": CAPTURE_CONVENTION,
+    }
+
+
+def weights_findings(wa: WeightsAudit) -> list[Finding]:
+    dropped, unloaded = wa.dropped_keys(), wa.unloaded_parameters()
+    if not dropped and not unloaded:
+        return []
+    return [
+        Finding(
+            "weights-dropped",
+            f"vLLM dropped {len(dropped)} checkpoint keys; {len(unloaded)} drafter parameters "
+            "were never loaded",
+            evidence={
+                "dropped_keys": dropped[:50],
+                "unloaded_parameters": unloaded[:50],
+                "dropped_prefixes": sorted({k.split(".")[0] for k in dropped}),
+            },
+            fix=(
+                "rename the checkpoint keys to what vLLM's Eagle3LlamaForCausalLM.load_weights "
+                "maps (speculators layers.0.*, SpecForge midlayer.*, fc.*, norm.*, lm_head.*, "
+                "d2t); it prefixes every other key with model. and skips what matches nothing"
+            ),
+        )
+    ]

@@ -1,0 +1,282 @@
+"""Per-step taps: what vLLM's V1 runner and EAGLE-3 proposer hand over -> trace rows (pure).
+
+One vLLM step is one `GPUModelRunner.propose_draft_token_ids` call. The hooks collect, inside
+it, the proposer's inputs (`SpecDecodeBaseProposer.propose`: the target's token ids, positions
+and aux concat before `fc`, the next tokens, the rows it samples) and every drafter forward /
+logits call; `step_rows` turns one such step into rows of the five tables. vLLM batches
+prefill chunks and verifies together: a step's requests with scheduled drafts are a target
+verify (mode 1), the others a prefill/extend chunk (mode 0), written as two `target` events.
+Nothing here imports vLLM: the inputs are tensors and plain lists (duck-typed in tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hstrace.engines.hooks_common import TableWrite
+
+TOPK = 8  # draft top-k recorded per sampled row (vLLM computes the full draft logits anyway)
+PLACEHOLDER = -1  # vLLM's rejected / padding slot in sampled_token_ids
+
+
+@dataclass
+class NewRequest:
+    rid: str
+    prompt_ids: list[int]
+    n_cached: int  # prompt tokens served from the prefix cache (scheduled num_computed_tokens)
+
+
+@dataclass
+class DraftCall:
+    """One drafter forward of a proposal, and the top-k of the logits it led to."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    hidden_in: torch.Tensor | None
+    topk: dict[str, torch.Tensor] | None = None
+
+
+@dataclass
+class Step:
+    """Everything one `propose_draft_token_ids` call saw (filled by the wrappers)."""
+
+    req_ids: list[str]
+    num_draft_tokens: list[int]  # per request, drafts verified in this step (0: prefill chunk)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    draft_token_ids: torch.Tensor | None = None  # [sum(num_draft_tokens)] the verified drafts
+    sampled: list[list[int]] | None = None  # per request, the runner's sampled row (-1 = none)
+    # from the proposer
+    target_ids: torch.Tensor | None = None
+    target_positions: torch.Tensor | None = None
+    target_aux: torch.Tensor | None = None  # [T, K*H], before fc
+    query_start: list[int] | None = None  # [B+1] row offsets per request
+    sample_rows: list[int] | None = None  # row of each request the first pass samples from
+    calls: list[DraftCall] = field(default_factory=list)
+
+
+def _keys(rids: list[str]) -> torch.Tensor:
+    from hstrace.trace import request_key  # the store's stable 63-bit hash of a request id
+
+    return torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
+
+
+def draft_topk(
+    logits_full: torch.Tensor, d2t: torch.Tensor | None, k: int = TOPK
+) -> dict[str, torch.Tensor]:
+    """Top-k of vLLM's draft logits. `compute_logits` returns them in the target vocabulary
+    (draft id i scattered to i + d2t[i], -inf elsewhere); read back the draft-space logits so
+    both id spaces and the log-probs over the draft vocabulary are exact."""
+    logits_full = logits_full.float()
+    if d2t is not None:
+        targets = torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
+        draft = logits_full[:, targets.to(logits_full.device)]
+    else:
+        targets, draft = None, logits_full
+    k = min(k, draft.shape[-1])
+    lse = torch.logsumexp(draft, dim=-1)
+    values, idx = draft.topk(k, dim=-1)
+    mapped = targets.to(idx.device)[idx] if targets is not None else idx
+    return {
+        "topk_draft_ids": idx.to(torch.int64),
+        "topk_target_ids": mapped.to(torch.int64),
+        "topk_logprobs": values - lse[:, None],
+        "lse": lse,
+    }
+
+
+def _expand_topk(
+    topk: dict[str, torch.Tensor] | None, n_rows: int, rows: list[int], k: int
+) -> dict[str, torch.Tensor]:
+    """Top-k columns for every row of a draft extend: real where vLLM computed logits (the
+    sampled rows), ids -1 / log-prob -inf / lse NaN elsewhere (as SGLang's rows)."""
+    ids = torch.full((n_rows, k), -1, dtype=torch.int64)
+    tids = torch.full((n_rows, k), -1, dtype=torch.int64)
+    lps = torch.full((n_rows, k), float("-inf"), dtype=torch.float32)
+    lse = torch.full((n_rows,), float("nan"), dtype=torch.float32)
+    if topk is not None and rows:
+        at = torch.tensor(rows, dtype=torch.int64)
+        kk = topk["topk_draft_ids"].shape[-1]
+        ids[at, :kk] = topk["topk_draft_ids"].cpu()
+        tids[at, :kk] = topk["topk_target_ids"].cpu()
+        lps[at, :kk] = topk["topk_logprobs"].float().cpu()
+        lse[at] = topk["lse"].float().cpu()
+    return {"topk_draft_ids": ids, "topk_target_ids": tids, "topk_logprobs": lps, "lse": lse}
+
+
+def requests_rows(new: list[NewRequest]) -> TableWrite | None:
+    if not new:
+        return None
+    prompts = [torch.as_tensor(r.prompt_ids, dtype=torch.int64) for r in new]
+    rid_bytes = [torch.frombuffer(bytearray(r.rid.encode()), dtype=torch.uint8) for r in new]
+    return TableWrite(
+        "requests",
+        req={
+            "req_key": _keys([r.rid for r in new]),
+            "n_prompt": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
+            "rid_len": torch.tensor([len(b) for b in rid_bytes], dtype=torch.int64),
+            "n_cached": torch.tensor([r.n_cached for r in new], dtype=torch.int64),
+        },
+        tok={"prompt_ids": torch.cat(prompts)},
+        other={"rid": {"bytes": torch.cat(rid_bytes)}},
+    )
+
+
+def aux_hidden_attrs(layer_ids: list[int], width: int) -> dict[str, Any]:
+    """`target.aux_hidden` attributes: vLLM's id k is HF `hidden_states[k]` (no +1), captures
+    are concatenated in sorted layer order."""
+    slots = sorted(set(layer_ids))
+    return {
+        "layer_ids": slots,
+        "layer_id_convention": "hf_hidden_states_index",
+        "slot_width": width // len(slots) if slots else width,
+    }
+
+
+def _rows_of(step: Step, members: list[int]) -> torch.Tensor:
+    qs = step.query_start
+    assert qs is not None
+    parts = [torch.arange(qs[i], qs[i + 1], dtype=torch.int64) for i in members]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def target_rows(step: Step, capture_layers: list[int] | None) -> list[TableWrite]:
+    """The target forward of one step: prefill/extend chunks (mode 0), then verifies (mode 1),
+    each at its true positions (a prefix-cache hit runs only the suffix)."""
+    qs = step.query_start
+    assert qs is not None and step.target_ids is not None and step.target_positions is not None
+    n_req = len(qs) - 1
+    if n_req != len(step.req_ids):
+        raise ValueError(f"{n_req} request blocks for {len(step.req_ids)} request ids")
+    n_tok = int(step.target_ids.shape[0])
+    if qs[-1] != n_tok:  # only the padded drafter batch keeps every scheduled row
+        raise ValueError(
+            f"proposer got {n_tok} target rows for {qs[-1]} scheduled tokens "
+            "(disable_padded_drafter_batch is not supported)"
+        )
+    lens = [qs[i + 1] - qs[i] for i in range(n_req)]
+    ndraft = step.num_draft_tokens or [0] * n_req
+    aux = step.target_aux
+    assert aux is not None
+    attrs = None
+    if capture_layers:
+        attrs = {"tok/aux_hidden": aux_hidden_attrs(capture_layers, int(aux.shape[-1]))}
+    ids = step.target_ids.to(torch.int64)
+    pos = step.target_positions.to(torch.int64)
+    writes = []
+    for mode in (0, 1):
+        members = [i for i in range(n_req) if (ndraft[i] > 0) == (mode == 1)]
+        if not members:
+            continue
+        rows = _rows_of(step, members).to(ids.device)
+        writes.append(
+            TableWrite(
+                "target",
+                step={"mode": mode},
+                req={
+                    "req_key": _keys([step.req_ids[i] for i in members]),
+                    "n_tok": torch.tensor([lens[i] for i in members], dtype=torch.int64),
+                },
+                tok={
+                    "input_ids": ids[rows],
+                    "positions": pos[rows],
+                    "aux_hidden": aux[rows.to(aux.device)],
+                },
+                column_attrs=attrs,
+            )
+        )
+    return writes
+
+
+def step_rows(step: Step, capture_layers: list[int] | None) -> list[TableWrite]:
+    """All rows of one vLLM step, in engine order: new requests, the target forward, the
+    verify outcome, the draft extend, the draft chain (the hooks write each group as its own
+    tap; this is the same sequence in one call)."""
+    writes: list[TableWrite] = []
+    req = requests_rows(step.new_requests)
+    if req is not None:
+        writes.append(req)
+    if step.target_ids is None or step.query_start is None:
+        return writes
+    qs = step.query_start
+    writes.extend(target_rows(step, capture_layers))
+    verifying = [i for i, n in enumerate(step.num_draft_tokens) if n > 0]
+    if verifying:
+        writes.append(verify_rows(step, verifying))
+    writes.extend(draft_rows(step, [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]))
+    return writes
+
+
+def verify_rows(step: Step, members: list[int]) -> TableWrite:
+    """Accepted drafts per verified request from the runner's sampled rows: valid tokens are
+    the accepted drafts then the bonus (the target's own next token); -1 pads the rest."""
+    assert step.sampled is not None and step.draft_token_ids is not None
+    ndraft = step.num_draft_tokens
+    starts = [0]
+    for n in ndraft:
+        starts.append(starts[-1] + n)
+    drafts = step.draft_token_ids.to(torch.int64).cpu()
+    accept, bonus, proposed, accepted = [], [], [], []
+    for i in members:
+        row = [t for t in step.sampled[i] if t != PLACEHOLDER]
+        if not row:
+            raise ValueError(f"request {step.req_ids[i]} has no sampled token after a verify")
+        accept.append(len(row) - 1)
+        bonus.append(row[-1])
+        proposed.append(drafts[starts[i] : starts[i + 1]])
+        accepted.append(torch.tensor(row[:-1], dtype=torch.int64))
+    return TableWrite(
+        "verify",
+        req={
+            "req_key": _keys([step.req_ids[i] for i in members]),
+            "accept_len": torch.tensor(accept, dtype=torch.int64),
+            "bonus_id": torch.tensor(bonus, dtype=torch.int64),
+            "n_proposed": torch.tensor([ndraft[i] for i in members], dtype=torch.int64),
+            "n_accepted": torch.tensor(accept, dtype=torch.int64),
+        },
+        other={
+            "proposed": {"ids": torch.cat(proposed)},
+            "accepted": {"ids": torch.cat(accepted)},
+        },
+    )
+
+
+def draft_rows(step: Step, lens: list[int]) -> list[TableWrite]:
+    """The first drafter pass (every target row: ids shifted by one with the next token at the
+    sampled row, the target's positions, the aux concat before fc) and the K-1 chain steps."""
+    if not step.calls:
+        return []
+    keys = _keys(step.req_ids)
+    n_tok = int(step.target_ids.shape[0])  # type: ignore[union-attr]
+    first = step.calls[0]
+    sample_rows = step.sample_rows or []
+    ext = TableWrite(
+        "draft_extend",
+        req={"req_key": keys, "n_tok": torch.tensor(lens, dtype=torch.int64)},
+        tok={
+            "input_ids": first.input_ids[:n_tok].to(torch.int64),
+            "positions": first.positions[:n_tok].to(torch.int64),
+            "hidden_in": step.target_aux,
+            **_expand_topk(first.topk, n_tok, sample_rows, TOPK),
+        },
+    )
+    out = [ext]
+    batch = len(step.req_ids)
+    for k, call in enumerate(step.calls[1:], start=1):
+        topk = _expand_topk(call.topk, batch, list(range(batch)), TOPK)
+        out.append(
+            TableWrite(
+                "draft_step",
+                step={"step_index": k},
+                req={"req_key": keys, "n_tok": torch.ones(batch, dtype=torch.int64)},
+                tok={
+                    "input_ids": call.input_ids[:batch].to(torch.int64),
+                    "positions": call.positions[:batch].to(torch.int64),
+                    "hidden_in": call.hidden_in[:batch] if call.hidden_in is not None else None,
+                    **topk,
+                },
+            )
+        )
+    return out

