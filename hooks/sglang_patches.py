@@ -34,6 +34,7 @@ class Recorder:
         self.version = version
         self.streams = set(cfg.get("streams", ()))
         self.disabled: set[str] = set()
+        self.skipped_internal = 0
         self.seen_rids: set[str] = set()
         self.hot_token_id: Any = None
         self.draft_step_index = 0
@@ -73,7 +74,18 @@ class Recorder:
 
     def close(self) -> None:
         if self._writer is not None:
+            if self.skipped_internal:
+                self._writer.update_static({"skipped_health_check_steps": self.skipped_internal})
             self._writer.close()
+
+    def internal(self, rids: Any) -> bool:
+        """A step that serves only SGLang's own health checks (`/health` generates one token
+        from input_ids [0], rid `HEALTH_CHECK_...`, and only when the scheduler is idle, so it
+        never shares a batch with traffic): not recorded, counted in static."""
+        if not taps.all_health_checks(rids):
+            return False
+        self.skipped_internal += 1
+        return True
 
     def static(self, items: dict[str, Any]) -> None:
         w = self.writer()
@@ -350,7 +362,7 @@ def wrap_prefill(original: Callable) -> Callable:
 
             def tap():
                 a = _bind(original, (self, *args), kwargs)
-                if batch.forward_mode.is_idle():
+                if batch.forward_mode.is_idle() or rec.internal(r.rid for r in batch.reqs):
                     return
                 writes: list[taps.TableWrite] = []
                 req = taps.requests_rows(batch, rec.seen_rids)
@@ -382,7 +394,7 @@ def wrap_verify(original: Callable) -> Callable:
         if rec is not None:
 
             def tap():
-                if not batch.forward_mode.is_idle():
+                if not batch.forward_mode.is_idle() and not rec.internal(r.rid for r in batch.reqs):
                     rec.emit(taps.verify_rows(batch, verify_input, result))
 
             rec.run_tap("verify", tap)
@@ -402,7 +414,7 @@ def wrap_decode_extend(original: Callable) -> Callable:
             # The original returns None: it fills `batch_result.next_draft_input` in place, and
             # leaves its exact inputs on the batch (`input_ids`, `spec_info.hidden_states`).
             def tap():
-                if batch.forward_mode.is_idle():
+                if batch.forward_mode.is_idle() or rec.internal(r.rid for r in batch.reqs):
                     return
                 row = taps.decode_extend_rows(
                     batch,
@@ -437,6 +449,9 @@ def wrap_runner_forward(original: Callable) -> Callable:
             def tap():
                 logits = result.logits_output.next_token_logits
                 rids = [str(r) for r in (forward_batch.rids or [])]
+                if rec.internal(rids):
+                    rec.draft_step_index += 1
+                    return
                 topk = rec.spec_topk
                 rec.emit(
                     [

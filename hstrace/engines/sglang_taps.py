@@ -28,6 +28,15 @@ def _rids(batch: Any) -> list[str]:
     return [str(r.rid) for r in batch.reqs]
 
 
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # sglang.srt.constants (0.5.x): /health's own request
+
+
+def all_health_checks(rids: Any) -> bool:
+    """True when every request of a step is one of SGLang's health-check generations."""
+    rids = [str(r) for r in rids]
+    return bool(rids) and all(r.startswith(HEALTH_CHECK_RID_PREFIX) for r in rids)
+
+
 def _keys(rids: list[str]) -> torch.Tensor:
     from hstrace.trace import request_key  # the store's stable 63-bit hash of a request id
 

@@ -386,12 +386,23 @@ def _draft_chains(ext: Any, steps: Any) -> dict[int, list[DraftChain]]:
     ):
         return {}
     ext_pos = _np(ext.column("tok", "positions")).astype(np.int64)
+    # The chain drafts from the extend row that produced the step-0 top-k: the last accepted
+    # row. SGLang's draft extend after a verify runs all num_draft_tokens rows (the rejected
+    # ones too) and records a top-k only on that row (-1 elsewhere), so it is not the block's
+    # last row whenever a draft was rejected.
+    ext_top = (
+        _np(ext.column("tok", "topk_draft_ids")).astype(np.int64).reshape(len(ext_pos), -1)[:, 0]
+        if "topk_draft_ids" in ext.columns.get("tok", [])
+        else None
+    )
     extents: dict[int, list[int]] = {}  # key -> rows covered after each extend event
     first: dict[int, int] = {}
     for _s, key, a, b in _per_request_blocks(ext):
         if b > a:
             first.setdefault(key, int(ext_pos[a]))
-            extents.setdefault(key, []).append(int(ext_pos[b - 1]) - first[key] + 1)
+            drafted = np.nonzero(ext_top[a:b] >= 0)[0] if ext_top is not None else []
+            last = a + int(drafted[-1]) if len(drafted) else b - 1
+            extents.setdefault(key, []).append(int(ext_pos[last]) - first[key] + 1)
     k_of = _np(steps.column("step", "step_index")).astype(np.int64).reshape(-1)
     ids = _np(steps.column("tok", "input_ids")).astype(np.int64)
     top = _np(steps.column("tok", "topk_draft_ids")).astype(np.int64)
