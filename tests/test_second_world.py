@@ -1,0 +1,184 @@
+"""The second world (traces/second-world/, issue 11 item 8): a DeepSeek-V3 target (HF
+`DeepseekV3ForCausalLM`, MLA + MoE) with training data and drafters made by speculators' and
+SpecForge's own code, and faults injected outside hstrace's reference engine:
+
+- hstrace's dialect detection and data readers on the libraries' own artifacts (clean: the
+  only fault is the flag speculators 0.9.0's defaults wrote and SGLang never reads);
+- data written by speculators' code with the seed incident's layer set (slot 0 = embedding);
+- traces written through the public trace writer by a third-party producer serving
+  speculators' own drafter: clean in bf16 (MoE routing in bf16) and with shifted capture layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_check import codes, run_check
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = ROOT / "traces" / "second-world"
+SERVED = [16, 17, 18, 19]  # held-out samples, sent as prompts
+
+
+def _finding(doc: dict, code: str) -> dict:
+    found = [f for f in doc["findings"] if f["code"] == code]
+    assert found, (code, codes(doc))
+    return found[0]
+
+
+def test_world_is_what_its_manifest_says():
+    man = json.loads((WORLD / "MANIFEST.json").read_text())
+    for rel, digest in man["files"].items():
+        assert hashlib.sha256((WORLD / rel).read_bytes()).hexdigest() == digest, rel
+    size = sum(p.stat().st_size for p in WORLD.rglob("*") if p.is_file())
+    assert size < 4_500_000, size
+    target = json.loads((WORLD / "target" / "config.json").read_text())
+    assert target["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert target["num_hidden_layers"] == 7 and target["hidden_size"] == 96
+    assert target["vocab_size"] == 320 and target["n_routed_experts"] == 4
+    assert target["qk_nope_head_dim"] + target["qk_rope_head_dim"] >= 32  # MLA head dim 48
+    assert target["v_head_dim"] >= 32 and target["kv_lora_rank"] == 32
+    draft = json.loads((WORLD / "drafter-speculators" / "config.json").read_text())
+    assert draft["transformer_layer_config"]["head_dim"] == 48
+    assert draft["speculators_version"] == "0.9.0"
+    assert man["libraries"]["speculators"] == "0.9.0" and man["libraries"]["specforge"] == "0.2.0"
+    # speculators' source (save_pretrained copies its config.py for auto_map) is not committed
+    assert not (WORLD / "drafter-speculators" / "config.py").exists()
+
+
+def _check(capsys, drafter: str, data: str, *extra: str) -> tuple[int, dict]:
+    rc, doc, _ = run_check(
+        capsys,
+        str(WORLD / f"drafter-{drafter}"),
+        "--json",
+        "--against",
+        str(WORLD / f"training-{data}"),
+        "--sglang-version",
+        "0.5.23",
+        *extra,
+    )
+    return rc, doc
+
+
+def test_the_libraries_artifacts_load_and_agree(capsys):
+    target = ("--target", str(WORLD / "target"))
+    got = {}
+    for drafter in ("speculators", "specforge"):
+        for data in ("speculators", "specforge"):
+            rc, doc = _check(capsys, drafter, data, *target)
+            train = doc["metrics"]["training"]
+            assert doc["dialect"] == drafter and train["format"] == data
+            assert doc["load_report"]["unmapped"] == []
+            for name in ("acc0_teacher", "acc0_target"):
+                assert train[name]["value"] >= 0.9, (drafter, data, name, train[name])
+            got[drafter, data] = train["per_position"]["full"]
+            if drafter == "speculators":
+                # speculators 0.9.0's eagle3 training defaults wrote norm_before_residual=True,
+                # which SGLang never reads: the one fault, named with its source
+                assert rc == 1 and codes(doc) == ["norm-flag-mismatch"]
+                ev = doc["findings"][0]["evidence"]
+                assert ev == {"norm_before_residual": True, "source": "config:norm_before_residual"}
+                # its top-level ids [2, 3, 4] are SGLang's defaults for N = 7: not flagged
+                assert "aux-layers-default" not in codes(doc)
+            else:  # exported by SpecForge's save_pretrained: nothing to report
+                assert rc == 0 and doc["findings"] == []
+    # the same physical layers (HF 2, 3, 4) stored by both libraries' layouts: same numbers
+    for drafter in ("speculators", "specforge"):
+        a, b = got[drafter, "speculators"], got[drafter, "specforge"]
+        assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 0.01, (drafter, a, b)
+
+
+def test_speculators_layer_set_with_an_embedding_slot(capsys):
+    """Data written by speculators' own code with ids [0, 3, 4] + 7: [:-1] is the aux, so fc
+    would train on the embedding in slot 0, which the drafter's config ([2, 3, 4]) never asks
+    the engine for. Found without the target, from the drafter's own saved embedding."""
+    rc, doc = _check(capsys, "speculators", "speculators-embed")
+    f = _finding(doc, "slot-layout")
+    assert rc == 1 and f["severity"] == "fault"
+    ev = f["evidence"]
+    assert ev["embedding_slots"] == [0] and ev["config_hf_indices"] == [2, 3, 4]
+    assert ev["stored_layout"] == ["embed", "layer?", "layer?", "last (teacher)"]
+    assert ev["embedding_source"] == "the drafter checkpoint's embed_tokens"
+    assert ev["slot_rel_errors"]["0"] < 1e-2 < ev["slot_rel_errors"]["1"]
+    # the correctly captured data has no embedding slot
+    rc, doc = _check(capsys, "speculators", "speculators")
+    slots = doc["metrics"]["training"]["embedding_slot_test"]["slots"]
+    assert [s["is_embedding"] for s in slots] == [False, False, False, False]
+
+
+# --- traces written by a third-party producer ---------------------------------------------------
+
+
+def _producer():
+    spec = importlib.util.spec_from_file_location("second_world_producer", WORLD / "producer.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def served_prompts():
+    pytest.importorskip(
+        "speculators.models.eagle3", reason="the producer serves speculators' model"
+    )
+    from hstrace.training import open_training
+
+    td = open_training(WORLD / "training-speculators")
+    return [td[i].input_ids.tolist() for i in SERVED]
+
+
+def _replay(trace: Path) -> dict:
+    from hstrace.replay import replay
+
+    return replay(trace, WORLD / "training-speculators").to_json()
+
+
+def test_third_party_trace_clean_in_bf16(tmp_path, served_prompts):
+    """The target served in bf16 (MLA and the MoE router in bf16), the drafter speculators'
+    own model: serving and training agree, and replay must say so (no target-drift)."""
+    import torch
+
+    trace = _producer().record(
+        tmp_path / "clean.zarr",
+        WORLD / "target",
+        WORLD / "drafter-speculators",
+        served_prompts,
+        layers=[2, 3, 4],
+        dtype=torch.bfloat16,
+    )
+    doc = _replay(trace)
+    assert doc["verdict"]["code"] == "no-wiring-fault", doc["findings"]
+    assert [f["code"] for f in doc["findings"]] == ["no-wiring-fault"]
+    fp = doc["fingerprints"]
+    assert fp["serving_layers"]["layer"] == [2, 3, 4] == fp["training_layers"]["layer"]
+    assert min(fp["serving_layers"]["cos"]) >= 0.999
+    assert doc["coverage"]["aligned_requests"] == doc["coverage"]["exact"] == len(SERVED)
+    # hstrace's reference drafter reproduces speculators' own Eagle3DraftModel (all three
+    # speculators 0.9.0 norm flags on) on the recorded inputs
+    m = doc["metrics"]["engine_vs_reference"]
+    assert m["top1_agreement"] == 1.0 and m["max_logprob_diff"] <= 1e-3, m
+
+
+def test_third_party_trace_with_shifted_capture(tmp_path, served_prompts):
+    """The producer's engine captures HF [3, 4, 5] for a drafter trained on [2, 3, 4]."""
+    trace = _producer().record(
+        tmp_path / "shift.zarr",
+        WORLD / "target",
+        WORLD / "drafter-speculators",
+        served_prompts,
+        layers=[3, 4, 5],
+    )
+    doc = _replay(trace)
+    v = doc["verdict"]
+    assert v["code"] == "aux-layer-shift", doc["findings"]
+    f = _finding(doc, "aux-layer-shift")
+    ev = f["evidence"]
+    assert ev["serving_layers"] == [3, 4, 5] and ev["training_layers"] == [2, 3, 4]
+    assert ev["shift"] == 1 and min(ev["serving_layer_cos"]) >= 0.999
+    assert "[1, 2, 3]" in f["fix"] and "[2, 3, 4]" in f["fix"]
