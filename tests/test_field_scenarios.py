@@ -240,11 +240,19 @@ def test_simulated_acceptance_leads_the_verdict(work, heldout_prompts):
     assert result.exit_code == 1
 
 
-@pytest.mark.parametrize("where", ["speculative_config", "command_line", "env"])
+@pytest.mark.parametrize("where", ["speculative_config", "command_line", "env", "vllm_audit"])
 def test_simulated_acceptance_third_party(work, clean, where):
     """A vLLM or SGLang producer records the switch in its own words."""
     t = fp.read(clean)
-    if where == "speculative_config":
+    if where == "vllm_audit":  # the shape hstrace's vLLM hooks write
+        t.meta["static"]["acceptance"] = {
+            "rejection_sample_method": "synthetic",
+            "simulated": True,
+            "synthetic_acceptance_rates": None,
+            "synthetic_acceptance_length": 2.5,
+        }
+        expect = "static.acceptance.simulated"
+    elif where == "speculative_config":
         t.meta["static"]["speculative_config"] = {
             "method": "eagle3",
             "rejection_sample_method": "synthetic",
@@ -270,6 +278,22 @@ def test_simulated_acceptance_third_party(work, clean, where):
     assert result.verdict.code == "acceptance-simulated", dump(result)
     assert expect in result.verdict.evidence["switches"]
     assert all("SIMULATE_ACC_METHOD" not in k for k in result.verdict.evidence["switches"])
+
+
+def test_switch_off_is_no_finding(work, clean):
+    """The same keys with the switch off (vLLM's standard method, an empty variable) are no
+    finding: a false alarm here would hide every real one."""
+    t = fp.read(clean)
+    t.meta["static"]["acceptance"] = {
+        "rejection_sample_method": "standard",
+        "simulated": False,
+        "synthetic_acceptance_rates": None,
+        "synthetic_acceptance_length": None,
+    }
+    t.meta["static"]["env"] = {"SGLANG_SIMULATE_ACC_LEN": "", "SGLANG_SIMULATE_ACC_METHOD": "0"}
+    result = replay(fp.write(t, work / "switch-off.zarr"), TRAINING)
+    assert result.verdict.code == "no-wiring-fault", dump(result)
+    assert "acceptance-simulated" not in codes(result)
 
 
 # -- 5. chunk-boundary-token --------------------------------------------------------------------
@@ -323,12 +347,13 @@ def test_chunk_boundary_token_names_the_seam_rows(work, chunked, drafter):
 
 # -- 6. batch-coupling --------------------------------------------------------------------------
 def _batched(clean: Path) -> fp.Trace:
-    """heldout:41's prefill (target and draft extend) rides in heldout:40's batch."""
+    """heldout:41's prefill (target and draft extend) and first verify ride in heldout:40's
+    batch."""
     t = fp.read(clean)
     a, b = request_key("heldout:40"), request_key("heldout:41")
-    for table in ("target", "draft_extend"):
-        first = fp.request_rows(t, table, a)[0][0]
-        second = fp.request_rows(t, table, b)[0][0]
+    for table in ("target", "draft_extend", "verify"):
+        first = next(e for e in t.of(table) if e.keys == [a])
+        second = next(e for e in t.of(table) if e.keys == [b])
         merged = fp.merge_steps(first, second)
         t.events[t.events.index(first)] = merged
         t.events.remove(second)
@@ -342,6 +367,8 @@ def test_batched_trace_replays_clean(work, clean):
     assert max(len(k) for k in serving.target_batches) == 2
     result = replay(trace, TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
+    by_size = result.metrics["accept_len_by_verify_batch_size"]
+    assert by_size["2"]["verify_rows"] == 2 and by_size["1"]["verify_rows"] >= 4
 
 
 @pytest.mark.parametrize("what", ["aux", "tokens"])
@@ -376,3 +403,30 @@ def test_batch_coupling_names_the_owner(work, clean, drafter, what):
         assert (got["request"], got["tokens_of"]) == ("heldout:41", "heldout:40")
         assert got["rows"] == 24 and got["own_token_agreement"] < 0.5
     assert "heldout:41" in result.verdict.summary and "heldout:40" in result.verdict.summary
+
+
+# -- 10. no-wiring-fault judges the drafter by the number that matters for greedy serving -----
+def test_no_wiring_fault_says_which_accuracy_judged_the_drafter(clean):
+    result = replay(clean, TRAINING)
+    assert result.verdict.code == "no-wiring-fault", dump(result)
+    judged = result.verdict.evidence["judged_by"]
+    assert judged["metric"] == "acc0_training_full_vocab"
+    assert judged["value"] == round(result.metrics["acc0_training_full_vocab"], 4)
+    assert judged["healthy_position0_acceptance"] == [0.55, 0.75]
+    summary = result.verdict.summary
+    assert "against the target's own argmax" in summary
+    # The tiny drafter is at ~0.9 target-space accuracy: above the healthy range, not weak.
+    assert judged["value"] >= 0.55 and "is not weak" in summary
+
+
+def test_no_wiring_fault_without_target_makes_no_judgement(work, clean):
+    """Without the target model there is no target-space accuracy: no "weak" claim from the
+    accuracies against the dataset's tokens."""
+    t = fp.read(clean)
+    del t.meta["static"]["target"]  # the trace no longer names its target
+    trace = fp.write(t, work / "no-target.zarr")
+    result = replay(trace, TRAINING)
+    assert result.verdict.code == "no-wiring-fault", dump(result)
+    assert "judged_by" not in result.verdict.evidence
+    assert "weak" not in result.verdict.summary
+    assert "not measured" in result.verdict.summary

@@ -60,8 +60,10 @@ def _own_fit(ctx, r: Any, rows: np.ndarray) -> float | None:
 
 
 def coupled_aux_rows(ctx) -> list[dict[str, Any]]:
-    """[{request, rows_of, step, positions, rows}] for every request whose captured rows in a
-    batched target step are another co-batched request's rows."""
+    """[{request, rows_of, step, positions, rows, ...}] for every request whose captured rows
+    in a batched target step are another co-batched request's rows. One cosine matrix per
+    batched step (all its rows against all its rows), so a long trace of large decode batches
+    costs one small matmul per step."""
     if ctx.sketched or ctx.slot_width is None:
         return []
     by_key = ctx.serving.by_key()
@@ -70,42 +72,45 @@ def coupled_aux_rows(ctx) -> list[dict[str, Any]]:
         if len(set(keys)) < 2:
             continue
         reqs = [by_key[k] for k in dict.fromkeys(keys) if k in by_key and by_key[k].aux_rows]
-        rows = {r.key: _rows_in_step(r, step) for r in reqs}
-        for r in reqs:
-            mine = rows[r.key]
-            if not len(mine):
-                continue
-            x = _unit(r.aux[mine].float())
-            for o in reqs:
-                theirs = rows[o.key]
-                if o is r or not len(theirs):
+        parts = [(r, _rows_in_step(r, step)) for r in reqs]
+        parts = [(r, rows) for r, rows in parts if len(rows)]
+        if len(parts) < 2:
+            continue
+        owner = torch.cat([torch.full((len(rows),), i) for i, (_r, rows) in enumerate(parts)])
+        x = _unit(torch.cat([r.aux[rows].float() for r, rows in parts]))
+        cos = x @ x.T
+        cos[owner[:, None] == owner[None, :]] = -1.0  # a request's own rows do not count
+        best, j = cos.max(dim=1)
+        base = np.cumsum([0] + [len(rows) for _r, rows in parts])
+        for i, (r, mine) in enumerate(parts):
+            sel = range(int(base[i]), int(base[i + 1]))
+            by_other: dict[int, list[int]] = defaultdict(list)
+            for g in sel:
+                if float(best[g]) < COPY_COS:
                     continue
-                cos = x @ _unit(o.aux[theirs].float()).T  # [mine, theirs]
-                best, j = cos.max(dim=1)
-                copied = [
-                    int(mine[i])
-                    for i in range(len(mine))
-                    if float(best[i]) >= COPY_COS
-                    and not _same_context(r, int(mine[i]), o, int(theirs[int(j[i])]))
-                ]
-                if copied:
-                    rows_c = np.asarray(copied)
-                    fit = _own_fit(ctx, r, rows_c)
-                    if fit is not None and fit >= COPY_COS:
-                        continue  # r's rows are its own: the other request got a copy of them
-                    found.append(
-                        {
-                            "request": r.name,
-                            "rows_of": o.name,
-                            "step": step,
-                            "batch": [by_key[k].name for k in keys if k in by_key],
-                            "positions": [i + r.aux_start + r.position_base for i in copied][:32],
-                            "rows": len(copied),
-                            "of_rows_in_step": len(mine),
-                            "own_tokens_cos": round(fit, 4) if fit is not None else None,
-                        }
-                    )
-                    break
+                o_i = int(owner[j[g]])
+                o, theirs = parts[o_i]
+                row, other_row = int(mine[g - base[i]]), int(theirs[int(j[g]) - base[o_i]])
+                if not _same_context(r, row, o, other_row):
+                    by_other[o_i].append(row)
+            if not by_other:
+                continue
+            o_i, copied = max(by_other.items(), key=lambda kv: len(kv[1]))
+            fit = _own_fit(ctx, r, np.asarray(copied))
+            if fit is not None and fit >= COPY_COS:
+                continue  # r's rows are its own: the other request got a copy of them
+            found.append(
+                {
+                    "request": r.name,
+                    "rows_of": parts[o_i][0].name,
+                    "step": step,
+                    "batch": [by_key[k].name for k in keys if k in by_key],
+                    "positions": [c + r.aux_start + r.position_base for c in copied][:32],
+                    "rows": len(copied),
+                    "of_rows_in_step": len(mine),
+                    "own_tokens_cos": round(fit, 4) if fit is not None else None,
+                }
+            )
     return found
 
 

@@ -58,8 +58,11 @@ def _split(ctx) -> dict[str, Any] | None:
         lps = rows.topk_logprobs[m] if rows.topk_logprobs is not None else None
         a = compare_topk(rows.topk_draft_ids[m], lps, ctx.reference_logits[m])
         known = a.max_logprob_diff == a.max_logprob_diff
+        members = {int(i) for i in rows.request[m]}
+        accepts = [x for i in members for x in ctx.serving.accept_by_key.get(reqs[i].key, [])]
         return {
-            "requests": len({int(i) for i in rows.request[m]}),
+            "requests": len(members),
+            "mean_accept_len": round(sum(accepts) / len(accepts), 4) if accepts else None,
             "rows": a.rows,
             "top1_agreement": round(a.top1, 4),
             "max_logprob_diff": round(a.max_logprob_diff, 4) if known else None,

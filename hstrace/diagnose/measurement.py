@@ -56,6 +56,8 @@ def _walk(node: Any, path: str, found: dict[str, Any], depth: int = 0) -> None:
                 found[where] = v
             elif key == "enabled" and path.endswith("acceptance_simulation") and v is True:
                 found[where] = v
+            elif key == "simulated" and "accept" in path.lower() and v is True:
+                found[where] = v  # vLLM hooks: static.acceptance.simulated
             else:
                 _walk(v, where, found, depth + 1)
     elif isinstance(node, list | tuple):

@@ -305,21 +305,29 @@ class ReplayContext:
     # -- prefix-cache hits -----------------------------------------------------------------------
     @cached_property
     def _prefix_sources(self) -> list[ServingRequest]:
-        return [r for r in self.serving.requests if r.aux is not None and r.aux_start == 0]
+        return [r for r in self.serving.requests if r.aux is not None]
 
     def cached_aux(self, r: ServingRequest) -> tuple[torch.Tensor, str] | None:
         """[c, W] the capture of a cache hit's cached span (c = r.aux_start), rebuilt from what
-        was recorded: the rows of an earlier request of the trace with the same leading tokens
-        (what the engine's cache was filled from), else the aligned training sample's rows.
-        None when neither holds them (the drafter's context for the hit is then unknown)."""
+        was recorded: the rows of another request of the trace with the same leading tokens
+        (what the engine's cache was filled from; itself a cache hit with a shorter cached
+        span is rebuilt the same way), else the aligned training sample's rows. None when
+        neither holds them (the drafter's context for the hit is then unknown)."""
         c = r.aux_start
         if c == 0:
             return torch.zeros(0, 0), "none"
         want = np.asarray(r.tokens[:c])
         for o in self._prefix_sources:
-            if o is not r and o.aux_end >= c and len(o.tokens) >= c:
-                if np.array_equal(np.asarray(o.tokens[:c]), want):
-                    return o.aux[:c], f"recorded capture of {o.name}"
+            if o is r or o.aux_start >= c or o.aux_end < c or len(o.tokens) < c:
+                continue
+            if not np.array_equal(np.asarray(o.tokens[:c]), want):
+                continue
+            if o.aux_start == 0:
+                return o.aux[:c], f"recorded capture of {o.name}"
+            head = self.cached_aux(o)  # strictly shorter span: the recursion ends
+            if head is not None:
+                rows = torch.cat([head[0].to(o.aux.dtype), o.aux])[:c]
+                return rows, f"recorded capture of {o.name} (its cached span: {head[1]})"
         for a in self.aligned:
             if a.serving is r:
                 aux = a.sample.aux_concat if hasattr(a.sample, "aux_concat") else None
