@@ -126,6 +126,26 @@ def test_cache_hit_trace_replays_clean(cached):
     assert result.metrics["engine_vs_reference"]["within_noise"]
 
 
+@pytest.mark.parametrize(
+    ("code", "knobs"),
+    [
+        ("norm-flag-mismatch", {"norm_flags": {"norm_before_residual": True}}),
+        ("aux-layer-shift", {"capture_convention": "output_of_layer"}),
+    ],
+)
+def test_cache_hits_do_not_mask_a_real_fault(work, cache_prompts, code, knobs):
+    """With prefix caching on, a wiring fault that hits every request is still named (not
+    draft-kv-stale: fresh requests disagree too)."""
+    trace = record(work / f"cached-{code}.zarr", cache_prompts, prefix_cache=True, **knobs)
+    result = replay(trace, TRAINING)
+    assert result.verdict.code == code, dump(result)
+    assert "draft-kv-stale" not in codes(result)
+    if code == "norm-flag-mismatch":
+        assert result.verdict.evidence["what_if"] == "norm_before_residual=True"
+    else:
+        assert result.verdict.evidence["shift"] == 1
+
+
 # -- 2. draft-kv-stale --------------------------------------------------------------------------
 def _assert_kv_stale(result, stale_requests: set[str]) -> None:
     assert result.verdict.code == "draft-kv-stale", dump(result)

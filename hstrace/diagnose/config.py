@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -98,7 +99,7 @@ def _shifted_tokens(ctx, shift: int) -> list[Step0Input]:
     for item, req in zip(rows.items, ctx.engine_requests, strict=True):
         tok = torch.as_tensor(req.tokens).long()
         idx = (torch.as_tensor(req.draft.index) + 1 + shift).clamp(0, len(tok) - 1)
-        out.append(Step0Input(tok[idx], item.aux, item.positions))
+        out.append(dataclasses.replace(item, input_ids=tok[idx]))  # a cache hit keeps its prefix
     return out
 
 
@@ -113,8 +114,17 @@ def _shifted_layers(ctx, shift: int) -> list[Step0Input]:
     for item, req in zip(ctx.engine_rows.items, ctx.engine_requests, strict=True):
         fwd = ctx.target.forward(torch.as_tensor(req.tokens).long())
         idx = torch.as_tensor(req.draft.index).clamp(max=fwd.layers.shape[0] - 1)
+        prefix = item.prefix
+        if prefix is not None:  # a cache hit: its cached span at the same shifted layers
+            c = len(prefix.input_ids)
+            prefix = dataclasses.replace(prefix, aux=fwd.layers[:c][:, chosen].flatten(1))
         out.append(
-            Step0Input(item.input_ids, fwd.layers[idx][:, chosen].flatten(1), item.positions)
+            Step0Input(
+                item.input_ids,
+                fwd.layers[idx][:, chosen].flatten(1),
+                item.positions,
+                prefix=prefix,
+            )
         )
     return out
 
