@@ -260,7 +260,7 @@ def check_flags(
                 applies_to="sglang<0.5.12",
             )
         )
-    if cfg.feed_normed:
+    if cfg.feed_normed and rep.dialect != "specforge":  # SpecForge's: see its own finding
         out.append(
             Finding(
                 "norm-flag-mismatch",

@@ -111,6 +111,36 @@ def test_speculators_layer_set_with_an_embedding_slot(capsys):
     assert [s["is_embedding"] for s in slots] == [False, False, False, False]
 
 
+def test_eagle31_drafter_in_specforge_layout_is_read_after_pr_879(capsys):
+    """An EAGLE-3.1 drafter (speculators' code trained it feeding norm(h) back) saved by
+    SpecForge's save_pretrained with `norm_output: true`, as a SpecForge export after PR #879
+    writes it. Without data hstrace asks; with the training tensors it names the reading, and
+    the accuracy it reports is the drafter's under that reading."""
+    ck = str(WORLD / "drafter-specforge-eagle31")
+    rc, doc, _ = run_check(capsys, ck, "--json")
+    f = _finding(doc, "norm-flag-mismatch")
+    assert rc == 0 and f["severity"] == "warning" and f["evidence"]["reading"] == "unknown"
+    target = ("--target", str(WORLD / "target"))
+    rc, doc = _check(capsys, "specforge-eagle31", "specforge", *target, "--all-versions")
+    res = doc["metrics"]["norm_output_resolution"]
+    assert res["reading"] == "after-specforge-pr-879"
+    assert res["only_right_after_pr_879"] > 10 * max(res["only_right_before_pr_879"], 1)
+    assert (
+        res["accuracy"]["after-specforge-pr-879"]
+        >= 0.9
+        > res["accuracy"]["before-specforge-pr-879"]
+    )
+    assert [(f["code"], f["applies_to"]) for f in doc["findings"]] == [
+        ("norm-flag-mismatch", "sglang<0.5.23")
+    ]
+    assert "EAGLE-3.1" in doc["findings"][0]["summary"]
+    full = doc["metrics"]["training"]["per_position"]["full"]
+    assert full[1] >= 0.9, full  # scored as trained (feed norm(h)), not as SpecForge 0.2.0 reads it
+    # judged for SGLang 0.5.23 (reads norm_output as feed norm(h)): served as trained
+    rc, doc = _check(capsys, "specforge-eagle31", "specforge", *target)
+    assert rc == 0 and doc["findings"] == []
+
+
 # --- traces written by a third-party producer ---------------------------------------------------
 
 

@@ -26,6 +26,9 @@ A differently shaped world than traces/tiny-world/ (8-layer Llama, hidden 64, vo
   0.9.0's eagle3 defaults norm_before_residual / norm_before_fc / norm_output = True), trained by
   its own forward + loss on batches from its `ArrowDataset`, `CollateFn` and `shift_batch`, saved
   by its `save_pretrained` (bf16).
+- `drafter-specforge-eagle31/`: an EAGLE-3.1 drafter (trained by speculators' code with only
+  `norm_output` = feed norm(h) back) in SpecForge's layout and `norm_output: true`, saved by
+  SpecForge's `save_pretrained`: what a SpecForge export after SpecForge PR #879 looks like.
 - `drafter-specforge/`: SpecForge's `LlamaForCausalLMEagle3` (`AutoDraftModel.from_config`)
   trained by its `OnlineEagle3Model` on the SpecForge-format data (teacher from SpecForge's
   `TargetHead`), saved by its `save_pretrained` without the embedding, exactly as its
@@ -74,6 +77,7 @@ ARTIFACTS = (
     "training-specforge",
     "drafter-speculators",
     "drafter-specforge",
+    "drafter-specforge-eagle31",
 )
 # The first ids are specials; the language uses N_WORDS of the rest.
 N_SPECIAL, N_WORDS, N_GROUPS, P_RULE = 4, 40, 3, 0.9
@@ -239,7 +243,15 @@ DRAFT_LAYER = {  # the draft decoder, as a `--draft-config` file gives it to spe
 }
 
 
-def train_speculators(out: Path, target_dir: Path, data: Path, vocab: dict, seed: int) -> dict:
+# speculators 0.9.0's eagle3 training defaults (train/config/schema.py): all three True
+SPEC_DEFAULT_FLAGS = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+# EAGLE-3.1 as a SpecForge export after PR #879 means it: only the fed-back state is normed
+EAGLE31_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "norm_output": True}
+
+
+def train_speculators(
+    out: Path, target_dir: Path, data: Path, vocab: dict, seed: int, flags: dict
+) -> dict:
     import torch
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel
@@ -258,10 +270,7 @@ def train_speculators(out: Path, target_dir: Path, data: Path, vocab: dict, seed
         # speculators writes this path into config.json: relative keeps the world portable
         verifier_name_or_path=os.path.relpath(target_dir),
         draft_vocab_size=DRAFT_VOCAB,
-        # speculators 0.9.0's eagle3 defaults (train/config/schema.py): all three True
-        norm_before_residual=True,
-        norm_before_fc=True,
-        norm_output=True,
+        **flags,
         ttt_steps=3,
         draft_attn_impl="eager",
     ).float()
@@ -436,6 +445,38 @@ def train_specforge(out: Path, target_dir: Path, data: Path, vocab: dict, seed: 
     return {"train_acc": [float(a) for a in acces]}
 
 
+def export_eagle31_as_specforge(spec_dir: Path, out: Path) -> None:
+    """What a SpecForge export after PR #879 looks like for an EAGLE-3.1 drafter: SpecForge's
+    `LlamaForCausalLMEagle3` (its config: `norm_output: true`, `eagle_config` ids) holding the
+    weights speculators' code trained feeding norm(h) back, saved by its `save_pretrained`
+    without the embedding. SpecForge 0.2.0 itself reads `norm_output: true` the old way (norm
+    before lm_head only); that ambiguity is what `hstrace check` has to resolve."""
+    import torch
+    from safetensors.torch import load_file
+    from specforge.modeling.auto import AutoDraftModel
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(
+        **{k: v for k, v in DRAFT_LAYER.items() if k != "model_type"},
+        architectures=["LlamaForCausalLMEagle3"],
+        draft_vocab_size=DRAFT_VOCAB,
+        target_hidden_size=HIDDEN,
+        norm_output=True,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": SPECFORGE_IDS},
+    )
+    draft = AutoDraftModel.from_config(cfg, attention_backend="sdpa")
+    sd = {
+        k.replace("layers.0.", "midlayer.", 1): v
+        for k, v in load_file(str(spec_dir / "model.safetensors")).items()
+        if not k.startswith(("verifier_", "embed_tokens"))
+    }
+    missing, unexpected = draft.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) == {"embed_tokens.weight"}, (missing, unexpected)
+    draft = draft.to(torch.bfloat16)
+    state = {k: v for k, v in draft.state_dict().items() if "embed" not in k.lower()}
+    draft.save_pretrained(str(out), state_dict=state)
+
+
 # --- build --------------------------------------------------------------------------------
 
 
@@ -492,7 +533,13 @@ def main(argv: list[str] | None = None) -> int:
         out / "training-speculators",
         spec_vocab,
         SEED + 3,
+        SPEC_DEFAULT_FLAGS,
     )
+    tmp31 = Path(tempfile.mkdtemp()) / "eagle31-speculators"
+    e31_metrics = train_speculators(
+        tmp31, out / "target", out / "training-speculators", spec_vocab, SEED + 5, EAGLE31_FLAGS
+    )
+    export_eagle31_as_specforge(tmp31, out / "drafter-specforge-eagle31")
     sf_metrics = train_specforge(
         out / "drafter-specforge", out / "target", out / "training-specforge", sf_vocab, SEED + 4
     )
@@ -504,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
             m: importlib.metadata.version(m) for m in ("speculators", "specforge", "transformers")
         },
         "seeds": {
+            "drafter_eagle31": SEED + 5,
             "language": SEED,
             "target": SEED + 1,
             "samples": SEED + 2,
@@ -532,6 +580,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "drafter-speculators": {"final_train_metrics": spec_metrics},
         "drafter-specforge": {"final_train_acc": sf_metrics["train_acc"]},
+        "drafter-specforge-eagle31": {
+            "trained_by": "speculators (norm_output=True only: EAGLE-3.1, feeds norm(h) back)",
+            "saved_by": "SpecForge LlamaForCausalLMEagle3.save_pretrained, norm_output: true",
+            "final_train_metrics": e31_metrics,
+        },
         "build_seconds": {
             "wall": round(time.time() - t0, 1),
             "cpu": round(time.process_time() - c0, 1),
