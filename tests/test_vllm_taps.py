@@ -1,0 +1,279 @@
+"""vLLM's taps and audit as pure logic (no vLLM needed): what one engine step becomes in the
+trace, vLLM's conventions in the static audit, the bootstrap's engine routing.
+
+The live counterpart (real server, real tensors) is tests/test_vllm_live.py; here the inputs
+are built by hand in the exact shapes vLLM 0.32.0 hands over (shared/reference/
+vllm-internals.md §2), so every row can be checked by name.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hstrace.engines import vllm_audit as audit
+from hstrace.engines import vllm_taps as taps
+from hstrace.engines.vllm import is_vllm_command, parse_spec_metrics
+from hstrace.trace import TraceWriter, create_trace, open_trace, request_key
+
+H, K, VD, V = 4, 3, 6, 10
+D2T = torch.tensor([0, 1, 1, 3, 4, 4])  # offsets: draft i -> target i + d2t[i]
+TARGETS = torch.arange(VD) + D2T  # [0, 2, 3, 6, 8, 9]
+
+
+def full_vocab(draft_logits: torch.Tensor) -> torch.Tensor:
+    """What vLLM's Eagle3 compute_logits returns: draft logits scattered to target ids."""
+    out = torch.full((draft_logits.shape[0], V), float("-inf"))
+    out[:, TARGETS] = draft_logits
+    return out
+
+
+def test_draft_topk_reads_back_draft_space_from_vllm_full_vocab_logits() -> None:
+    g = torch.Generator().manual_seed(0)
+    draft = torch.randn(3, VD, generator=g)
+    top = taps.draft_topk(full_vocab(draft), D2T, k=4)
+    want_vals, want_idx = draft.topk(4, dim=-1)
+    assert torch.equal(top["topk_draft_ids"], want_idx)
+    assert torch.equal(top["topk_target_ids"], TARGETS[want_idx])
+    logp = torch.log_softmax(draft, dim=-1)
+    assert torch.allclose(top["topk_logprobs"], logp.gather(-1, want_idx), atol=1e-6)
+    assert torch.allclose(top["lse"], torch.logsumexp(draft, dim=-1))
+    # no d2t (draft vocab = target vocab): ids are the same in both spaces
+    same = taps.draft_topk(draft, None, k=2)
+    assert torch.equal(same["topk_draft_ids"], same["topk_target_ids"])
+
+
+def mixed_step() -> taps.Step:
+    """One vLLM step: request A's 5-token prefill chunk (new, 2 tokens from the prefix cache,
+    so positions 2..6) batched with request B's verify of 3 drafts (bonus + 3 at 10..13)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.tensor([11, 12, 13, 14, 15, 20, 21, 22, 23])
+    pos = torch.tensor([2, 3, 4, 5, 6, 10, 11, 12, 13])
+    aux = torch.randn(9, K * H, generator=g)
+    step = taps.Step(
+        req_ids=["A", "B"],
+        num_draft_tokens=[0, 3],
+        new_requests=[taps.NewRequest("A", [9, 9, 11, 12, 13, 14, 15], n_cached=2)],
+        draft_token_ids=torch.tensor([21, 22, 23]),
+        sampled=[[16, -1, -1, -1], [21, 22, 30, -1]],  # B: 2 drafts accepted, bonus 30
+        target_ids=ids,
+        target_positions=pos,
+        target_aux=aux,
+        query_start=[0, 5, 9],
+        sample_rows=[4, 7],  # A's last row; B's row after its accepted drafts
+    )
+    first_ids = torch.cat([ids[1:], ids[-1:]]).clone()
+    first_ids[torch.tensor([4, 7])] = torch.tensor([16, 30])
+    step.calls.append(
+        taps.DraftCall(
+            first_ids,
+            pos.clone(),
+            None,
+            taps.draft_topk(full_vocab(torch.randn(2, VD, generator=g)), D2T),
+        )
+    )
+    for k in (1, 2):
+        step.calls.append(
+            taps.DraftCall(
+                torch.tensor([3, 6]),
+                torch.tensor([6 + k, 12 + k]),
+                torch.randn(2, H, generator=g),
+                taps.draft_topk(full_vocab(torch.randn(2, VD, generator=g)), D2T),
+            )
+        )
+    return step
+
+
+def test_a_mixed_step_splits_into_prefill_and_verify_at_true_positions() -> None:
+    step = mixed_step()
+    writes = taps.step_rows(step, [2, 5, 4])
+    names = [w.table for w in writes]
+    assert names == [
+        "requests",
+        "target",
+        "target",
+        "verify",
+        "draft_extend",
+        "draft_step",
+        "draft_step",
+    ]
+    req, prefill, verify_t, verify = writes[:4]
+    assert req.req["n_cached"].tolist() == [2] and req.req["n_prompt"].tolist() == [7]
+    assert prefill.step == {"mode": 0} and verify_t.step == {"mode": 1}
+    assert prefill.req["req_key"].tolist() == [request_key("A")]
+    assert prefill.tok["positions"].tolist() == [2, 3, 4, 5, 6]  # suffix-only, true positions
+    assert torch.equal(prefill.tok["aux_hidden"], step.target_aux[:5])
+    assert verify_t.tok["input_ids"].tolist() == [20, 21, 22, 23]  # bonus, d1..d3
+    assert torch.equal(verify_t.tok["aux_hidden"], step.target_aux[5:])
+    attrs = prefill.column_attrs["tok/aux_hidden"]
+    assert attrs == {
+        "layer_ids": [2, 4, 5],
+        "layer_id_convention": "hf_hidden_states_index",
+        "slot_width": H,
+    }
+    assert verify.req["accept_len"].tolist() == [2] and verify.req["bonus_id"].tolist() == [30]
+    assert verify.other["proposed"]["ids"].tolist() == [21, 22, 23]
+    assert verify.other["accepted"]["ids"].tolist() == [21, 22]
+
+
+def test_draft_rows_keep_the_pre_fc_aux_and_topk_only_where_vllm_sampled() -> None:
+    step = mixed_step()
+    ext, s1, s2 = taps.draft_rows(step, [5, 4])
+    assert ext.req["n_tok"].tolist() == [5, 4]
+    assert ext.tok["input_ids"].tolist() == [12, 13, 14, 15, 16, 21, 22, 30, 23]
+    assert torch.equal(ext.tok["hidden_in"], step.target_aux)  # before fc, as the drafter got it
+    ids = ext.tok["topk_draft_ids"]
+    assert (ids[[4, 7], 0] >= 0).all()
+    others = [r for r in range(9) if r not in (4, 7)]
+    assert (ids[others] == -1).all() and torch.isinf(ext.tok["topk_logprobs"][others]).all()
+    # k = 8 columns; a draft vocabulary of 6 fills 6, the rest stay -1
+    assert torch.equal(ids[[4, 7], :VD], step.calls[0].topk["topk_draft_ids"])
+    assert (ids[:, VD:] == -1).all()
+    assert s1.step == {"step_index": 1} and s2.step == {"step_index": 2}
+    assert torch.equal(s2.tok["hidden_in"], step.calls[2].hidden_in)
+    assert s1.tok["positions"].tolist() == [7, 13]
+
+
+def test_a_step_without_a_padded_batch_is_refused_not_misread() -> None:
+    step = mixed_step()
+    step.query_start = [0, 5, 8]  # the proposer got more rows than were scheduled
+    with pytest.raises(ValueError, match="disable_padded_drafter_batch"):
+        taps.target_rows(step, [2, 4, 5])
+
+
+def test_emitted_step_reads_back_through_the_trace(tmp_path) -> None:
+    """The hooks' emit path (one tap per table group) writes a trace the reader accepts."""
+    from hstrace.hooks import vllm_patches as vp
+
+    out = tmp_path / "t.zarr"
+    create_trace(out, engine={"name": "vllm", "version": "0.32.0"}, command_line=[], static={})
+    streams = ["target", "draft_extend", "draft_step", "verify", "requests"]
+    rec = vp.VLLMRecorder({"out": str(out), "streams": streams}, (0, 32, 0))
+    rec.writer_factory = lambda rank: TraceWriter(out, rank=rank, process=False)
+    rec.capture_layers = [2, 4, 5]
+    vp._emit_step(rec, mixed_step())
+    rec.close()
+    with open_trace(out) as tr:
+        rank = tr.rank(0)
+        assert rank.clean_close and not rank.errors
+        target = rank.table("target")
+        assert target.column("step", "mode").tolist() == [0, 1]
+        assert rank.table("requests").column("req", "n_cached").tolist() == [2]
+        assert rank.table("verify").column("req", "accept_len").tolist() == [2]
+        assert rank.table("draft_step").column("step", "step_index").tolist() == [1, 2]
+
+
+def test_a_raising_tap_is_disabled_and_recorded_the_others_go_on(tmp_path, monkeypatch) -> None:
+    from hstrace.hooks import vllm_patches as vp
+
+    out = tmp_path / "t.zarr"
+    create_trace(out, engine={"name": "vllm", "version": "0.32.0"}, command_line=[], static={})
+    rec = vp.VLLMRecorder(
+        {"out": str(out), "streams": ["target", "draft_extend", "draft_step", "verify"]}, (0, 32, 0)
+    )
+    rec.writer_factory = lambda rank: TraceWriter(out, rank=rank, process=False)
+
+    def broken(*a, **k):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(taps, "verify_rows", broken)
+    vp._emit_step(rec, mixed_step())
+    vp._emit_step(rec, mixed_step())  # disabled now: not called again, no second error
+    rec.close()
+    with open_trace(out) as tr:
+        rank = tr.rank(0)
+        assert [e["tap"] for e in rank.errors] == ["verify"] and "boom" in rank.errors[0]["message"]
+        assert rank.table("verify") is None
+        assert rank.table("target").num_steps == 4 and rank.table("draft_extend").num_steps == 2
+
+
+# ---- the static audit ----------------------------------------------------------------------
+
+
+def test_aux_layer_source_follows_vllm_lookup_order() -> None:
+    top = audit.aux_layer_source({"eagle_aux_hidden_state_layer_ids": [5, 2, 4]}, 8)
+    assert top["source"].startswith("top-level") and top["read_by_vllm"] == [5, 2, 4]
+    assert top["sorted_ids"] == [2, 4, 5] and top["sorted_differs_from_config"] is True
+    assert top["sglang_equivalent_ids"] == [1, 3, 4]
+    nested = audit.aux_layer_source(
+        {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}, 8
+    )
+    assert nested["source"] == "eagle_config.eagle_aux_hidden_state_layer_ids"
+    assert nested["read_by_vllm"] == [1, 3, 4]
+    default = audit.aux_layer_source({}, 8)
+    assert default["source"].startswith("default") and default["read_by_vllm"] == [2, 4, 5]
+    assert "hidden_states[k]" in default["capture_convention"]
+
+
+def test_norm_flags_name_vllm_defaults_per_config_format() -> None:
+    speculators = {"speculators_config": {}, "norm_before_fc": False}
+    flags = audit.norm_flags(speculators, {"norm_before_residual": True, "norm_before_fc": False})
+    assert flags["norm_before_residual"]["value"] is True
+    assert flags["norm_before_residual"]["source"].startswith("default:vllm (update_eagle3")
+    assert flags["norm_before_fc"]["source"] == "config:norm_before_fc"
+    flat = audit.norm_flags({"architectures": ["LlamaForCausalLMEagle3"]}, {})
+    assert flat["norm_before_residual"] == {
+        "value": False,
+        "source": "default:vllm (model default, absent from config.json)",
+    }
+
+
+def test_d2t_spec_and_simulated_acceptance() -> None:
+    d = audit.d2t_summary(D2T.tolist(), VD, V)
+    assert d["mapped_head"] == TARGETS.tolist() and d["mapped_distinct"] and d["mapped_in_range"]
+    table = audit.d2t_summary([0, 2, 3, 6, 8, 9], VD, V)  # target ids stored: read as offsets
+    assert table["mapped_in_range"] is False
+    spec = audit.spec_settings(None, 3)
+    assert (spec["num_steps"], spec["topk"], spec["num_draft_tokens"]) == (3, 1, 4)
+    assert spec["adjusted"] == {}
+    assert audit.acceptance_setting("synthetic", [0.9, 0.8, 0.7], None)["simulated"] is True
+    assert audit.acceptance_setting(None, None, None) == {
+        "rejection_sample_method": "standard",
+        "simulated": False,
+        "synthetic_acceptance_rates": None,
+        "synthetic_acceptance_length": None,
+    }
+
+
+def test_engine_detection_and_prometheus_counters() -> None:
+    assert is_vllm_command("python -m vllm.entrypoints.openai.api_server --model m")
+    assert is_vllm_command("vllm serve m")
+    assert not is_vllm_command("python -m sglang.launch_server --model-path m")
+    text = (
+        "# HELP x\n"
+        'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 26.0\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="1"} 4.0\n'
+        'vllm:spec_decode_num_drafts_created{engine="0"} 1.7e9\n'
+    )
+    got = parse_spec_metrics(text)
+    assert got == {
+        "vllm:spec_decode_num_drafts_total": 26.0,
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total": {"1": 4.0},
+    }
+
+
+# ---- bootstrap: only the engine the launcher named ----------------------------------------
+
+
+def test_bootstrap_installs_only_the_named_engine(monkeypatch, tmp_path) -> None:
+    from hstrace.hooks import bootstrap
+
+    status = tmp_path / "status.jsonl"
+    cfg = {
+        "out": str(tmp_path / "t.zarr"),
+        "streams": [],
+        "status": str(status),
+        "engine": "sglang",
+    }
+    monkeypatch.setenv(bootstrap.ENV, json.dumps(cfg))
+    monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
+    assert bootstrap.activate("plugin", engine="vllm") is False  # an SGLang run: vLLM hook idle
+    monkeypatch.setenv(bootstrap.ENV, json.dumps({**cfg, "engine": "vllm"}))
+    monkeypatch.setattr("hstrace.engines.vllm_versions.installed_version", lambda: "0.33.0")
+    with pytest.raises(SystemExit) as exit_:
+        bootstrap.register_vllm()
+    assert exit_.value.code == 2
+    refused = json.loads(status.read_text().splitlines()[-1])["refused"]
+    assert "vLLM 0.33.0 is not supported" in refused and "\n" not in refused
