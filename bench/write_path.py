@@ -26,6 +26,7 @@ serving thread, Linux) is counted, so a p99 set by the host's load shows as such
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -54,7 +55,7 @@ def make_pool(
     scale = torch.exp(torch.randn(slots * hidden, generator=g) * 0.5)
     scale[torch.randint(0, slots * hidden, (6,), generator=g)] *= 200
     pool = []
-    for _ in range(n):
+    for i in range(n):
         logits = torch.randn(draft_rows, vocab, generator=g) * 2
         lp, ids = torch.log_softmax(logits, -1).topk(topk, -1)
         pool.append(
@@ -77,48 +78,63 @@ def make_pool(
                     "lse": torch.logsumexp(logits, -1),
                     "logits": logits.to(torch.bfloat16),
                 },
+                "target_req": {
+                    "req_key": torch.tensor([i]),
+                    "n_tok": torch.tensor([tokens]),
+                },
+                "draft_req": {
+                    "req_key": torch.tensor([i]),
+                    "n_tok": torch.tensor([draft_rows]),
+                },
             }
         )
     return pool
 
 
+# Parts of a pool step that every method stores (the request columns are hstrace's own
+# book-keeping: 32 bytes a step, not counted in the workload's bytes).
+STEP_PARTS = ("target", "draft")
+
+
 def step_bytes(step: dict) -> int:
-    return sum(t.numel() * t.element_size() for part in step.values() for t in part.values())
+    return sum(t.numel() * t.element_size() for p in STEP_PARTS for t in step[p].values())
 
 
 def bf16_bytes(step: dict) -> int:
     return sum(
-        t.numel() * 2 for part in step.values() for t in part.values() if t.dtype == torch.bfloat16
+        t.numel() * 2 for p in STEP_PARTS for t in step[p].values() if t.dtype == torch.bfloat16
     )
 
 
 class Hstrace:
+    """TraceWriter as shipped: two encoding threads, chunks stored uncompressed while the
+    writer is more than half a ring behind (the commit record counts them)."""
+
     name = "hstrace"
+    threads, raw_when_behind = 2, True
 
     def __init__(self, out: Path) -> None:
         self.path = out / "trace.zarr"
         create_trace(self.path, engine={"name": "bench"}, command_line=sys.argv)
-        self.w = TraceWriter(self.path, rank=0, on_full="block")
+        self.w = TraceWriter(
+            self.path,
+            rank=0,
+            on_full="block",
+            compress_threads=self.threads,
+            raw_when_behind=self.raw_when_behind,
+        )
         self.s = 0
 
     def blocked_s(self) -> float:
         return self.w.stats["blocked_s"]
 
+    def writer_pid(self) -> int | None:
+        return self.w.writer_pid
+
     def record(self, step: dict) -> None:
-        tgt, dr = step["target"], step["draft"]
-        n, d = tgt["input_ids"].shape[0], dr["input_ids"].shape[0]
-        self.w.write(
-            "target",
-            step={"mode": 1},
-            req={"req_key": torch.tensor([self.s]), "n_tok": torch.tensor([n])},
-            tok=tgt,
-        )
-        self.w.write(
-            "draft_step",
-            step={"step_index": 0},
-            req={"req_key": torch.tensor([self.s]), "n_tok": torch.tensor([d])},
-            tok=dr,
-        )
+        # The request columns are tensors the server already has (built with the pool).
+        self.w.write("target", step={"mode": 1}, req=step["target_req"], tok=step["target"])
+        self.w.write("draft_step", step={"step_index": 0}, req=step["draft_req"], tok=step["draft"])
         self.s += 1
 
     def close(self) -> None:
@@ -126,6 +142,46 @@ class Hstrace:
 
     def root(self) -> Path:
         return self.path
+
+
+class Hstrace1T(Hstrace):
+    """One encoding thread, never stored uncompressed: the lossless rate of one thread."""
+
+    name = "hstrace_1t"
+    threads, raw_when_behind = 1, False
+
+
+class Hstrace2T(Hstrace):
+    """Two encoding threads, never stored uncompressed: the lossless rate of two threads."""
+
+    name = "hstrace_2t"
+    threads, raw_when_behind = 2, False
+
+
+class CopyOnly:
+    """The copy alone: the same bytes memmoved into a preallocated 256 MiB staging buffer,
+    64-byte aligned per column, from its start each step (as TraceWriter's ring does when the
+    writer has caught up). The floor of any staging producer."""
+
+    name = "copy_only"
+
+    def __init__(self, out: Path) -> None:
+        self.buf = np.zeros(256 << 20, np.uint8)  # zeroed: pages faulted in, as the ring's
+        self.addr = self.buf.ctypes.data
+
+    def record(self, step: dict) -> None:
+        off = 0
+        for part in STEP_PARTS:
+            for t in step[part].values():
+                n = t.numel() * t.element_size()
+                ctypes.memmove(self.addr + off, t.data_ptr(), n)
+                off += -(-n // 64) * 64
+
+    def close(self) -> None:
+        pass
+
+    def root(self) -> None:
+        return None
 
 
 class TorchSave:
@@ -138,7 +194,7 @@ class TorchSave:
 
     def record(self, step: dict) -> None:
         torch.save(
-            {f"{p}.{k}": t for p, part in step.items() for k, t in part.items()},
+            {f"{p}.{k}": t for p in STEP_PARTS for k, t in step[p].items()},
             self.dir / f"step_{self.s:07d}.pt",
         )
         self.s += 1
@@ -163,7 +219,7 @@ class Safetensors(TorchSave):
 
     def record(self, step: dict) -> None:
         self.save_file(
-            {f"{p}.{k}": t for p, part in step.items() for k, t in part.items()},
+            {f"{p}.{k}": t for p in STEP_PARTS for k, t in step[p].items()},
             str(self.dir / f"step_{self.s:07d}.safetensors"),
         )
         self.s += 1
@@ -177,8 +233,8 @@ class RawWrite:
         self.f = open(self.file, "wb", buffering=0)  # noqa: SIM115 - held open for the whole run
 
     def record(self, step: dict) -> None:
-        for part in step.values():
-            for t in part.values():
+        for p in STEP_PARTS:
+            for t in step[p].values():
                 self.f.write(
                     t.view(torch.uint8).numpy().data
                     if t.dtype == torch.bfloat16
@@ -192,11 +248,13 @@ class RawWrite:
         return self.file
 
 
-METHODS = [Hstrace, TorchSave, Safetensors, RawWrite]
+METHODS = [Hstrace, Hstrace1T, Hstrace2T, CopyOnly, TorchSave, Safetensors, RawWrite]
 
 
-def disk_usage(root: Path) -> tuple[int, int, int]:
+def disk_usage(root: Path | None) -> tuple[int, int, int]:
     """(bytes, files, of which metadata files: one zarr.json per array or group)."""
+    if root is None:
+        return 0, 0, 0
     if root.is_file():
         return root.stat().st_size, 1, 0
     files = [p for p in root.rglob("*") if p.is_file()]
@@ -216,7 +274,9 @@ def busy(ms: float) -> None:
         pass
 
 
-def run_one(cls, pool: list[dict], steps: int, paced: bool, workdir: Path) -> dict:
+def run_one(
+    cls, pool: list[dict], steps: int, paced: bool, workdir: Path, read: bool = False
+) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir))
     m = cls(out)
     costs, blocked, cpu, preempted = [], [], [], []
@@ -247,10 +307,71 @@ def run_one(cls, pool: list[dict], steps: int, paced: bool, workdir: Path) -> di
         "files": files,
         "metadata_files": meta,
     }
-    if cls is Hstrace:
-        result["lossless"] = check_hstrace(m.root(), pool, steps)
+    if issubclass(cls, Hstrace):
+        if read:  # right after the write, like the raw file's read: both in the page cache
+            result["read_s"], ok = read_hstrace(m.root(), pool, steps)
+        else:
+            ok = check_hstrace(m.root(), pool, steps)
+        result["lossless"] = ok
+        result["uncompressed_chunks"], result["chunks"] = chunk_counts(m.root())
+    elif cls is RawWrite and read:
+        result["read_s"] = read_raw(m.root())
     shutil.rmtree(out)
     return result
+
+
+def read_raw(path: Path) -> float:
+    """Seconds to read the raw file sequentially into one buffer."""
+    buf = bytearray(path.stat().st_size)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            got += f.readinto(view[got:])
+    return time.perf_counter() - t0
+
+
+def read_hstrace(path: Path, pool: list[dict], steps: int) -> tuple[float, bool]:
+    """Seconds to read every column of both tables through hstrace's reader (what `show`,
+    `diff` and replay call), then a bit-exact check of every step against what was written."""
+    t0 = time.perf_counter()
+    with open_trace(path) as tr:
+        got = {}
+        for name in ("target", "draft_step"):
+            t = tr.rank(0).table(name)
+            got[name] = (
+                t.num_steps,
+                t.offsets("tok"),
+                {c: t.column("tok", c) for c in t.columns["tok"]},
+            )
+    dt = time.perf_counter() - t0
+    ok = True
+    for name, part in (("target", "target"), ("draft_step", "draft")):
+        n, off, cols = got[name]
+        ok &= n == steps
+        for c, arr in cols.items():
+            a = arr.view(torch.int16).numpy() if isinstance(arr, torch.Tensor) else arr
+            for s in range(steps if ok else 0):
+                want = pool[s % len(pool)][part][c]
+                want = (want.view(torch.int16) if want.dtype == torch.bfloat16 else want).numpy()
+                ok &= bool(np.array_equal(a[off[s] : off[s + 1]], want))
+    return dt, ok
+
+
+def chunk_counts(path: Path) -> tuple[int, int]:
+    """(chunks stored uncompressed while behind, as the commit record counts them; all chunks)."""
+    import zarr
+
+    g = zarr.open_group(str(path / "rank0"), mode="r")
+    raw = sum(
+        sum(e.get("uncompressed_chunks", {}).values())
+        for e in g.attrs["hstrace"]["commit"]["tables"].values()
+    )
+    total = 0
+    for tname in ("target", "draft_step"):
+        for _, a in g[tname].arrays():
+            total += -(-a.shape[0] // a.chunks[0])
+    return raw, total
 
 
 def check_hstrace(path: Path, pool: list[dict], steps: int) -> bool:
@@ -337,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
             for cls in order:
                 raw[cls.name]["paced"].append(run_one(cls, pool, args.paced_steps, True, workdir))
                 raw[cls.name]["firehose"].append(
-                    run_one(cls, pool, args.firehose_steps, False, workdir)
+                    run_one(cls, pool, args.firehose_steps, False, workdir, read=True)
                 )
                 if not args.json:
                     print(f"round {r + 1}/{args.rounds} {cls.name} done", file=sys.stderr)
@@ -396,17 +517,28 @@ def main(argv: list[str] | None = None) -> dict:
                 / (args.growth_steps - args.firehose_steps)
             )
         entry["producer_share_of_10ms_step"] = entry["producer_ms_median"] / STEP_MS
-        if name == "hstrace":
+        if name.startswith("hstrace"):
             entry["lossless_bit_exact"] = all(
                 x["lossless"] for x in paced + fire + modes.get("growth", [])
             )
+            entry["uncompressed_chunk_share_firehose"] = med(
+                f["uncompressed_chunks"] / max(1, f["chunks"]) for f in fire
+            )
+        if all("read_s" in f for f in fire):
+            entry["read_mb_s"] = med(args.firehose_steps * sb / 1e6 / f["read_s"] for f in fire)
         results[name] = entry
     base = results.get("raw_write")
+    copy = results.get("copy_only")
     for e in results.values():
         e["producer_vs_raw"] = (
             e["producer_ms_median"] / base["producer_ms_median"] if base else None
         )
+        e["producer_vs_copy"] = (
+            e["producer_ms_median"] / copy["producer_ms_median"] if copy else None
+        )
         e["mb_s_vs_raw"] = e["sustained_mb_s"] / base["sustained_mb_s"] if base else None
+        if base and "read_mb_s" in e and "read_mb_s" in base:
+            e["read_vs_raw"] = e["read_mb_s"] / base["read_mb_s"]
     report = {
         "workload": {
             "step_bytes": sb,

@@ -154,10 +154,15 @@ class TableLog:
         return max(0, s)
 
     def commit_entry(self) -> dict[str, Any]:
-        return {
+        entry = {
             "steps": self.durable_steps(),
             "rows": {k: log.stored for k, log in self.logs().items()},
         }
+        # Chunks the writer stored uncompressed (Blosc level 0) while behind the producer.
+        raw = {k: log.raw_chunks for k, log in self.logs().items() if log.raw_chunks}
+        if raw:
+            entry["uncompressed_chunks"] = raw
+        return entry
 
 
 class RankRecorder:

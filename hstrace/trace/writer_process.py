@@ -35,17 +35,16 @@ from hstrace.trace import rowlog
 ALIGN = 64
 # Sleep between polls of an idle pipe: starts short, doubles while idle, up to the max.
 IDLE_POLL_MIN_S = 0.001
-IDLE_POLL_MAX_S = 0.016
+IDLE_POLL_MAX_S = 0.002
 
 
 def main(argv: list[str]) -> None:
     """Entry point: `python -m hstrace.trace.writer_process PATH RANK TAIL_S RING DATA_FD
-    FREE_FD [THREADS RAW_WHEN_BEHIND]`; RING is `fd:N` (a memfd) or a /dev/shm name.
+    FREE_FD ENDS_FD THREADS RAW_WHEN_BEHIND`; RING is `fd:N` (a memfd) or a /dev/shm name.
 
     Started with subprocess rather than multiprocessing's spawn, which would re-import the
     parent's __main__ (a server launcher inside SGLang, a test runner, a user script)."""
-    path, rank, tail_s, ring, data_fd, free_fd, *rest = argv
-    threads, raw_when_behind = (int(rest[0]), rest[1] == "1") if rest else (0, False)
+    path, rank, tail_s, ring, data_fd, free_fd, ends_fd, threads, raw_when_behind = argv
     writer_main(
         path,
         int(rank),
@@ -53,8 +52,9 @@ def main(argv: list[str]) -> None:
         ring,
         Connection(int(data_fd)),
         Connection(int(free_fd)),
-        threads,
-        raw_when_behind,
+        int(ends_fd),
+        int(threads),
+        raw_when_behind == "1",
     )
 
 
@@ -89,12 +89,33 @@ class _Ring:
 
 
 class _Replies:
-    """The pipe back to the producer. Once the producer is gone, replies are dropped: the
-    writer keeps draining what the producer had handed over (issue 12, item 5)."""
+    """The pipes back to the producer: control replies (pickled), and ring counters (raw
+    8-byte little-endian, non-blocking: counters only grow, so one that does not fit now is
+    superseded by the next). Once the producer is gone, replies are dropped: the writer keeps
+    draining what the producer had handed over (issue 12, item 5)."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, ends_fd: int) -> None:
         self.conn = conn
+        self.ends_fd = ends_fd
+        os.set_blocking(ends_fd, False)
+        self.pending: int | None = None
         self.gone = False
+
+    def end(self, n: int) -> None:
+        """Hand ring bytes before counter n back to the producer."""
+        self.pending = n
+        self.flush_end()
+
+    def flush_end(self) -> None:
+        if self.pending is None or self.gone:
+            return
+        try:
+            os.write(self.ends_fd, self.pending.to_bytes(8, "little"))
+            self.pending = None
+        except BlockingIOError:
+            pass  # the producer empties the pipe at its next write; a later counter supersedes
+        except (BrokenPipeError, ConnectionResetError):
+            self.gone = True
 
     def send(self, msg) -> None:
         if self.gone:
@@ -143,12 +164,13 @@ def writer_main(
     ring: str,
     data_r: Connection,
     free_w: Connection,
+    ends_fd: int,
     threads: int = 0,
     raw_when_behind: bool = False,
 ) -> None:
     from hstrace.trace.recorder import RankRecorder
 
-    replies = _Replies(free_w)
+    replies = _Replies(free_w, ends_fd)
     try:
         shm = _Ring(ring)
         rowlog.configure(threads, raw_when_behind)
@@ -232,7 +254,7 @@ def _consume(rec, shm: _Ring, data_r: Connection, replies: _Replies, end, droppe
     except HstraceError as exc:  # keep recording other tables; the error is in the trace
         rec.note_error("writer", str(exc))
     finally:
-        replies.send(end)
+        replies.end(end)
     if dropped is not None:
         rec.set_dropped(dropped)
     behind = shm.behind(end)
@@ -247,6 +269,7 @@ def _serve(rec, shm: _Ring, guard: _Guard, data_r: Connection, replies: _Replies
     pause = IDLE_POLL_MIN_S
     while True:
         if not data_r.poll(0):
+            replies.flush_end()
             guard.check()
             for log in rec._all_logs():
                 log.drain()  # chunks the encoder finished meanwhile
