@@ -38,6 +38,11 @@ def report(
     replay_json = None
     exit_code = 0
     tr = open_checked(trace)
+    # The page plots a few columns only; summarising first runs the reader's checks (token ids,
+    # counts against offsets) so a corrupt trace is refused rather than drawn.
+    from hstrace.trace import summarize
+
+    summarize(tr)
     if against:
         from hstrace.replay import replay
 

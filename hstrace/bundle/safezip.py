@@ -19,6 +19,14 @@ from hstrace.errors import TraceError
 # are already compressed, so a high ratio is suspicious on its own.
 MAX_TOTAL_UNCOMPRESSED = 64 << 30
 MAX_MEMBER_RATIO = 200.0
+# The whole archive: trace chunks are stored and already compressed (ratio ~1), drafter
+# weights deflate ~1.1x; 20x over the archive is far above any real bundle and stops a zip of
+# many members each under the per-member limit (64 GB from 320 MB at 200x). What a reader
+# then inflates per member is bounded again by what the trace declares for that array
+# (hstrace/trace/guard.py).
+MAX_TOTAL_RATIO = 20.0
+# Below this the total ratio is not judged (a few small, well-compressing members).
+RATIO_TOTAL_MIN_BYTES = 64 << 20
 # Tiny members (zarr.json, offsets) may legitimately compress well; judge ratio above this size.
 RATIO_MIN_BYTES = 1 << 20
 MAX_MEMBERS = 1_000_000
@@ -95,6 +103,11 @@ def check_zip(
             raise TraceError(
                 f"{p}: uncompressed size exceeds {max_total} bytes; refusing a possible zip bomb"
             )
+    if total > RATIO_TOTAL_MIN_BYTES and total > MAX_TOTAL_RATIO * max(1, packed):
+        raise TraceError(
+            f"{p}: members inflate {total / max(1, packed):.0f}x in total ({total} bytes from "
+            f"{packed}; limit {MAX_TOTAL_RATIO:.0f}x); refusing a possible zip bomb"
+        )
     return ZipSummary(members=len(infos), compressed_bytes=packed, uncompressed_bytes=total)
 
 

@@ -8,7 +8,9 @@ every flag came from. That report is what `hstrace check` audits.
 from __future__ import annotations
 
 import json
+import math
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,9 +107,11 @@ def read_config(ckpt_dir: Path) -> dict[str, Any]:
 def read_tensors(weight_file: Path) -> dict[str, torch.Tensor]:
     try:
         if weight_file.suffix == ".bin":
-            sd = torch.load(
-                weight_file, map_location="cpu", weights_only=True
-            )  # never unpickle code
+            with warnings.catch_warnings():  # torch's pickle-protocol notes: we say what failed
+                warnings.simplefilter("ignore")
+                sd = torch.load(
+                    weight_file, map_location="cpu", weights_only=True
+                )  # never unpickle code
         else:
             sd = load_file(str(weight_file))
     except (SafetensorError, OSError, RuntimeError, EOFError, ValueError) as exc:
@@ -155,6 +159,58 @@ def _fit_aux_width(
         )
 
 
+# Parameters the checkpoint does not hold (the embedding of a SpecForge/EAGLE drafter, which
+# comes from the target) are allocated from the config alone: at most this many times the
+# checkpoint's own bytes, plus a floor (a real embedding is 1-3x a drafter's weights).
+MISSING_MAX_RATIO = 8
+MISSING_FLOOR_BYTES = 1 << 30
+
+
+def _sizes(cfg: DrafterConfig) -> str:
+    return (
+        f"hidden_size {cfg.hidden_size}, vocab_size {cfg.vocab_size}, draft_vocab_size "
+        f"{cfg.draft_vocab_size}, intermediate_size {cfg.intermediate_size}"
+    )
+
+
+def _check_sizes(
+    cfg: DrafterConfig, sd: dict[str, torch.Tensor], where: str, weight_file: Path
+) -> None:
+    """Compare what the config would allocate with the checkpoint's tensors BEFORE allocating
+    anything (a config claiming hidden 65536 / vocab 2^24 asks for terabytes)."""
+    try:
+        with torch.device("meta"):
+            shapes = {
+                k: (tuple(t.shape), t.dtype) for k, t in Eagle3Drafter(cfg).state_dict().items()
+            }
+    except ValueError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    held = 0
+    for key, tensor in sd.items():
+        name = canonical_name(key)
+        if name not in shapes:
+            continue
+        held += tensor.numel() * tensor.element_size()
+        if tuple(tensor.shape) != shapes[name][0]:
+            raise CheckpointError(
+                f"{weight_file}: {key} has shape {list(tensor.shape)}, but the config "
+                f"({_sizes(cfg)}) implies {list(shapes[name][0])}; nothing was allocated"
+            )
+    names = {canonical_name(k) for k in sd}
+    missing = sum(
+        math.prod(shape) * (torch.empty(0, dtype=dt).element_size() if dt != torch.bool else 1)
+        for n, (shape, dt) in shapes.items()
+        if n not in names
+    )
+    limit = MISSING_MAX_RATIO * held + MISSING_FLOOR_BYTES
+    if missing > limit:
+        raise CheckpointError(
+            f"{where}: the config ({_sizes(cfg)}) needs {missing} bytes for parameters "
+            f"{weight_file.name} does not hold, more than {limit} ({MISSING_MAX_RATIO}x its "
+            "tensors + 1 GiB); fix config.json (nothing was allocated)"
+        )
+
+
 def load_drafter(
     path: str | Path,
     dialect: str | None = None,
@@ -185,6 +241,7 @@ def load_drafter(
         raise CheckpointError(f"{where}: {exc}") from None
     notes: list[str] = []
     _fit_aux_width(cfg, sd, notes, where)
+    _check_sizes(cfg, sd, where, weight_file)
     try:
         model = Eagle3Drafter(cfg)
     except ValueError as exc:

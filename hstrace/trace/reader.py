@@ -9,6 +9,7 @@ store that zarr cannot parse, or whose commit record disagrees with its arrays, 
 from __future__ import annotations
 
 import os
+import warnings
 import zipfile
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -18,6 +19,8 @@ import zarr
 from zarr.storage import LocalStore, ZipStore
 
 from hstrace.errors import TraceError
+from hstrace.trace import validate as v
+from hstrace.trace.guard import GuardedStore, array_rule
 from hstrace.trace.schema import (
     FORMAT_NAME,
     OFFSETS_ARRAY,
@@ -41,12 +44,20 @@ class Trace:
             raise TraceError(f"{self.path}: no such trace")
         self._store: Any = None
         try:
+            # Every read goes through the guard: no link leaving the store, no endless or
+            # huge metadata, no missing or oversized chunk (hstrace/trace/guard.py).
             if self.path.is_dir():
-                self._store = LocalStore(self.path, read_only=True)
+                self._store = GuardedStore(
+                    LocalStore(self.path, read_only=True), str(self.path), root=self.path
+                )
             else:
                 _check_zip(self.path)
-                self._store = ZipStore(self.path, mode="r")
-            self._root = zarr.open_group(self._store, mode="r", use_consolidated=False)
+                self._store = GuardedStore(
+                    ZipStore(self.path, mode="r"), str(self.path), zip_path=self.path
+                )
+            self._root = zarr.open_group(
+                self._store, mode="r", use_consolidated=False, zarr_format=3
+            )
             attrs = dict(self._root.attrs)
         except TraceError:
             self.close()
@@ -67,15 +78,34 @@ class Trace:
                 f"{self.path}: trace schema version {version!r} is not supported by this hstrace "
                 f"(supported: {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))})"
             )
+        try:
+            v.check_root_meta(meta, str(self.path))
+        except TraceError:
+            self.close()
+            raise
         self.root_meta = meta
         try:
-            names = [k for k, _ in self._root.groups()]
+            # A stray file in the store (a note, a bundle's extra) is not ours to warn about.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                members = list(self._root.members())
+        except TraceError:
+            self.close()
+            raise
         except Exception as exc:  # noqa: BLE001
             self.close()
             raise TraceError(f"{self.path}: cannot list the rank groups ({exc})") from exc
-        self.ranks: list[int] = sorted(
-            int(n[4:]) for n in names if n.startswith("rank") and n[4:].isdigit()
-        )
+        names = []
+        for name, node in members:
+            if not (name.startswith("rank") and name[4:].isdigit()):
+                continue
+            if not isinstance(node, zarr.Group):
+                self.close()
+                raise TraceError(
+                    f"{self.path}: {name} is an array, not a rank group (corrupt trace)"
+                )
+            names.append(name)
+        self.ranks: list[int] = sorted(int(n[4:]) for n in names)
         self._ranks: dict[int, RankView] = {}
 
     @property
@@ -84,8 +114,8 @@ class Trace:
         meta = dict(self.root_meta)
         static = dict(meta.get("static") or {})
         for r in self.ranks:
-            for k, v in self.rank(r).static.items():
-                static.setdefault(k, v)
+            for k, item in self.rank(r).static.items():
+                static.setdefault(k, item)
         meta["static"] = static
         return meta
 
@@ -97,9 +127,16 @@ class Trace:
         return self._ranks[r]
 
     def close(self) -> None:
-        if isinstance(self._store, ZipStore):
+        if self._store is not None:
             self._store.close()
         self._store = None
+
+    @property
+    def ids_redacted(self) -> bool:
+        """Token ids are salted hashes (a bundle made with `--redact ids`): no vocab checks."""
+        bundle = (self.root_meta.get("static") or {}).get("bundle") or {}
+        red = bundle.get("redaction") if isinstance(bundle, dict) else None
+        return isinstance(red, dict) and "ids" in (red.get("modes") or ())
 
     def __enter__(self) -> Trace:
         return self
@@ -140,10 +177,15 @@ class RankView:
         try:
             self._group = trace._root[f"rank{rank}"]
             meta = dict(self._group.attrs).get(ROOT_KEY)
+        except TraceError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise TraceError(f"{where}: unreadable group metadata ({exc})") from exc
-        if not isinstance(meta, dict) or not isinstance(meta.get("commit"), dict):
+        if not isinstance(self._group, zarr.Group):
+            raise TraceError(f"{where}: is an array, not a rank group (corrupt trace)")
+        if not isinstance(meta, dict) or "commit" not in meta:
             raise TraceError(f"{where}: no commit record (not written by hstrace, or corrupt)")
+        v.check_rank_meta(meta, where)
         self.meta = meta
         commit = meta["commit"]
         self.clean_close: bool = bool(commit.get("clean_close", False))
@@ -158,19 +200,35 @@ class RankView:
         if name not in self._commit_tables:
             return None
         if name not in self._views:
-            self._views[name] = TableView(self, name, self._commit_tables[name])
+            vocab, draft = (None, None)
+            if not self.trace.ids_redacted:
+                vocab, draft = v.static_vocab(self.trace.meta.get("static") or {})
+            self._views[name] = TableView(self, name, self._commit_tables[name], vocab, draft)
         return self._views[name]
 
 
 class TableView:
-    def __init__(self, rank: RankView, name: str, commit: dict) -> None:
+    def __init__(
+        self,
+        rank: RankView,
+        name: str,
+        commit: dict,
+        vocab: int | None = None,
+        draft_vocab: int | None = None,
+    ) -> None:
         self.name = name
         self._where = f"{rank.trace.path}: rank{rank.rank}/{name}"
+        # Token ids are checked against these where known (the trace's static audit).
+        self._vocab, self._draft_vocab = vocab, draft_vocab
+        self._check_ids = not rank.trace.ids_redacted
+        self._req_checked = False
         try:
             self._group = rank._group[name]
-            tmeta = dict(self._group.attrs)[ROOT_KEY]
-            self.axes: list[str] = list(tmeta["axes"])
-            self.columns: dict[str, list[str]] = {a: list(c) for a, c in tmeta["columns"].items()}
+            if not isinstance(self._group, zarr.Group):
+                raise TraceError(f"{self._where}: is an array, not a table group (corrupt)")
+            self.axes, spec = v.check_table_meta(dict(self._group.attrs).get(ROOT_KEY), self._where)
+            self._spec = spec
+            self.columns: dict[str, list[str]] = {a: list(c) for a, c in spec.items()}
             self._arrays = {
                 (a, c): self._group[column_array(a, c)]
                 for a, cols in self.columns.items()
@@ -178,7 +236,13 @@ class TableView:
             }
             off_axes = [a for a in self.axes if a != STEP_AXIS]
             off_arr = self._group[OFFSETS_ARRAY] if off_axes else None
-            rows = {k: int(v) for k, v in commit["rows"].items()}
+            for key, arr in [*self._arrays.items(), ((OFFSETS_ARRAY, ""), off_arr)]:
+                if arr is not None and not isinstance(arr, zarr.Array):
+                    raise TraceError(
+                        f"{self._where}: {'/'.join(key).rstrip('/')} is a group, not an array "
+                        "(corrupt)"
+                    )
+            rows = {k: int(n) for k, n in commit["rows"].items()}
             steps = int(commit["steps"])
         except TraceError:
             raise
@@ -186,6 +250,11 @@ class TableView:
             raise TraceError(
                 f"{self._where}: table metadata is missing or corrupt ({type(exc).__name__}: {exc})"
             ) from exc
+        if off_arr is not None and str(off_arr.dtype) != "int64":
+            raise TraceError(
+                f"{self._where}: the offsets array is {off_arr.dtype}, schema v1 stores int64 "
+                "(corrupt)"
+            )
         if off_arr is not None:
             stored_axes = dict(off_arr.attrs).get(OFFSETS_AXES_KEY)
             if off_arr.ndim != 2 or stored_axes is None or sorted(stored_axes) != sorted(off_axes):
@@ -202,6 +271,14 @@ class TableView:
                     f"{self._where}: column {key[0]}/{key[1]} holds {arr.shape[0]} rows, commit record says {committed}"
                 )
             self._logical[key] = dict(arr.attrs).get("hstrace_dtype", str(arr.dtype))
+            v.check_dtype(
+                key[0],
+                key[1],
+                str(arr.dtype),
+                self._spec[key[0]][key[1]],
+                self._logical[key],
+                self._where,
+            )
             if key[0] == STEP_AXIS and key[1] in SCALAR_STEP_COLUMNS and arr.ndim != 1:
                 raise TraceError(
                     f"{self._where}: column step/{key[1]} has shape {arr.shape}; schema v1 stores "
@@ -212,6 +289,12 @@ class TableView:
         if off_arr is not None:
             steps = min(steps, rows.get(OFFSETS_ARRAY, 0) - 1)
         steps = max(steps, 0)
+        for key, arr in [*self._arrays.items(), ((OFFSETS_ARRAY, ""), off_arr)]:
+            if arr is None:
+                continue
+            label = OFFSETS_ARRAY if key[0] == OFFSETS_ARRAY else f"{key[0]}/{key[1]}"
+            # Before any data is read: which chunks must exist and how big they may be.
+            rank.trace._store.register(array_rule(label, arr, rows.get(label, 0), arr.path))
         self._offsets: dict[str, np.ndarray] = {}
         # A writer killed before its first commit of data has not even the leading 0 on disk:
         # that is an empty table, not a corrupt one.
@@ -241,6 +324,13 @@ class TableView:
     def _read(self, arr: zarr.Array, start: int, stop: int, what: str) -> np.ndarray:
         try:
             return np.asarray(arr[start:stop])
+        except TraceError:
+            raise
+        except MemoryError as exc:
+            raise TraceError(
+                f"{self._where}: reading {what} rows {start}:{stop} needs more memory than is "
+                "available"
+            ) from exc
         except Exception as exc:  # noqa: BLE001 - codec / IO errors mean a corrupt store
             raise TraceError(
                 f"{self._where}: cannot read {what} rows {start}:{stop} ({type(exc).__name__}: {exc})"
@@ -274,11 +364,46 @@ class TableView:
         n = self.num_rows(axis)
         lo, hi, _ = slice(start, stop).indices(n)
         data = self._read(self._arrays[(axis, name)], lo, max(lo, hi), f"{axis}/{name}")
+        self._validate(axis, name, data, lo, n)
         if self._logical[(axis, name)] == "bfloat16":
             import torch
 
             return torch.from_numpy(np.ascontiguousarray(data)).view(torch.bfloat16)
         return data
+
+    def _validate(self, axis: str, name: str, data: np.ndarray, lo: int, n: int) -> None:
+        """Range checks on the rows just read (hstrace/trace/validate.py): token ids, counts,
+        and, on a whole-column read, counts against the offsets."""
+        key = (axis, name)
+        if data.size == 0 or data.dtype.kind not in "iu":
+            return
+        if self._check_ids or key not in v.TARGET_ID_COLUMNS | v.DRAFT_ID_COLUMNS:
+            v.check_values(axis, name, data, lo, self._where, self._vocab, self._draft_vocab)
+        bound = v.BOUNDED_BY.get(key)
+        if bound is not None and (axis, bound) in self._arrays:
+            limit = self._read(self._arrays[(axis, bound)], lo, lo + len(data), f"{axis}/{bound}")
+            v.check_bounded(axis, name, data, bound, limit, lo, self._where)
+        if axis == "req" and lo == 0 and len(data) == n and not self._req_checked:
+            self._check_req_counts()
+
+    def _check_req_counts(self) -> None:
+        """Once per table, on its first whole read of a `req` column: every count column of
+        the axis (one row per request: small) sums, per step, to the rows it counts."""
+        self._req_checked = True
+        n = self.num_rows("req")
+        for col in self.columns.get("req", []):
+            counted = v.COUNTS_OF.get(col)
+            if counted not in self._offsets:
+                continue
+            data = self._read(self._arrays[("req", col)], 0, n, f"req/{col}")
+            v.check_values("req", col, data, 0, self._where, None, None)
+            v.check_counts_match(
+                col, data, self._offsets["req"], self._offsets[counted], counted, self._where
+            )
+            for (_, bounded), bound in v.BOUNDED_BY.items():
+                if bound == col and bounded in self.columns["req"]:
+                    other = self._read(self._arrays[("req", bounded)], 0, n, f"req/{bounded}")
+                    v.check_bounded("req", bounded, other, col, data, 0, self._where)
 
     def step(self, s: int) -> dict[str, dict[str, Any]]:
         if not 0 <= s < self.num_steps:

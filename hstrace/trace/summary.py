@@ -10,11 +10,15 @@ from typing import Any
 
 import numpy as np
 
+from hstrace.errors import TraceError
 from hstrace.trace.reader import TableView, Trace
 from hstrace.trace.schema import MODE_PREFILL
+from hstrace.trace.validate import DRAFT_ID_COLUMNS, TARGET_ID_COLUMNS
 
 ACCEPT_CONVENTION = "accept_len counts accepted draft tokens, excluding the bonus token"
 DRAFT_TABLES = ("draft_extend", "draft_step")
+# More draft positions than any engine proposes per step (SGLang/vLLM trees are <= 64 deep).
+MAX_DEPTH = 4096
 
 
 def _rows(t: TableView | None, axis: str) -> int:
@@ -54,6 +58,12 @@ def summarize(trace: Trace) -> dict[str, Any]:
             t = rv.table(name)
             if (keys := _col(t, "req", "req_key")) is not None:
                 req_keys.update(int(k) for k in np.unique(keys))
+            # Token ids are a small share of a trace (8 bytes a token against kilobytes of
+            # hidden state): reading them lets the reader check them against the vocabulary,
+            # so `show` never summarises a trace whose ids are corrupt.
+            for axis, col in sorted(TARGET_ID_COLUMNS | DRAFT_ID_COLUMNS):
+                if col in t.columns.get(axis, []):
+                    t.column(axis, col)
         verify = rv.table("verify")
         if verify is not None and (al := _col(verify, "req", "accept_len")) is not None:
             accept_lens.append(al.astype(np.int64))
@@ -100,6 +110,14 @@ def summarize(trace: Trace) -> dict[str, Any]:
     }
 
 
+def _count_greater(values: np.ndarray, depth: int, cap: np.ndarray | None = None) -> np.ndarray:
+    """[depth] array: entry i = how many values are > i (and, with `cap`, also have cap > i)."""
+    v = values if cap is None else np.minimum(values, cap)
+    v = np.clip(v, 0, depth).astype(np.int64)
+    hist = np.bincount(v, minlength=depth + 1)
+    return (hist[::-1].cumsum()[::-1])[1:]
+
+
 def _acceptance(accept_lens: list[np.ndarray], proposed: list[np.ndarray]) -> dict[str, Any]:
     al = np.concatenate(accept_lens) if accept_lens else np.zeros(0, np.int64)
     out: dict[str, Any] = {"convention": ACCEPT_CONVENTION, "verify_rows": int(al.size)}
@@ -112,14 +130,27 @@ def _acceptance(accept_lens: list[np.ndarray], proposed: list[np.ndarray]) -> di
         }
     values, counts = np.unique(al, return_counts=True)
     prop = np.concatenate(proposed)
+    if al.min() < 0 or (prop.size and prop.min() < -1):
+        raise TraceError(f"verify: accept_len {int(al.min())} / n_proposed are negative (corrupt)")
     # Position i (0-based) is accepted iff accept_len > i; the denominator is the rows that
-    # proposed at least i+1 tokens (all rows when n_proposed was not recorded).
+    # proposed at least i+1 tokens (all rows when n_proposed was not recorded). The reader has
+    # checked n_proposed against the proposed rows, so the depth is bounded by the data; the
+    # rates come from counts per value, O(depth + rows), not a pass over the rows per depth.
     depth = int(max(al.max(), prop.max())) if prop.size else int(al.max())
-    rates = []
-    for i in range(depth):
-        offered = (prop > i) | (prop < 0)
-        n = int(offered.sum())
-        rates.append(round(float((al[offered] > i).sum()) / n, 6) if n else None)
+    if depth > MAX_DEPTH:
+        raise TraceError(
+            f"verify: accept_len / n_proposed up to {depth}, more than {MAX_DEPTH} draft "
+            "positions (corrupt)"
+        )
+    known = prop >= 0
+    offered_beyond = _count_greater(prop[known], depth) + int((~known).sum())
+    accepted_offered = _count_greater(al[known], depth, prop[known]) + _count_greater(
+        al[~known], depth
+    )
+    rates = [
+        round(float(accepted_offered[i]) / int(offered_beyond[i]), 6) if offered_beyond[i] else None
+        for i in range(depth)
+    ]
     mean = float(al.mean())
     return out | {
         "mean_accept_len": round(mean, 6),

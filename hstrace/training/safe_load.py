@@ -1,10 +1,17 @@
 """Loading untrusted training files: torch pickles only with `weights_only=True`, every failure
-turned into a one-line `TrainingDataError` that names the file."""
+turned into a one-line `TrainingDataError` that names the file.
+
+A gzip member is inflated in blocks up to a cap (a 1.5 MB `.ckpt.gz` can claim 1.5 GiB), and
+torch's own warnings (e.g. "Detected pickle protocol 4" for a raw pickle) are kept off the
+user's terminal: the one line we print says what was wrong.
+"""
 
 from __future__ import annotations
 
 import gzip
 import io
+import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -20,16 +27,48 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+# A gzip'd sample may inflate to this many times its size (bf16 hidden states compress
+# ~1.1-1.5x; all-zero padding more), and never past the absolute limit.
+GZIP_MAX_RATIO = 20
+GZIP_MIN_LIMIT = 256 << 20
+GZIP_MAX_BYTES = 16 << 30
+_BLOCK = 4 << 20
+
+
+def gunzip_capped(path: Path) -> bytes:
+    """The inflated content of a gzip file, read in blocks; TrainingDataError past the cap."""
+    packed = path.stat().st_size
+    limit = min(GZIP_MAX_BYTES, max(GZIP_MIN_LIMIT, GZIP_MAX_RATIO * packed))
+    out = io.BytesIO()
+    with gzip.open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            out.write(block)
+            if out.tell() > limit:
+                raise TrainingDataError(
+                    f"{path}: inflates past {limit} bytes from {packed} (limit "
+                    f"{GZIP_MAX_RATIO}x, at least {GZIP_MIN_LIMIT >> 20} MiB); refusing a "
+                    "possible gzip bomb"
+                )
+    return out.getvalue()
+
+
 def load_torch(path: Path) -> Any:
     """`torch.load` of a `.pt`/`.ckpt` or a gzip-compressed `.ckpt.gz`, weights only."""
     try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                buf = io.BytesIO(f.read())
-            return torch.load(buf, map_location="cpu", weights_only=True)
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's pickle-protocol notes: we say what failed
+            if path.name.endswith(".gz"):
+                buf = io.BytesIO(gunzip_capped(path))
+                return torch.load(buf, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except TrainingDataError:
+        raise
     except FileNotFoundError as exc:
         raise TrainingDataError(f"{path}: missing training file") from exc
+    except (gzip.BadGzipFile, zlib.error, EOFError) as exc:
+        raise TrainingDataError(f"{path}: corrupt gzip ({_first_line(exc)})") from exc
+    except MemoryError as exc:
+        raise TrainingDataError(f"{path}: needs more memory than is available to load") from exc
     except Exception as exc:  # corrupt zip, truncated gzip, disallowed pickle global, ...
         raise TrainingDataError(f"{path}: cannot load ({_first_line(exc)})") from exc
 

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import torch
 
+from hstrace.errors import TrainingDataError
+
 LastNorm = Literal["pre", "post"]
 
 
@@ -54,6 +56,8 @@ class TrainingData(ABC):
 
     def __init__(self, root: Path) -> None:
         self.root = root
+        # (n_slots, Ht, file) of the first sample read: every sample of one dataset shares them.
+        self._shape: tuple[int, int, str] | None = None
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -61,15 +65,30 @@ class TrainingData(ABC):
     @abstractmethod
     def _load(self, i: int) -> TrainingSample: ...
 
+    def _checked(self, i: int) -> TrainingSample:
+        s = self._load(i)
+        n_slots, ht = int(s.aux.shape[1]), int(s.aux.shape[2])
+        where = str(s.provenance.get("file") or s.provenance.get("path") or f"sample {i}")
+        if getattr(self, "_shape", None) is None:  # (a subclass may skip our __init__)
+            self._shape = (n_slots, ht, where)
+        elif self._shape[:2] != (n_slots, ht):
+            first_slots, first_ht, first = self._shape
+            raise TrainingDataError(
+                f"{where}: hidden width {ht} x {n_slots} aux slots differs from the rest of the "
+                f"dataset ({first}: width {first_ht} x {first_slots} slots); one dataset is "
+                "dumped from one target"
+            )
+        return s
+
     def __getitem__(self, i: int) -> TrainingSample:
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"sample {i} out of range for {n} samples in {self.root}")
-        return self._load(i % n)
+        return self._checked(i % n)
 
     def samples(self) -> Iterator[TrainingSample]:
         for i in range(len(self)):
-            yield self._load(i)
+            yield self._checked(i)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} format={self.format!r} n={len(self)} root={self.root}>"
