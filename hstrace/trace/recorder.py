@@ -9,6 +9,7 @@ on disk.
 
 from __future__ import annotations
 
+import os
 import time
 from array import array
 from bisect import bisect_right
@@ -180,6 +181,18 @@ class RankRecorder:
         name = f"rank{int(rank)}"
         if name in root:
             raise TraceError(f"{path}: {name} already exists; each rank records once per trace")
+        # The claim: "exists? then create" races (two writers both pass the check, and one
+        # writer's steps are silently lost, or zarr raises ContainsGroupError). mkdir of the
+        # rank's directory is atomic: exactly one writer creates it.
+        try:
+            os.mkdir(os.path.join(os.fspath(path), name))
+        except FileExistsError:
+            raise TraceError(
+                f"{path}: {name} is already claimed by another writer; each rank records once "
+                "per trace"
+            ) from None
+        except OSError as exc:
+            raise TraceError(f"{path}: cannot create {name} ({exc.strerror})") from None
         self.rank = int(rank)
         self.tail_flush_s = float(tail_flush_s)
         self.meta: dict[str, Any] = {
