@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -212,3 +213,62 @@ def test_third_party_trace_with_shifted_capture(tmp_path, served_prompts):
     assert ev["serving_layers"] == [3, 4, 5] and ev["training_layers"] == [2, 3, 4]
     assert ev["shift"] == 1 and min(ev["serving_layer_cos"]) >= 0.999
     assert "[1, 2, 3]" in f["fix"] and "[2, 3, 4]" in f["fix"]
+
+
+def _build_python() -> str | None:
+    """A Python that can run the build: speculators' data pipeline imports httpx and loguru,
+    which the test environment does not install (scripts/test.sh); the build venv of the
+    docstring of traces/second-world/build.py has them."""
+    probe = "import httpx, loguru, speculators, specforge"
+    venv = Path.home() / ".cache" / "hstrace" / "venv-second-world" / "bin" / "python"
+    for py in (sys.executable, str(venv)):
+        if (
+            Path(py).exists()
+            and subprocess.run([py, "-c", probe], capture_output=True).returncode == 0
+        ):
+            return py
+    return None
+
+
+@pytest.mark.slow
+def test_rebuild_reproduces_the_world(tmp_path):
+    """Same torch and CPU kernels: bit-identical files (drafter-speculators/config.json holds
+    the verifier path relative to where the build ran, so it is compared without it). Other
+    kernels: the same files and held-out figures within a small margin."""
+    py = _build_python()
+    if py is None:
+        pytest.skip("no Python with httpx + loguru + speculators + specforge (see build.py)")
+    res = subprocess.run(
+        [py, str(WORLD / "build.py"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rebuilt = json.loads((tmp_path / "MANIFEST.json").read_text())
+    committed = json.loads((WORLD / "MANIFEST.json").read_text())
+    assert rebuilt["sizes"] == committed["sizes"]
+    assert rebuilt["files"].keys() == committed["files"].keys()
+    cfg = "drafter-speculators/config.json"
+
+    def without_path(root: Path) -> dict:
+        c = json.loads((root / cfg).read_text())
+        c["speculators_config"]["verifier"].pop("name_or_path")
+        return c
+
+    assert without_path(tmp_path) == without_path(WORLD)
+    same_kernels = (rebuilt["torch_version"], rebuilt["cpu_capability"]) == (
+        committed["torch_version"],
+        committed["cpu_capability"],
+    )
+    if same_kernels:
+        assert {k: v for k, v in rebuilt["files"].items() if k != cfg} == {
+            k: v for k, v in committed["files"].items() if k != cfg
+        }
+        assert rebuilt["heldout"] == committed["heldout"]
+        return
+    for name, ref in committed["heldout"].items():
+        got = rebuilt["heldout"][name]
+        assert abs(got["acc0_target"] - ref["acc0_target"]) < 0.05, name
+        assert abs(got["sim_accept_len_with_bonus"] - ref["sim_accept_len_with_bonus"]) < 0.3, name

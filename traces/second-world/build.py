@@ -477,6 +477,52 @@ def export_eagle31_as_specforge(spec_dir: Path, out: Path) -> None:
     draft.save_pretrained(str(out), state_dict=state)
 
 
+def heldout_metrics(out: Path) -> dict:
+    """Each drafter on the held-out samples, by hstrace (`hstrace check`'s evaluation: loaded by
+    its dialect detection, teacher from the target's head, conventions as `hstrace check
+    --json` states them)."""
+    from hstrace.check import load_target_embedding, resolve_norm_output, training_findings
+    from hstrace.drafter import load_drafter
+    from hstrace.metrics import TargetHead
+    from hstrace.training import open_training
+
+    class Heldout:
+        def __init__(self, td):
+            self.td, self.format = td, td.format
+
+        def __len__(self):
+            return N_HELDOUT
+
+        def __getitem__(self, i):
+            return self.td[N_SAMPLES - N_HELDOUT + i]
+
+    head = TargetHead.from_pretrained(out / "target")
+    emb = load_target_embedding(out / "target")
+    res = {}
+    for name, data in (
+        ("drafter-speculators", "training-speculators"),
+        ("drafter-specforge", "training-specforge"),
+        ("drafter-specforge-eagle31", "training-specforge"),
+    ):
+        model, report = load_drafter(out / name, target_embed=emb)
+        td = Heldout(open_training(out / data))
+        entry = {}
+        if "norm_output" in report.config and report.dialect == "specforge":
+            r = resolve_norm_output(model, open_training(out / data), True, head)
+            entry["norm_output_reading"] = r["reading"]
+            model.cfg.feed_normed = r["reading"] == "after-specforge-pr-879"
+        _, info = training_findings(model, td, report.dialect, head=head, max_samples=N_HELDOUT)
+        entry |= {
+            "data": data,
+            "acc0_target": round(info["acc0_target"]["value"], 4),
+            "per_position_full": [round(v, 4) for v in info["per_position"]["full"]],
+            "sim_accept_len_with_bonus": round(info["accept_len"]["value"], 4),
+            "rows": info["rows"],
+        }
+        res[name] = entry
+    return res
+
+
 # --- build --------------------------------------------------------------------------------
 
 
@@ -585,6 +631,11 @@ def main(argv: list[str] | None = None) -> int:
             "saved_by": "SpecForge LlamaForCausalLMEagle3.save_pretrained, norm_output: true",
             "final_train_metrics": e31_metrics,
         },
+        "heldout": heldout_metrics(out),
+        "heldout_conventions": "hstrace check's: acc0_target = draft argmax mapped by d2t vs the "
+        "target's full-vocab argmax at t+1 (teacher rebuilt from the stored final state), rows "
+        "with loss_mask[t+1]; per_position_full = teacher-forced, correct at steps 0..k; "
+        "sim_accept_len = 1 + sum(full), bonus counted; samples 16..19",
         "build_seconds": {
             "wall": round(time.time() - t0, 1),
             "cpu": round(time.process_time() - c0, 1),
