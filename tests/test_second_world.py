@@ -142,6 +142,49 @@ def test_eagle31_drafter_in_specforge_layout_is_read_after_pr_879(capsys):
     assert rc == 0 and doc["findings"] == []
 
 
+@pytest.mark.parametrize("name", ["drafter-specforge", "drafter-specforge-eagle31"])
+def test_specforge_exports_load_as_specforge_runs_them(monkeypatch, name):
+    """SpecForge's own export, loaded by hstrace's dialect detection, gives SpecForge 0.2.0's
+    own logits (its `LlamaForCausalLMEagle3` warm-started from the same dir, run by its
+    `OnlineEagle3Model`) on a real training sample, at every TTT step. For the EAGLE-3.1 export
+    (`norm_output: true`) this pins which reading SpecForge 0.2.0 is: the one before PR #879
+    (feed h back); the after-#879 reading agrees at step 0 and differs at steps >= 1."""
+    import torch
+
+    sf = pytest.importorskip("test_drafter_vs_specforge", reason="specforge 0.2.0 not importable")
+    monkeypatch.setattr(sf.sf_model, "LogSoftmaxLoss", sf.FakeCudaLogSoftmaxLoss)
+    from hstrace.check import POST_879, PRE_879, load_target_embedding, norm_output_flags
+    from hstrace.drafter import load_drafter
+    from hstrace.metrics import TargetHead
+    from hstrace.training import open_training
+
+    ck, target_dir = WORLD / name, WORLD / "target"
+    theirs_model = sf._specforge_model(ck, target_dir)
+    s = open_training(WORLD / "training-specforge")[SERVED[0]]
+    T, steps = s.num_tokens - 1, 3
+    ids = s.input_ids[1:]  # row t: token t+1
+    aux = s.aux_concat[:T].float()
+    teacher = TargetHead.from_pretrained(target_dir).teacher_logits(s.last, s.last_norm)
+    theirs, _ = sf._run_specforge(
+        theirs_model, aux, ids, teacher[1:].float(), s.loss_mask[1:].bool(), steps
+    )
+    ours, report = load_drafter(ck, target_embed=load_target_embedding(target_dir))
+    assert report.dialect == "specforge" and report.unmapped == []
+    readings = [PRE_879, POST_879] if "norm_output" in report.config else [PRE_879]
+    diffs = {}
+    for reading in readings:
+        for flag, value in norm_output_flags(True, reading).items():
+            setattr(ours.cfg, flag, value)
+        with torch.no_grad():
+            mine = ours.ttt(ids, aux, steps=steps)
+        diffs[reading] = [
+            float((theirs[k][: T - k] - mine[k].logits[: T - k]).abs().max()) for k in range(steps)
+        ]
+    assert max(diffs[PRE_879]) <= 1e-4, diffs  # SpecForge 0.2.0 = before PR #879
+    if POST_879 in diffs:
+        assert diffs[POST_879][0] <= 1e-4 and min(diffs[POST_879][1:]) > 1e-2, diffs
+
+
 # --- traces written by a third-party producer ---------------------------------------------------
 
 
