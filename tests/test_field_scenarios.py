@@ -244,6 +244,42 @@ def test_zero_filled_cached_prefix_is_hidden_corrupt(work, cached):
     assert "prefix cache" in result.verdict.fix
 
 
+def test_missing_chunk_is_hidden_corrupt(work, chunked):
+    """The capture missed one prefill chunk of a request (no target rows at 8..15, its draft
+    rows are there): missing rows, named, never a cache hit or target-drift."""
+    t = fp.read(chunked)
+    key = request_key("heldout:41")
+    e = [e for e, _a, _b in fp.request_rows(t, "target", key) if e.axes["step"]["mode"] == 0][1]
+    assert e.keys == [key] and int(e.axes["tok"]["positions"][0]) == 8
+    t.events.remove(e)
+    result = replay(fp.write(t, work / "missing-chunk.zarr"), TRAINING)
+    assert result.verdict.code == "hidden-corrupt", dump(result)
+    assert "target-drift" not in codes(result)
+    dead = result.verdict.evidence["dead_rows"]
+    assert [(d["request"], d["positions"], d["rows"], d["kind"]) for d in dead] == [
+        ("heldout:41", [[8, 15]], 8, "missing")
+    ]
+    assert "engine vs reference (missing rows)" in result.skipped
+
+
+def test_rows_beyond_the_declared_cache_are_missing(work, cached):
+    """n_cached says 18 but the target rows start at 22: positions 18..21 are missing, not
+    cached."""
+    t = fp.read(cached)
+    key = request_key("a-long")
+    e, a, b = fp.request_rows(t, "target", key)[0]
+    assert int(e.axes["tok"]["positions"][a]) == 18 and e.keys == [key]
+    for col, v in e.axes["tok"].items():
+        e.axes["tok"][col] = v[4:]
+    e.axes["req"]["n_tok"] = e.axes["req"]["n_tok"] - 4
+    result = replay(fp.write(t, work / "beyond-cache.zarr"), TRAINING)
+    assert result.verdict.code == "hidden-corrupt", dump(result)
+    dead = result.verdict.evidence["dead_rows"]
+    assert [(d["request"], d["positions"], d["kind"], d["n_cached"]) for d in dead] == [
+        ("a-long", [[18, 21]], "missing", 18)
+    ]
+
+
 # -- 4. acceptance-simulated --------------------------------------------------------------------
 def test_simulated_acceptance_leads_the_verdict(work, heldout_prompts):
     trace = record(work / "simulated.zarr", heldout_prompts, simulate_accept_len=3)

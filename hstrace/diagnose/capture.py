@@ -31,7 +31,9 @@ def _layers_fix(train_hf: list[int]) -> str:
     return (
         f"make serving capture the training layers (HF hidden_states {train_hf}): in the draft "
         'config.json set "eagle_config": {"eagle_aux_hidden_state_layer_ids": '
-        f"{_sglang_ids(train_hf)}}} for SGLang (it adds +1), or {train_hf} for vLLM; "
+        f"{_sglang_ids(train_hf)}}} for SGLang (it adds +1); for vLLM write {train_hf} "
+        '(HF hidden_states indices, no +1) as top-level "eagle_aux_hidden_state_layer_ids" '
+        "(vLLM reads the top level before eagle_config); "
         "or regenerate the training data with the layers serving captures"
     )
 
@@ -53,8 +55,10 @@ def _spans(positions: list[int]) -> list[list[int]]:
 
 def dead_rows(ctx) -> list[dict[str, Any]]:
     """Per request, the captured rows that cannot be hidden states: a slot exactly zero or
-    not finite. A real residual stream is never exactly zero, so even a few such rows (the
-    cached prompt part, a chunk the capture missed) are named, row by row."""
+    not finite (a real residual stream is never exactly zero, so even a few such rows, e.g.
+    the cached prompt part zero-filled, are named row by row), and the positions that have no
+    target row although they should (`ServingRequest.missing`: a gap, or cached rows beyond
+    the declared `n_cached`)."""
     ht = ctx.slot_width
     if ht is None or ctx.serving_width is None or ctx.serving_width % ht:
         return []
@@ -83,6 +87,18 @@ def dead_rows(ctx) -> list[dict[str, Any]]:
             item["n_cached"] = r.n_cached
             item["within_cached_prefix"] = bool(max(positions) < r.n_cached)
         out.append(item)
+    for r in ctx.serving.requests:
+        if r.missing:
+            out.append(
+                {
+                    "request": r.name,
+                    "positions": [list(m) for m in r.missing],
+                    "rows": sum(b - a + 1 for a, b in r.missing),
+                    "of_rows": int(r.aux_rows),
+                    "kind": "missing",
+                    **({"n_cached": r.n_cached} if r.n_cached is not None else {}),
+                }
+            )
     return out
 
 
@@ -93,12 +109,16 @@ def _partly_dead(ctx) -> list[Finding]:
     total = sum(f["rows"] for f in found)
     first = found[0]
     spans = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in first["positions"][:4])
-    prefix = any(f["positions"][0][0] == 0 and f["rows"] < f["of_rows"] for f in found)
+    prefix = any(
+        f["kind"] != "missing" and f["positions"][0][0] == 0 and f["rows"] < f["of_rows"]
+        for f in found
+    )
     return _finding(
         "hidden-corrupt",
         f"{total} serving aux row(s) are {first['kind']} in {len(found)} request(s), e.g. "
         f"{first['request']} positions {spans} ({first['rows']} of {first['of_rows']} rows): "
-        "the capture did not cover them, so the drafter got no hidden state there",
+        "the capture did not cover them (the drafter's hidden input there is unknown or "
+        "zero)",
         {"dead_rows": found[:20], "requests": len(found), "rows": total},
         (
             "the capture skipped part of these requests"

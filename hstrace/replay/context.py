@@ -281,7 +281,14 @@ class ReplayContext:
                 f"{len(left)} prefix-cache hit(s) left out: no recorded capture covers their "
                 "cached span (no earlier request of the trace, no aligned training sample)",
             )
-        return [r for r in reqs if r.key not in left]
+        holes = {r.key for r in reqs if r.missing}
+        if holes:
+            self.skip(
+                "engine vs reference (missing rows)",
+                f"{len(holes)} request(s) left out: target rows missing inside the request "
+                "(hidden-corrupt names them), so their draft rows cannot be placed",
+            )
+        return [r for r in reqs if r.key not in left | holes]
 
     @cached_property
     def training_layers(self) -> list[int] | None:

@@ -70,6 +70,10 @@ class ServingRequest:
     prefill_chunks: list[tuple[int, int]] = field(default_factory=list)
     # The target step (event on this rank) each aux row was recorded in: the batch it rode in.
     aux_steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # [[first, last], ...] positions that should have target rows and have none: gaps between
+    # recorded rows, and cached-prefix rows beyond the declared `n_cached`. Rows after the
+    # first gap are not part of the aligned sequence.
+    missing: list[list[int]] = field(default_factory=list)
 
     @property
     def aux_rows(self) -> int:
@@ -212,6 +216,12 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
     requests = []
     for key, by_pos in rows.items():
         positions = np.array(sorted(by_pos), dtype=np.int64)
+        # Positions between the first and the last target row that have none: a capture that
+        # missed them (named by replay), not a cached prefix.
+        gaps = [
+            [int(positions[i]) + 1, int(positions[i + 1]) - 1]
+            for i in np.flatnonzero(np.diff(positions) != 1)
+        ]
         # Only the contiguous run from the first position is a sequence we can align.
         contiguous = np.flatnonzero(np.diff(positions) != 1)
         if contiguous.size:
@@ -225,6 +235,9 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
             # A prefix-cache hit: the target ran on the suffix only, at its true positions.
             # The cached prefix is the prompt's first `base` ids; it has no target rows.
             tokens, start, base = np.concatenate([prompt[:base], tokens]), base, 0
+        n_cached = info.get("n_cached")
+        if start and n_cached is not None and n_cached < start:
+            gaps.insert(0, [int(n_cached), start - 1])  # declared cached: fewer than skipped
         req = ServingRequest(
             key=key,
             tokens=tokens,
@@ -237,6 +250,7 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
             rid=info.get("rid"),
             prefill_chunks=chunks.get(key, []),
             aux_steps=step_of_row[idx],
+            missing=gaps,
         )
         if key in drafts:
             req.draft = _index_draft(drafts[key], req)
