@@ -26,6 +26,10 @@ TARGET_ID_COLUMNS = {
 }
 DRAFT_ID_COLUMNS = {("tok", "topk_draft_ids")}
 SENTINEL_OK = {("tok", "topk_target_ids"), ("tok", "topk_draft_ids")}
+# Target ids the engine mapped from draft ids itself: a misread d2t (SGLang's hot_token_id =
+# d2t + arange over a d2t that holds a table) proposes ids past the vocabulary, and that is the
+# evidence of the fault, not corruption (replay only compares them, never indexes with them).
+ENGINE_MAPPED = {("tok", "topk_target_ids")}
 # Counts and indices that are never negative (positions may be: a producer's shift knob).
 NONNEGATIVE = {
     ("req", "n_tok"),
@@ -172,11 +176,21 @@ def check_values(
         return
     if key in NONNEGATIVE:
         _refuse_if(data < 0, data, axis, column, first_row, where, "is negative")
+    if key == ("step", "mode"):
+        _refuse_if(
+            (data != 0) & (data != 1),
+            data,
+            axis,
+            column,
+            first_row,
+            where,
+            "is neither 0 (prefill/extend) nor 1 (verify)",
+        )
     if key in TARGET_ID_COLUMNS or key in DRAFT_ID_COLUMNS:
         low = -1 if key in SENTINEL_OK else 0
         _refuse_if(data < low, data, axis, column, first_row, where, "is not a token id (negative)")
         bound = draft_vocab if key in DRAFT_ID_COLUMNS else vocab
-        if bound is not None:
+        if bound is not None and key not in ENGINE_MAPPED:
             _refuse_if(
                 data >= bound,
                 data,
@@ -249,3 +263,18 @@ def _refuse_if(bad, data, axis, column, first_row, where, why) -> None:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_token_ids(where: str, ids: Any, vocab: int, what: str = "token id") -> None:
+    """Ids a consumer is about to index an embedding with must lie in [0, vocab): for traces
+    whose static audit names no vocabulary, replay checks against the drafter's."""
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return
+    bad = (arr < 0) | (arr >= vocab)
+    if np.any(bad):
+        i = int(np.argmax(bad.reshape(-1)))
+        raise TraceError(
+            f"{where}: {what} {int(arr.reshape(-1)[i])} at index {i} is outside the vocabulary "
+            f"of {vocab} ids (corrupt trace, or a drafter for another target)"
+        )
