@@ -40,7 +40,13 @@ def _embedding(model: Any, report: Any, target: str | None) -> tuple[Any, str | 
         if missing:
             return None, None, False
         return model.embed_tokens.weight.detach(), "the drafter checkpoint's embed_tokens", True
-    emb = load_target_embedding(target)  # CheckpointError (one line) for a bad dir
+    try:
+        emb = load_target_embedding(target)  # CheckpointError (one line) for a bad dir
+    except CheckpointError:
+        if missing:
+            raise
+        # the target keeps its embedding under another name; the drafter's copy still serves
+        return model.embed_tokens.weight.detach(), "the drafter checkpoint's embed_tokens", True
     if missing:
         if tuple(emb.shape) != tuple(model.embed_tokens.weight.shape):
             raise CheckpointError(
