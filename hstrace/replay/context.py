@@ -83,6 +83,7 @@ class ReplayContext:
         self.skipped: dict[str, str] = {}
         self.metrics: dict[str, Any] = {}
         self._progress = progress
+        self._cached_aux_memo: dict[int, tuple[torch.Tensor, str] | None] = {}
         # Why the drafter must not be run (e.g. its embedding is missing): its static
         # checks still apply, its outputs would be those of random weights.
         self.no_forward = no_forward
@@ -320,6 +321,13 @@ class ReplayContext:
         (what the engine's cache was filled from; itself a cache hit with a shorter cached
         span is rebuilt the same way), else the aligned training sample's rows. None when
         neither holds them (the drafter's context for the hit is then unknown)."""
+        if r.key in self._cached_aux_memo:
+            return self._cached_aux_memo[r.key]
+        got = self._rebuild_cached_aux(r)
+        self._cached_aux_memo[r.key] = got
+        return got
+
+    def _rebuild_cached_aux(self, r: ServingRequest) -> tuple[torch.Tensor, str] | None:
         c = r.aux_start
         if c == 0:
             return torch.zeros(0, 0), "none"
