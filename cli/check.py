@@ -213,6 +213,16 @@ def _print_rich(report: Any, findings: list[Finding], metrics: dict[str, Any]) -
         con.print(scope)
         con.print(f"    evidence: {json.dumps(f.evidence, default=str)}", markup=False)
         con.print(f"    fix: {f.fix}", markup=False)
+    res = metrics.get("norm_output_resolution")
+    if res:
+        read_as = res["reading"] or "undecided"
+        acc = ", ".join(f"{k} {v:.3f}" for k, v in res["accuracy"].items() if v is not None)
+        con.print(
+            f"SpecForge norm_output read as: {read_as} ({res['compared']}: {acc}; rows only "
+            f"right before/after PR #879: {res['only_right_before_pr_879']}/"
+            f"{res['only_right_after_pr_879']} of {res['rows']}; {res['test']})",
+            markup=False,
+        )
     train = metrics.get("training")
     if train:
         _print_training(con, train)

@@ -104,6 +104,16 @@ def test_t2d_inconsistent_with_d2t(tmp_path, capsys):
         return {**sd, "t2d": t2d}
 
     _edit_weights(ck, edit)
+    # SpecForge's own consistency check is the oracle: it accepts the clean buffers and
+    # rejects these (if installed)
+    try:
+        from specforge.core.compact_teacher import validate_vocab_mapping_consistency
+    except ImportError:
+        validate_vocab_mapping_consistency = None
+    if validate_vocab_mapping_consistency is not None:
+        validate_vocab_mapping_consistency(sd["t2d"], sd["d2t"])
+        with pytest.raises(ValueError, match="inconsistent"):
+            validate_vocab_mapping_consistency(edit(sd)["t2d"], sd["d2t"])
     rc, doc, _ = run_check(capsys, str(ck), "--json")
     f = _finding(doc, "vocab-map-inconsistent")
     assert rc == 1 and codes(doc) == ["vocab-map-inconsistent"] and f["stage"] == "vocab-map"
@@ -262,6 +272,8 @@ def test_norm_output_decided_from_training_data(tmp_path, capsys):
     f = _finding(doc, "norm-flag-mismatch")
     assert rc == 1 and f["severity"] == "fault" and f["applies_to"] == "sglang>=0.5.23, vllm"
     assert f["evidence"]["reading"] == "before-specforge-pr-879"
+    rc, out, _ = run_check(capsys, str(ck), *args)
+    assert "SpecForge norm_output read as: before-specforge-pr-879" in out
     # `false`: the readings differ only in the norm before lm_head, which leaves every argmax of
     # this drafter unchanged; hstrace says it cannot tell instead of picking one
     ck = _norm_output(tmp_path, False)
