@@ -315,3 +315,21 @@ def test_rebuild_reproduces_the_world(tmp_path):
         got = rebuilt["heldout"][name]
         assert abs(got["acc0_target"] - ref["acc0_target"]) < 0.05, name
         assert abs(got["sim_accept_len_with_bonus"] - ref["sim_accept_len_with_bonus"]) < 0.3, name
+
+
+def test_third_party_trace_reading_d2t_as_a_table(tmp_path, served_prompts):
+    """The producer's engine maps draft ids through d2t as if it were a table (target = d2t[i])
+    instead of offsets (i + d2t[i])."""
+    trace = _producer().record(
+        tmp_path / "d2t.zarr",
+        WORLD / "target",
+        WORLD / "drafter-speculators",
+        served_prompts,
+        layers=[2, 3, 4],
+        d2t_as_table=True,
+    )
+    doc = _replay(trace)
+    assert doc["verdict"]["code"] == "d2t-direct-table", doc["findings"]
+    ev = _finding(doc, "d2t-direct-table")["evidence"]
+    by = ev["agreement_by_reading"]
+    assert by["direct table"] == 1.0 and by["offsets"] < 0.5, by

@@ -11,8 +11,9 @@ step-0 logits over the prompt rows are the draft the engine would extend. Per re
 and one `draft_extend` step (top-k of the draft logits). Prefill only: no decode rounds, so the
 trace has no `verify` or `draft_step` table (a legal trace; replay says what it could not check).
 
-A fault is injected here, in the producer, never in hstrace: `layers` other than the ones the
-drafter was trained on is an engine that captured the wrong layers.
+Faults are injected here, in the producer, never in hstrace: `layers` other than the ones the
+drafter was trained on is an engine that captured the wrong layers; `d2t_as_table=True` is an
+engine that reads the checkpoint's d2t offsets as a direct draft -> target table.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def record(
     layers: list[int],
     dtype: torch.dtype = torch.bfloat16,
     engine: str = "third-party-cpu",
+    d2t_as_table: bool = False,
 ) -> Path:
     from transformers import DeepseekV3ForCausalLM
 
@@ -159,7 +161,9 @@ def record(
                     "positions": pos[:T],
                     "hidden_in": aux[:T],
                     "topk_draft_ids": top.indices,
-                    "topk_target_ids": top.indices + d2t[top.indices],
+                    "topk_target_ids": (
+                        d2t[top.indices] if d2t_as_table else top.indices + d2t[top.indices]
+                    ),
                     "topk_logprobs": top.values - lse[:, None],
                     "lse": lse,
                 },
