@@ -243,4 +243,6 @@ def live_replay(trace: Path, against: Path, drafter: Path) -> dict:
         timeout=600,
     )
     assert res.returncode in (0, 1), res.stderr[-3000:]
-    return json.loads(res.stdout)
+    report = json.loads(res.stdout)
+    report["_exit_code"] = res.returncode  # 0 no fault, 1 a fault
+    return report
