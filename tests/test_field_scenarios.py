@@ -51,7 +51,8 @@ def heldout_prompts(ids):
 @pytest.fixture(scope="module")
 def cache_prompts(ids):
     """Two requests per sample: the longer one finds the shorter one's committed sequence in
-    the prefix cache (18 and 29 tokens cached; b-short shares one leading token with a)."""
+    the prefix cache (17 and 29 positions cached, counted like SGLang's EAGLE radix cache:
+    bigram keys; b-short shares only its first token with a, which caches nothing)."""
     return [
         Prompt(input_ids=tuple(ids[40][:16]), source_id="a-short"),
         Prompt(input_ids=tuple(ids[41][:24]), source_id="b-short"),
@@ -107,22 +108,22 @@ def test_cache_hit_trace_replays_clean(cached):
     # Suffix-only prefill at true positions; the cached prefix comes from the prompt.
     assert {n: r.aux_start for n, r in by_name.items()} == {
         "a-short": 0,
-        "b-short": 1,
-        "a-long": 18,
+        "b-short": 0,
+        "a-long": 17,
         "b-long": 29,
     }
     assert all(r.n_cached == r.aux_start for r in serving.requests)
-    assert by_name["a-long"].aux_rows == by_name["a-long"].aux_end - 18
-    assert int(by_name["a-long"].draft.positions[0]) == 18
-    assert int(by_name["a-long"].draft.index[0]) == 18
+    assert by_name["a-long"].aux_rows == by_name["a-long"].aux_end - 17
+    assert int(by_name["a-long"].draft.positions[0]) == 17
+    assert int(by_name["a-long"].draft.index[0]) == 17
     result = replay(cached, TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
     assert result.exit_code == 0 and not result.faults
     assert "token-shift" not in codes(result) and "target-drift" not in codes(result)
     assert result.coverage["aligned_requests"] == 4
     split = result.metrics["engine_vs_reference_by_cache"]
-    assert split["cache_hit"]["requests"] == 3 and split["cache_hit"]["agrees"]
-    assert split["fresh"]["requests"] == 1 and split["fresh"]["agrees"]
+    assert split["cache_hit"]["requests"] == 2 and split["cache_hit"]["agrees"]
+    assert split["fresh"]["requests"] == 2 and split["fresh"]["agrees"]
     assert result.metrics["engine_vs_reference"]["within_noise"]
 
 
@@ -150,14 +151,15 @@ def test_cache_hits_do_not_mask_a_real_fault(work, cache_prompts, code, knobs):
 def _assert_kv_stale(result, stale_requests: set[str]) -> None:
     assert result.verdict.code == "draft-kv-stale", dump(result)
     ev = result.verdict.evidence
-    assert ev["fresh"]["agrees"] and ev["fresh"]["requests"] == 1
+    assert ev["fresh"]["agrees"] and ev["fresh"]["requests"] == 2
     assert not ev["cache_hit"]["agrees"]
     named = {r["request"]: r for r in ev["cache_hit_requests"]}
     assert stale_requests <= set(named)
-    assert named["a-long"]["n_cached"] == 18 and named["a-long"]["n_cached_recorded"] == 18
+    assert named["a-long"]["n_cached"] == 17 and named["a-long"]["n_cached_recorded"] == 17
     assert named["a-long"]["max_logprob_diff"] > ev["tolerance"]
-    assert named["a-long"]["first_disagreeing_position"] >= 18  # only rows after the span
+    assert named["a-long"]["first_disagreeing_position"] >= 17  # only rows after the span
     assert named["a-long"]["cached_span_rebuilt_from"] == "recorded capture of a-short"
+    assert named["b-long"]["cached_span_rebuilt_from"] == "recorded capture of b-short"
     fix = result.verdict.fix
     assert "--disable-radix-cache" in fix and "--no-enable-prefix-caching" in fix
     assert "#19897" in fix and "vllm#41838" in fix
@@ -225,21 +227,21 @@ def test_zero_filled_cached_prefix_is_hidden_corrupt(work, cached):
     t = fp.read(cached)
     key = request_key("a-long")
     e, a, b = fp.request_rows(t, "target", key)[0]  # its (suffix-only) prefill
-    assert int(e.axes["tok"]["positions"][a]) == 18 and len(e.blocks()) == 1
+    assert int(e.axes["tok"]["positions"][a]) == 17 and len(e.blocks()) == 1
     prompt = next(
         np.asarray(r.axes["tok"]["prompt_ids"]) for r in t.of("requests") if r.keys == [key]
     )
     tok = e.axes["tok"]
     width = tok["aux_hidden"].shape[1]
-    tok["input_ids"] = np.concatenate([prompt[:18], tok["input_ids"]])
-    tok["positions"] = np.concatenate([np.arange(18), tok["positions"]])
-    tok["aux_hidden"] = torch.cat([torch.zeros(18, width, dtype=torch.bfloat16), tok["aux_hidden"]])
-    e.axes["req"]["n_tok"] = e.axes["req"]["n_tok"] + 18
+    tok["input_ids"] = np.concatenate([prompt[:17], tok["input_ids"]])
+    tok["positions"] = np.concatenate([np.arange(17), tok["positions"]])
+    tok["aux_hidden"] = torch.cat([torch.zeros(17, width, dtype=torch.bfloat16), tok["aux_hidden"]])
+    e.axes["req"]["n_tok"] = e.axes["req"]["n_tok"] + 17
     result = replay(fp.write(t, work / "zero-prefix.zarr"), TRAINING)
     assert result.verdict.code == "hidden-corrupt", dump(result)
     assert "target-drift" not in codes(result)
     dead = result.verdict.evidence["dead_rows"]
-    assert [(d["request"], d["positions"], d["rows"]) for d in dead] == [("a-long", [[0, 17]], 18)]
+    assert [(d["request"], d["positions"], d["rows"]) for d in dead] == [("a-long", [[0, 16]], 17)]
     assert dead[0]["within_cached_prefix"] is True
     assert "prefix cache" in result.verdict.fix
 
@@ -263,12 +265,12 @@ def test_missing_chunk_is_hidden_corrupt(work, chunked):
 
 
 def test_rows_beyond_the_declared_cache_are_missing(work, cached):
-    """n_cached says 18 but the target rows start at 22: positions 18..21 are missing, not
+    """n_cached says 17 but the target rows start at 21: positions 17..20 are missing, not
     cached."""
     t = fp.read(cached)
     key = request_key("a-long")
     e, a, b = fp.request_rows(t, "target", key)[0]
-    assert int(e.axes["tok"]["positions"][a]) == 18 and e.keys == [key]
+    assert int(e.axes["tok"]["positions"][a]) == 17 and e.keys == [key]
     for col, v in e.axes["tok"].items():
         e.axes["tok"][col] = v[4:]
     e.axes["req"]["n_tok"] = e.axes["req"]["n_tok"] - 4
@@ -276,7 +278,7 @@ def test_rows_beyond_the_declared_cache_are_missing(work, cached):
     assert result.verdict.code == "hidden-corrupt", dump(result)
     dead = result.verdict.evidence["dead_rows"]
     assert [(d["request"], d["positions"], d["kind"], d["n_cached"]) for d in dead] == [
-        ("a-long", [[18, 21]], "missing", 18)
+        ("a-long", [[17, 20]], "missing", 17)
     ]
 
 

@@ -532,8 +532,10 @@ class ReferenceChain:
         }
 
     def _cached_prefix(self, prompt: list[int]) -> int:
-        """Longest prefix of `prompt` an earlier request committed (at least one prompt token
-        is always prefilled, as engines do)."""
+        """Cached prompt positions, as SGLang's radix cache counts them for EAGLE (bigram
+        keys: position i is reused only when tokens i and i+1 both match, because the draft
+        KV at i was computed with token i+1), so a cache hit of c positions needs c+1 equal
+        leading tokens. At least one prompt token is always prefilled, as engines do."""
         best = 0
         for other in self.cached:
             n = 0
@@ -541,8 +543,8 @@ class ReferenceChain:
                 if a != b:
                     break
                 n += 1
-            best = max(best, n)
-        return min(best, len(prompt) - 1)
+            best = max(best, n - 1)
+        return max(0, min(best, len(prompt) - 1))
 
     def _chunks(self, start: int, stop: int) -> list[tuple[int, int]]:
         size = self.knobs.chunked_prefill_size
