@@ -332,6 +332,9 @@ class ReplayContext:
         if c == 0:
             return torch.zeros(0, 0), "none"
         want = np.asarray(r.tokens[:c])
+        # Each cached row is fed the request's own successor token (`prefix_of`): SGLang's
+        # EAGLE radix cache reuses position i only when tokens i and i+1 both match (bigram
+        # keys) and vLLM drops the last matched block, so a right cache holds exactly that.
         for o in self._prefix_sources:
             if o is r or o.aux_start >= c or o.aux_end < c or len(o.tokens) < c:
                 continue
