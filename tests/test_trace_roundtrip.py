@@ -391,3 +391,54 @@ def test_plain_zarr_snippet_of_the_docs_reads_a_step(tmp_path, monkeypatch):
     assert scope["mode"] == want["step"]["mode"][0] == 1
     assert np.array_equal(scope["aux_bits"], want["tok"]["aux_hidden"].view(torch.uint16).numpy())
     assert scope["aux_bits"].shape == (1 + 25 % 7, 6)
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["compressed", "stored-raw-while-behind"])
+def test_wide_column_files_read_by_plain_zarr_and_by_the_fast_reader(tmp_path, raw):
+    """The writer encodes chunks and shards itself (not through zarr): plain zarr decodes
+    them, hstrace's own reader (chunkread) reads any row range of them, bit for bit, and
+    chunks stored uncompressed while the writer was behind are counted in the commit record."""
+    import zarr
+
+    from hstrace.trace import chunkread, rowlog
+
+    path = tmp_path / "wide.zarr"
+    create_trace(path, engine={"name": "test"})
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    rowlog.configure(1, raw_when_behind=raw)
+    rowlog.set_behind(raw)
+    try:
+        w = TraceWriter(path, process=False, tail_flush_s=0.05)
+        for s in range(9):
+            n = 300 if s == 4 else 100
+            x = torch.randn(n, 8192, generator=g).to(torch.bfloat16)  # 16 KiB rows: sharded
+            rows.append(x)
+            w.write(
+                "target",
+                step={"mode": 0},
+                req={"req_key": torch.tensor([s]), "n_tok": torch.tensor([n])},
+                tok={"input_ids": torch.arange(n, dtype=torch.int32), "aux_hidden": x},
+            )
+            if s == 2:
+                w.flush()  # a tail flush inside an unfinished shard, later completed
+        w.close()
+    finally:
+        rowlog.configure(0, raw_when_behind=False)
+        rowlog.set_behind(False)
+    want = torch.cat(rows)
+    arr = zarr.open_array(str(path / "rank0/target/tok.aux_hidden"), mode="r")
+    assert arr.shards is not None and arr.shards[0] > arr.chunks[0]  # the layout under test
+    assert np.array_equal(arr[:], want.view(torch.uint16).numpy())  # plain zarr decodes it
+    with open_trace(path) as tr:
+        t = tr.rank(0).table("target")
+        assert chunkread.layout_of(t._arrays[("tok", "aux_hidden")]) is not None
+        assert _same(t.column("tok", "aux_hidden"), want)
+        assert _same(t.column("tok", "aux_hidden", 250, 630), want[250:630])  # partial chunks
+        assert _same(t.column("tok", "input_ids")[100:200], torch.arange(100, dtype=torch.int32))
+        entry = tr.rank(0).meta["commit"]["tables"]["target"]
+    counted = entry.get("uncompressed_chunks", {})
+    if raw:
+        assert counted.get("tok/aux_hidden", 0) >= 3, entry  # the full inner chunks, at least
+    else:
+        assert counted == {}, entry

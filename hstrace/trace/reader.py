@@ -19,6 +19,7 @@ import zarr
 from zarr.storage import LocalStore, ZipStore
 
 from hstrace.errors import TraceError
+from hstrace.trace import chunkread
 from hstrace.trace import validate as v
 from hstrace.trace.guard import GuardedStore, array_rule
 from hstrace.trace.schema import (
@@ -323,6 +324,11 @@ class TableView:
 
     def _read(self, arr: zarr.Array, start: int, stop: int, what: str) -> np.ndarray:
         try:
+            # hstrace's own layout straight from its files (several times zarr's speed); None:
+            # another layout or a zip, which zarr reads (writer room, bench/README.md).
+            rows = chunkread.read_rows(arr, start, stop)
+            if rows is not None:
+                return rows
             return np.asarray(arr[start:stop])
         except TraceError:
             raise
