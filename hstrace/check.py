@@ -685,6 +685,44 @@ def embedding_slots(sample: Any, embedding: torch.Tensor) -> list[dict[str, Any]
     return out
 
 
+# Without any embedding: a slot that is a function of the token id alone (the same row wherever
+# a token repeats, at any position and context) can only be the embedding; every decoder layer
+# mixes in the context through attention. Needs a few tokens that repeat to say anything.
+MIN_REPEATED_TOKENS = 4
+
+
+def token_function_slots(sample: Any) -> list[dict[str, Any]]:
+    """For each stored aux slot (and the final state), the largest relative spread between rows
+    of the same token id, ||x_i - x_j|| / ||x_i||; `is_embedding` when it is within bf16
+    rounding for at least `MIN_REPEATED_TOKENS` repeated tokens. [] when too few tokens repeat."""
+    ids = sample.input_ids.long()
+    groups = [torch.nonzero(ids == t).flatten() for t in torch.unique(ids)]
+    groups = [g for g in groups if g.numel() >= 2]
+    if len(groups) < MIN_REPEATED_TOKENS:
+        return []
+    slots = [(j, sample.aux[:, j]) for j in range(sample.aux.shape[1])]
+    if sample.last is not None:
+        slots.append(("last", sample.last))
+    out = []
+    for j, x in slots:
+        x = x.float()
+        spread = 0.0
+        for g in groups:
+            rows = x[g]
+            ref = rows[0]
+            rel = (rows - ref).norm(dim=-1).max() / ref.norm().clamp_min(1e-12)
+            spread = max(spread, float(rel))
+        out.append(
+            {
+                "slot": j,
+                "rel_error": spread,
+                "is_embedding": spread <= EMBED_SLOT_REL_TOL,
+                "repeated_tokens": len(groups),
+            }
+        )
+    return out
+
+
 def _embedding_slot_findings(
     model: Eagle3Drafter,
     dialect: str,
@@ -694,13 +732,22 @@ def _embedding_slot_findings(
 ) -> tuple[list[Finding], dict[str, Any]]:
     """B12 / the seed incident ([embed, L3, L31, L59] stored, [2, 30, 58] served): a training
     slot that IS the token embedding (HF hidden_states[0]) while the drafter's config asks the
-    engine for decoder layers only. Decided from the numbers, with the drafter's own saved
-    embedding when no target is given (speculators saves the target's)."""
+    engine for decoder layers only. Decided from the numbers: against the target's embedding,
+    else the drafter's own saved one (speculators saves the target's), else by the slot being a
+    function of the token id alone (`token_function_slots`)."""
     if embedding is None:
-        return [], {
-            "embedding_slot_test": "not run: no embedding (the checkpoint has none; pass --target)"
-        }
-    tested = embedding_slots(first, embedding)
+        tested = token_function_slots(first)
+        embedding_source = (
+            "none (the checkpoint has none, no --target): a slot that is the same row wherever "
+            "a token repeats is a function of the token alone, the embedding"
+        )
+        if not tested:
+            return [], {
+                "embedding_slot_test": "not run: no embedding (pass --target) and too few "
+                "repeated tokens to test without one"
+            }
+    else:
+        tested = embedding_slots(first, embedding)
     info = {
         "embedding_slot_test": {
             "embedding_source": embedding_source,

@@ -76,8 +76,11 @@ def test_no_accuracy_without_an_embedding(tmp_path, capsys, monkeypatch, dialect
         assert train[name]["value"] is None and train[name]["skipped"] is True, name
     assert train["per_position"] == {"skipped": True}
     assert train["accept_len"]["value"] is None
-    # the slot checks still ran; the embedding-slot test says why it could not
-    assert "not run" in train["embedding_slot_test"]
+    # the slot checks still ran; with no embedding the embedding-slot test asks whether a slot
+    # is a function of the token alone: none of these is
+    test = train["embedding_slot_test"]
+    assert test["embedding_source"].startswith("none") and test["slots"]
+    assert all(not t["is_embedding"] and t["rel_error"] > 0.1 for t in test["slots"])
     monkeypatch.setenv("COLUMNS", "240")
     rc, out, _ = run_check(capsys, str(ck), "--against", data)
     assert "metrics skipped" in out and "accept_len" not in out and "acc0_data" not in out

@@ -106,6 +106,13 @@ def test_speculators_layer_set_with_an_embedding_slot(capsys):
     assert ev["stored_layout"] == ["embed", "layer?", "layer?", "last (teacher)"]
     assert ev["embedding_source"] == "the drafter checkpoint's embed_tokens"
     assert ev["slot_rel_errors"]["0"] < 1e-2 < ev["slot_rel_errors"]["1"]
+    # a SpecForge drafter carries no embedding and no target is given: slot 0 is still found,
+    # as the one slot that is the same row wherever a token repeats
+    rc, doc = _check(capsys, "specforge", "speculators-embed")
+    ev = _finding(doc, "slot-layout")["evidence"]
+    assert rc == 1 and ev["embedding_slots"] == [0] and ev["embedding_source"].startswith("none")
+    assert ev["slot_rel_errors"]["0"] == 0.0 and min(ev["slot_rel_errors"][k] for k in "12") > 0.1
+    assert ev["config_layer_ids"] == [1, 2, 3] and ev["config_hf_indices"] == [2, 3, 4]
     # the correctly captured data has no embedding slot
     rc, doc = _check(capsys, "speculators", "speculators")
     slots = doc["metrics"]["training"]["embedding_slot_test"]["slots"]
