@@ -399,6 +399,130 @@ def check_hstrace(path: Path, pool: list[dict], steps: int) -> bool:
     return True
 
 
+def _proc_status_mb(pid: int | None, key: str) -> float | None:
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _files(root: Path) -> tuple[int, int]:
+    n = size = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            n += 1
+            size += os.stat(os.path.join(dirpath, name)).st_size
+    return n, size
+
+
+def _read_files_raw(root: Path) -> tuple[float, int]:
+    """Seconds to read every file of the trace sequentially (16 MiB reads), and bytes read."""
+    buf = bytearray(16 << 20)
+    view, total = memoryview(buf), 0
+    t0 = time.perf_counter()
+    for dirpath, _, names in os.walk(root):
+        for name in sorted(names):
+            with open(os.path.join(dirpath, name), "rb", buffering=0) as f:
+                while n := f.readinto(view):
+                    total += n
+    return time.perf_counter() - t0, total
+
+
+def _read_hstrace_all(root: Path, slice_rows: int = 8192) -> tuple[float, int]:
+    """Seconds to read every committed row of every column through hstrace's reader, in
+    slices (the trace does not fit in RAM), and the logical bytes read."""
+    total = 0
+    t0 = time.perf_counter()
+    with open_trace(root) as tr:
+        for name in tr.rank(0).tables:
+            t = tr.rank(0).table(name)
+            for axis, cols in t.columns.items():
+                n = t.num_rows(axis)
+                for c in cols:
+                    for a in range(0, n, slice_rows):
+                        x = t.column(axis, c, a, min(n, a + slice_rows))
+                        total += x.numel() * x.element_size() if hasattr(x, "numel") else x.nbytes
+    return time.perf_counter() - t0, total
+
+
+def run_large(pool: list[dict], steps: int, workdir: Path, window: int, step_ms: float) -> dict:
+    """One long paced recording with the shipped writer: per window of steps, the producer's
+    cost, the writer process's memory and the files; then whole-trace read rates."""
+    from hstrace.trace import summarize
+
+    out = Path(tempfile.mkdtemp(dir=workdir))
+    m = Hstrace(out)
+    pid = m.writer_pid()
+    sb = step_bytes(pool[0])
+    windows, costs = [], []
+    t0 = time.perf_counter()
+    for s in range(steps):
+        if step_ms:
+            busy(step_ms)
+        a = time.perf_counter()
+        m.record(pool[s % len(pool)])
+        costs.append((time.perf_counter() - a) * 1000)
+        if (s + 1) % window == 0 or s + 1 == steps:
+            files, size = _files(m.root())
+            windows.append(
+                {
+                    "steps": s + 1,
+                    "logical_gb": (s + 1) * sb / 1e9,
+                    "disk_gb": size / 1e9,
+                    "files": files,
+                    "producer_ms_median": pct(costs[-window:], 50),
+                    "producer_ms_p99": pct(costs[-window:], 99),
+                    "writer_rss_mb": _proc_status_mb(pid, "VmRSS"),
+                    "writer_peak_rss_mb": _proc_status_mb(pid, "VmHWM"),
+                    # RSS counts the staging ring's pages it has read (shared with the
+                    # producer); the writer's own memory is its anonymous part.
+                    "writer_rss_anon_mb": _proc_status_mb(pid, "RssAnon"),
+                    "writer_rss_shmem_mb": _proc_status_mb(pid, "RssShmem"),
+                    "blocked_s_total": m.blocked_s(),
+                }
+            )
+    m.close()
+    wall = time.perf_counter() - t0
+    files, size = _files(m.root())
+    res = {
+        "steps": steps,
+        "step_ms": step_ms,
+        "logical_gb": steps * sb / 1e9,
+        "disk_gb": size / 1e9,
+        "files": files,
+        "wall_s": wall,
+        "windows": windows,
+    }
+    rounds = []
+    for _ in range(2):  # alternating, the second round of each is reported (caches settled)
+        raw_s, raw_bytes = _read_files_raw(m.root())
+        hs_s, hs_bytes = _read_hstrace_all(m.root())
+        t = time.perf_counter()
+        with open_trace(m.root()) as tr:
+            summarize(tr)  # what `hstrace show` computes
+        show_s = time.perf_counter() - t
+        rounds.append((raw_s, raw_bytes, hs_s, hs_bytes, show_s))
+    raw_s, raw_bytes, hs_s, hs_bytes, show_s = rounds[-1]
+    res.update(
+        {
+            "raw_read_disk_mb_s": raw_bytes / 1e6 / raw_s,
+            "hstrace_read_logical_mb_s": hs_bytes / 1e6 / hs_s,
+            "hstrace_read_disk_mb_s": size / 1e6 / hs_s,
+            "hstrace_read_logical_vs_raw_disk": (hs_bytes / hs_s) / (raw_bytes / raw_s),
+            "read_rounds": rounds,
+            "show_s": show_s,
+        }
+    )
+    shutil.rmtree(out)
+    return res
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
@@ -428,6 +552,15 @@ def main(argv: list[str] | None = None) -> dict:
         default=3000,
         help="one longer firehose run per method for the marginal file rate (0: skip)",
     )
+    ap.add_argument(
+        "--large-steps",
+        type=int,
+        default=0,
+        help="one long paced recording of this many steps with the shipped writer (e.g. "
+        "14000: 19 GB logical, 13 GB on disk; deleted after), then whole-trace reads (0: skip)",
+    )
+    ap.add_argument("--large-window", type=int, default=1000)
+    ap.add_argument("--large-step-ms", type=float, default=STEP_MS)
     ap.add_argument("--tokens", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--slots", type=int, default=3)
@@ -441,7 +574,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     args = ap.parse_args(argv)
     methods = [m for m in METHODS if m.name in args.methods.split(",")]
-    if not methods:
+    if not methods and not args.large_steps:
         ap.error("--methods names none of " + ", ".join(m.name for m in METHODS))
     if args.firehose_steps < 1:
         ap.error("--firehose-steps must be at least 1")
@@ -462,6 +595,13 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 if not args.json:
                     print(f"round {r + 1}/{args.rounds} {cls.name} done", file=sys.stderr)
+        large = None
+        if args.large_steps:
+            large = run_large(
+                pool, args.large_steps, workdir, args.large_window, args.large_step_ms
+            )
+            if not args.json:
+                print(f"{args.large_steps}-step large run done", file=sys.stderr)
         if args.growth_steps > args.firehose_steps:
             # File counts do not depend on timing: one longer run per method is enough.
             for cls in methods:
@@ -561,6 +701,8 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "results": results,
     }
+    if large is not None:
+        report["large"] = large
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -580,6 +722,21 @@ def main(argv: list[str] | None = None) -> dict:
             "p99 !pre: p99 of the steps whose record call was not preempted; "
             "+files/1k: files added per further 1000 steps (from one longer run)"
         )
+        if large is not None:
+            print(
+                f"large: {large['steps']} steps, {large['logical_gb']:.1f} GB logical, "
+                f"{large['disk_gb']:.1f} GB on disk, {large['files']} files; read: hstrace "
+                f"{large['hstrace_read_logical_mb_s']:.0f} MB/s logical vs raw read of its files "
+                f"{large['raw_read_disk_mb_s']:.0f} MB/s; show {large['show_s']:.2f} s"
+            )
+            for w in large["windows"]:
+                print(
+                    f"  {w['steps']:>6} steps {w['logical_gb']:6.1f} GB  producer median "
+                    f"{w['producer_ms_median']:.3f} p99 {w['producer_ms_p99']:.3f} ms  writer RSS "
+                    f"{w['writer_rss_mb'] or 0:.0f} MB (peak {w['writer_peak_rss_mb'] or 0:.0f}, "
+                    f"own {w['writer_rss_anon_mb'] or 0:.0f}, ring {w['writer_rss_shmem_mb'] or 0:.0f})  "
+                    f"files {w['files']}"
+                )
         h = results.get("hstrace")
         if h is None:
             return report
