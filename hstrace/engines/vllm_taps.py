@@ -72,13 +72,19 @@ def draft_topk(
     logits_full = logits_full.float()
     if d2t is not None:
         targets = torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
-        draft = logits_full[:, targets.to(logits_full.device)]
+        # index_select, not advanced indexing: the latter is a parallel TensorIterator kernel,
+        # milliseconds per call on a busy CPU (measured: bench/live_overhead.py)
+        draft = logits_full.index_select(1, targets.to(logits_full.device))
     else:
         targets, draft = None, logits_full
     k = min(k, draft.shape[-1])
     lse = torch.logsumexp(draft, dim=-1)
     values, idx = draft.topk(k, dim=-1)
-    mapped = targets.to(idx.device)[idx] if targets is not None else idx
+    mapped = (
+        targets.to(idx.device).index_select(0, idx.reshape(-1)).reshape(idx.shape)
+        if targets is not None
+        else idx
+    )
     return {
         "topk_draft_ids": idx.to(torch.int64),
         "topk_target_ids": mapped.to(torch.int64),
@@ -99,10 +105,10 @@ def _expand_topk(
     if topk is not None and rows:
         at = torch.tensor(rows, dtype=torch.int64)
         kk = topk["topk_draft_ids"].shape[-1]
-        ids[at, :kk] = topk["topk_draft_ids"].cpu()
-        tids[at, :kk] = topk["topk_target_ids"].cpu()
-        lps[at, :kk] = topk["topk_logprobs"].float().cpu()
-        lse[at] = topk["lse"].float().cpu()
+        ids[:, :kk].index_copy_(0, at, topk["topk_draft_ids"].cpu())
+        tids[:, :kk].index_copy_(0, at, topk["topk_target_ids"].cpu())
+        lps[:, :kk].index_copy_(0, at, topk["topk_logprobs"].float().cpu())
+        lse.index_copy_(0, at, topk["lse"].float().cpu())
     return {"topk_draft_ids": ids, "topk_target_ids": tids, "topk_logprobs": lps, "lse": lse}
 
 
@@ -180,9 +186,9 @@ def target_rows(step: Step, capture_layers: list[int] | None) -> list[TableWrite
                     "n_tok": torch.tensor([lens[i] for i in members], dtype=torch.int64),
                 },
                 tok={
-                    "input_ids": ids[rows],
-                    "positions": pos[rows],
-                    "aux_hidden": aux[rows.to(aux.device)],
+                    "input_ids": ids.index_select(0, rows),
+                    "positions": pos.index_select(-1, rows),
+                    "aux_hidden": aux.index_select(0, rows.to(aux.device)),
                 },
                 column_attrs=attrs,
             )
