@@ -81,6 +81,15 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("hstrace: interrupted", err=True)
         sys.exit(130)
+    except MemoryError:
+        if os.environ.get("HSTRACE_DEBUG"):
+            raise
+        click.echo(
+            "hstrace: error: out of memory: an input declares more data than this machine "
+            "can hold (corrupt, or too large for it)",
+            err=True,
+        )
+        sys.exit(2)
     except Exception as exc:  # the last line of defence: a user never sees a traceback
         if os.environ.get("HSTRACE_DEBUG"):
             raise

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,10 +87,10 @@ def _chunk_files(t: Path, table: str, array: str) -> list[Path]:
 def build_trace_cases(d: Path) -> list[Case]:
     cases: list[Case] = []
 
-    def add(name: str, words: tuple[str, ...], make) -> None:
+    def add(name: str, words: tuple[str, ...], make, commands=TRACE_COMMANDS) -> None:
         t = _copy_clean(d, name)
         make(t)
-        cases.append(Case(name, t, "trace", words, TRACE_COMMANDS))
+        cases.append(Case(name, t, "trace", words, commands))
 
     # 1. no hang / no memory bomb
     add(
@@ -241,6 +242,81 @@ def build_trace_cases(d: Path) -> list[Case]:
             lambda m: m["attributes"]["hstrace"].update(axes=7),
         ),
     )
+
+    def no_static_vocab(t: Path) -> None:
+        def strip(m: dict) -> None:
+            static = m["attributes"]["hstrace"]["static"]
+            for k in ("target", "draft_config", "hot_token_id"):
+                static.pop(k, None)
+
+        _edit_json(t / "zarr.json", strip)
+        _set_values(t, "target", "tok.input_ids", 3, 2**30)
+
+    # No vocabulary in the audit: replay checks the ids against its drafter's before use.
+    add(
+        "token_id_2p30_no_static_vocab",
+        ("token id", str(2**30), "vocabulary"),
+        no_static_vocab,
+        ("replay",),
+    )
+
+    def chunk_fifo(t: Path) -> None:
+        f = _chunk_files(t, "verify", "req.n_proposed")[0]
+        f.unlink()
+        os.mkfifo(f)
+
+    add("chunk_fifo", ("req.n_proposed", "not a regular file"), chunk_fifo)
+
+    def chunk_garbage(t: Path) -> None:
+        _chunk_files(t, "target", "req.n_tok")[0].write_bytes(b"garbage" * 10)
+
+    add("chunk_garbage", ("req/n_tok",), chunk_garbage)
+
+    def blosc_lies(t: Path) -> None:  # a header claiming a 2 GiB decoded chunk
+        f = _chunk_files(t, "target", "req.req_key")[0]
+        raw = bytearray(f.read_bytes())
+        raw[4:8] = (0x7FFFFFFF).to_bytes(4, "little")
+        f.write_bytes(bytes(raw))
+
+    add("blosc_header_claims_2GiB", ("req_key", "2147483647"), blosc_lies)
+    add(
+        "offsets_not_monotonic",
+        ("offsets", "CSR"),
+        lambda t: _set_values(t, "target", "offsets", (5, 1), 0),
+    )
+
+    def offsets_float(t: Path) -> None:
+        f = t / "rank0" / "verify" / "offsets" / "zarr.json"
+        _edit_json(f, lambda m: m.update(data_type="float64"))
+
+    add("offsets_dtype_float64", ("offsets", "int64"), offsets_float)
+    add(
+        "schema_version_99",
+        ("schema version 99",),
+        lambda t: _edit_json(
+            t / "zarr.json", lambda m: m["attributes"]["hstrace"].update(schema_version=99)
+        ),
+    )
+    add(
+        "root_metadata_deleted",
+        ("zarr",),
+        lambda t: (t / "zarr.json").unlink(),
+    )
+    add(
+        "commit_record_not_an_object",
+        ("commit record",),
+        lambda t: _rank_meta(t)(lambda m: m.update(commit=[1, 2, 3])),
+    )
+    add(
+        "errors_not_a_list",
+        ("errors",),
+        lambda t: _rank_meta(t)(lambda m: m.update(errors="boom")),
+    )
+    add(
+        "step_index_negative",
+        ("step_index", "negative"),
+        lambda t: _set_values(t, "draft_step", "step.step_index", 0, -4),
+    )
     return cases
 
 
@@ -290,6 +366,31 @@ def build_zip_cases(d: Path) -> list[Case]:
         zf.writestr(f"junk/{i}", chunk, compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
     zf.close()
     cases.append(Case("zip_total_inflation", z, "zip", ("inflate",), TRACE_COMMANDS))
+
+    z, zf = base_zip("zip_symlink_member")
+    info = zipfile.ZipInfo("rank0/notes")
+    info.external_attr = 0o120777 << 16
+    zf.writestr(info, "/etc/passwd")
+    zf.close()
+    cases.append(Case("zip_symlink_member", z, "zip", ("symlink",), TRACE_COMMANDS))
+
+    z, zf = base_zip("zip_path_traversal")
+    zf.writestr("../../outside.txt", "x")
+    zf.close()
+    cases.append(Case("zip_path_traversal", z, "zip", ("..",), TRACE_COMMANDS))
+
+    z, zf = base_zip("zip_duplicate_member")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns about the duplicate we want
+        zf.writestr("zarr.json", (CLEAN / "zarr.json").read_bytes())
+    zf.close()
+    cases.append(Case("zip_duplicate_member", z, "zip", ("twice",), TRACE_COMMANDS))
+
+    z, zf = base_zip("zip_truncated")
+    zf.close()
+    data = z.read_bytes()
+    z.write_bytes(data[: len(data) // 2])
+    cases.append(Case("zip_truncated", z, "zip", ("zip_truncated.zip",), TRACE_COMMANDS))
     return cases
 
 
@@ -346,6 +447,39 @@ def build_training_cases(d: Path) -> list[Case]:
             argv(sp),
         )
     )
+
+    # A legacy .pt whose pickle would run a command: refused by weights_only, never executed.
+    lg = d / "legacy_code_pickle"
+    shutil.copytree(WORLD / "training-speculators-legacy", lg)
+    marker = d / "PWNED"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    import pickle
+
+    (lg / "data_0.pt").write_bytes(pickle.dumps({"input_ids": Evil()}))  # checked: no PWNED
+    cases.append(
+        Case("legacy_code_pickle", lg, "training", ("data_0.pt",), ("replay", "check"), argv(lg))
+    )
+
+    tg = d / "specforge_truncated_gzip"
+    shutil.copytree(WORLD / "training-specforge", tg)
+    f = tg / "rows_0-48" / "data_0.ckpt"
+    packed = gzip.compress(f.read_bytes())
+    f.unlink()
+    f.with_name("data_0.ckpt.gz").write_bytes(packed[: len(packed) // 2])
+    cases.append(
+        Case(
+            "specforge_truncated_gzip",
+            tg,
+            "training",
+            ("data_0.ckpt.gz",),
+            ("replay", "check"),
+            argv(tg),
+        )
+    )
     return cases
 
 
@@ -388,6 +522,51 @@ def build_drafter_cases(d: Path) -> list[Case]:
             argv(raw),
         )
     )
+
+    nj = d / "drafter_config_not_json"
+    shutil.copytree(DRAFTER, nj)
+    (nj / "config.json").write_text("{hidden_size: 64")
+    cases.append(
+        Case(
+            "drafter_config_not_json",
+            nj,
+            "drafter",
+            ("config.json", "JSON"),
+            ("check", "replay"),
+            argv(nj),
+        )
+    )
+
+    tr = d / "drafter_truncated_safetensors"
+    shutil.copytree(DRAFTER, tr)
+    w = tr / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:5000])
+    cases.append(
+        Case(
+            "drafter_truncated_safetensors",
+            tr,
+            "drafter",
+            ("model.safetensors",),
+            ("check", "replay"),
+            argv(tr),
+        )
+    )
+
+    vb = d / "drafter_vocab_2p24_only"  # only the vocab inflated: the embedding is saved
+    shutil.copytree(DRAFTER, vb)
+    _edit_json(
+        vb / "config.json", lambda m: m["transformer_layer_config"].update(vocab_size=1 << 24)
+    )
+    cases.append(
+        Case(
+            "drafter_vocab_2p24_only",
+            vb,
+            "drafter",
+            ("vocab_size", str(1 << 24)),
+            ("check", "replay"),
+            argv(vb),
+        )
+    )
     return cases
 
 
@@ -415,6 +594,7 @@ def runs(tmp_path_factory):
     only = [w for w in os.environ.get("HOSTILE_ONLY", "").split(",") if w]  # while developing
     if only:
         cases = [c for c in cases if any(w in c.name for w in only)]
+    controls = build_controls(d)
     jobs = [
         {
             "id": f"{c.name}:{cmd}",
@@ -422,9 +602,10 @@ def runs(tmp_path_factory):
             "timeout_s": TIMEOUT_S,
             "mem_mb": MEM_MB,
         }
-        for c in cases
+        for c in [*controls, *cases]
         for cmd in c.commands
     ]
+    before = _digest(CLEAN)
     (d / "cases.json").write_text(json.dumps(jobs))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="default")
     env.pop("HSTRACE_DEBUG", None)
@@ -436,7 +617,39 @@ def runs(tmp_path_factory):
         timeout=TIMEOUT_S * len(jobs) + 120,
     )
     results = {r["id"]: r for r in json.loads((d / "results.json").read_text())}
-    return {c.name: c for c in cases}, results
+    assert _digest(CLEAN) == before, "a reading command modified the trace it read"
+    assert not (d / "PWNED").exists(), "a pickle in the training data ran code"
+    return {c.name: c for c in cases}, results, {c.name: c for c in controls}
+
+
+def _digest(tree: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(tree.rglob("*")):
+        if f.is_file():
+            h.update(f.relative_to(tree).as_posix().encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def build_controls(d: Path) -> list[Case]:
+    """Good inputs through the same runner and the same guards: a clean trace, its zip and the
+    tiny world replay clean (exit 0), so no check above is a false alarm on real data."""
+    t = _copy_clean(d, "control")
+    z = d / "control.zip"
+    with zipfile.ZipFile(z, "w", compression=zipfile.ZIP_STORED) as zf:
+        for f in sorted(CLEAN.rglob("*")):
+            if f.is_file():
+                zf.write(f, f.relative_to(CLEAN).as_posix())
+    sf = {
+        "replay": ["replay", str(CLEAN), "--against", str(WORLD / "training-specforge")],
+        "check": ["check", str(DRAFTER), "--against", str(TRAIN)],
+    }
+    return [
+        Case("control_trace", t, "trace", (), TRACE_COMMANDS),
+        Case("control_zip", z, "zip", (), ("show", "replay", "diff", "report")),
+        Case("control_training", TRAIN, "training", (), ("replay", "check"), sf),
+    ]
 
 
 def _problems(case: Case, command: str, r: dict) -> list[str]:
@@ -463,8 +676,19 @@ def _problems(case: Case, command: str, r: dict) -> list[str]:
     return out
 
 
+def test_good_inputs_pass_the_same_guards(runs):
+    _, results, controls = runs
+    bad = []
+    for case in controls.values():
+        for command in case.commands:
+            r = results[f"{case.name}:{command}"]
+            if r["rc"] != 0 or "hstrace: error" in r["stderr"] or "Traceback" in r["stderr"]:
+                bad.append(f"{case.name} / {command}: exit {r['rc']}: {r['stderr'][-300:]!r}")
+    assert not bad, "\n".join(bad)
+
+
 def test_every_hostile_input_is_refused_with_one_named_line(runs):
-    cases, results = runs
+    cases, results, _ = runs
     failures = []
     for case in cases.values():
         for command in case.commands:
@@ -476,6 +700,7 @@ def test_every_hostile_input_is_refused_with_one_named_line(runs):
 
 def test_enough_hostile_runs(runs):
     """The README's figure: every (input, command) pair above is one bad input handled."""
-    cases, results = runs
+    cases, results, controls = runs
+    results = {k: r for k, r in results.items() if k.split(":")[0] not in controls}
     if not os.environ.get("HOSTILE_ONLY"):
         assert len(cases) >= 30 and len(results) >= 120, (len(cases), len(results))

@@ -198,3 +198,57 @@ def test_two_writers_one_rank_exactly_one_wins(tmp_path):
         assert all(g.startswith("TraceError: ") and "rank0" in g for g in losers), losers
         with open_trace(path) as tr:
             assert tr.ranks == [0] and tr.rank(0).clean_close
+
+
+def _wide_trace(path: Path) -> Path:
+    """aux_hidden rows of 16 KiB: the column is sharded (inner chunks of 256 rows)."""
+    create_trace(path, engine={"name": "test", "version": "1"})
+    with TraceWriter(path, rank=0, process=False) as w:
+        for n in (256, 256, 88):
+            w.write(
+                "target",
+                step={"mode": 0},
+                req={"req_key": torch.tensor([1]), "n_tok": torch.tensor([n])},
+                tok={
+                    "input_ids": torch.arange(n, dtype=torch.int32),
+                    "aux_hidden": torch.randn(n, 8192).to(torch.bfloat16),
+                },
+            )
+    return path
+
+
+def test_sharded_column_reads_and_a_hole_in_its_shard_is_named(tmp_path):
+    import google_crc32c
+    import numpy as np
+    import zarr
+
+    d = _wide_trace(tmp_path / "w.zarr")
+    arr = zarr.open_array(str(d / "rank0/target/tok.aux_hidden"), mode="r")
+    assert arr.shards is not None and arr.chunks[0] == 256  # the layout this test is about
+    with open_trace(d) as tr:  # a clean sharded trace reads, through the guard, bit for bit
+        got = tr.rank(0).table("target").column("tok", "aux_hidden")
+        assert got.shape == (600, 8192)
+        assert np.array_equal(got.view(torch.int16).numpy().view(np.uint16), arr[:600])
+    z = _zip(d, tmp_path / "w.zip")
+    with open_trace(z) as tr:
+        assert tr.rank(0).table("target").column("tok", "aux_hidden").shape == (600, 8192)
+
+    # Mark inner chunk 1 (rows 256..511, committed) empty in the shard index, with a valid
+    # checksum: zarr alone would read those rows as zeros.
+    shard = d / "rank0/target/tok.aux_hidden/c/0/0"
+    raw = bytearray(shard.read_bytes())
+    n_inner = arr.shards[0] // arr.chunks[0]
+    at = len(raw) - (16 * n_inner + 4)
+    index = np.frombuffer(bytes(raw[at : at + 16 * n_inner]), "<u8").copy().reshape(-1, 2)
+    index[1] = (1 << 64) - 1
+    body = index.astype("<u8").tobytes()
+    raw[at:] = body + np.uint32(google_crc32c.value(body)).astype("<u4").tobytes()
+    shard.write_bytes(bytes(raw))
+    with open_trace(d) as tr, pytest.raises(TraceError, match="inner chunk"):
+        tr.rank(0).table("target").column("tok", "aux_hidden")
+
+    shard.unlink()
+    with pytest.raises(TraceError, match=r"tok\.aux_hidden/c/0/0 is missing"):
+        with open_trace(d) as tr:
+            tr.rank(0).table("target")
+    _assert_cli_error(d, "aux_hidden", "missing")

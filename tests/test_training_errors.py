@@ -85,7 +85,7 @@ def test_pickled_objects_are_refused(tmp_path):
         tmp_path / "data_0.pt",
     )
     td = open_training(tmp_path)
-    with pytest.raises(TrainingDataError, match="cannot load"):
+    with pytest.raises(TrainingDataError, match="pickle refused"):
         td[0]
 
 
@@ -154,3 +154,69 @@ def test_a_parent_folder_is_not_a_dataset(tmp_path):
     with pytest.raises(TrainingDataError) as exc:
         open_training(tmp_path)
     assert "unknown training-data layout" in one_line(exc)
+
+
+def test_gzip_sample_is_inflated_with_a_cap(tmp_path, monkeypatch):
+    """A SpecForge `.ckpt.gz` is inflated in blocks, never past its cap (issue 12: 1.5 MB that
+    inflated to 1.5 GiB took 3.3 GB of RAM); a genuine one still loads."""
+    import gzip
+    import io
+    import shutil
+
+    from hstrace.training import safe_load
+
+    src = WORLD / "training-specforge"
+    shutil.copytree(src, tmp_path / "ok")
+    f = tmp_path / "ok" / "rows_0-48" / "data_0.ckpt"
+    f.with_name("data_0.ckpt.gz").write_bytes(gzip.compress(f.read_bytes()))
+    f.unlink()
+    good = open_training(tmp_path / "ok")[0]
+    assert torch.equal(good.input_ids, open_training(src)[0].input_ids)
+
+    monkeypatch.setattr(safe_load, "GZIP_MIN_LIMIT", 8 << 20)  # keep the test small
+    bomb = tmp_path / "bomb.ckpt.gz"
+    one = gzip.compress(bytes(1 << 20), compresslevel=9)
+    bomb.write_bytes(one * 64)  # 64 MiB of zeros from ~65 KB
+    with pytest.raises(TrainingDataError) as exc:
+        safe_load.load_torch(bomb)
+    assert "bomb.ckpt.gz" in one_line(exc) and "inflates past" in one_line(exc)
+    buf = io.BytesIO(gzip.compress(b"not a torch file" * 10))
+    (tmp_path / "junk.ckpt.gz").write_bytes(buf.getvalue()[:40])
+    with pytest.raises(TrainingDataError) as exc:
+        safe_load.load_torch(tmp_path / "junk.ckpt.gz")
+    assert "junk.ckpt.gz: " in one_line(exc) and "weights_only` set to `False`" not in str(exc)
+
+
+def test_a_sample_of_another_hidden_width_is_named(tmp_path):
+    samples = conf.make_samples()
+    files = conf.write_speculators(tmp_path / "d", samples)
+    s = samples[2]
+    wide = torch.cat([s["aux"], s["last"][:, None]], 1)
+    wide = torch.cat([wide, wide[..., :4]], -1).contiguous()  # Ht + 4
+    save_file({"token_ids": s["ids"], "hidden_states": wide}, str(files[2]))
+    td = open_training(tmp_path / "d")
+    td[0], td[1]
+    with pytest.raises(TrainingDataError) as exc:
+        list(td.samples())
+    msg = one_line(exc)
+    assert files[2].name in msg and "hidden width" in msg and files[0].name in msg
+
+
+def test_raw_pickle_prints_no_torch_warning(tmp_path):
+    """torch warns about a non-default pickle protocol before weights_only refuses the file;
+    the user sees only our one line."""
+    import pickle
+    import subprocess
+    import sys
+
+    (tmp_path / "data_0.pt").write_bytes(pickle.dumps({"input_ids": [1, 2, 3]}, protocol=4))
+    code = (
+        "import sys; from hstrace.training import open_training\n"
+        f"td = open_training({str(tmp_path)!r})\n"
+        "try:\n    td[0]\nexcept Exception as e:\n    print(type(e).__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "TrainingDataError", out
+    assert "Warning" not in out.stderr, out.stderr

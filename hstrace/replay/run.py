@@ -188,6 +188,7 @@ def replay(
     from hstrace.diagnose import diagnose
     from hstrace.drafter import load_drafter
     from hstrace.trace import open_trace
+    from hstrace.trace.validate import check_token_ids
 
     trace_path, against = Path(trace_path), Path(against)
     if not against.exists():
@@ -213,6 +214,8 @@ def replay(
     if salt is not None:
         recovery = IdRecovery.build(salt, drafter.cfg.vocab_size, drafter.cfg.draft_vocab_size)
         recover_serving_ids(serving, recovery)
+    for r in serving.requests:  # before any id indexes an embedding (issue 12)
+        check_token_ids(f"{trace_path}: request {r.name}", r.tokens, drafter.cfg.vocab_size)
     samples, kind, training_info = _training_side(against, drafter.cfg.aux_width, recovery)
     if not samples:
         raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")

@@ -64,6 +64,8 @@ def summarize(trace: Trace) -> dict[str, Any]:
             for axis, col in sorted(TARGET_ID_COLUMNS | DRAFT_ID_COLUMNS):
                 if col in t.columns.get(axis, []):
                     t.column(axis, col)
+            for col in t.columns.get("step", []):  # one scalar per step: checked alike
+                t.column("step", col)
         verify = rv.table("verify")
         if verify is not None and (al := _col(verify, "req", "accept_len")) is not None:
             accept_lens.append(al.astype(np.int64))

@@ -29,7 +29,8 @@ SENTINEL_OK = {("tok", "topk_target_ids"), ("tok", "topk_draft_ids")}
 # Target ids the engine mapped from draft ids itself: a misread d2t (SGLang's hot_token_id =
 # d2t + arange over a d2t that holds a table) proposes ids past the vocabulary, and that is the
 # evidence of the fault, not corruption (replay only compares them, never indexes with them).
-ENGINE_MAPPED = {("tok", "topk_target_ids")}
+# `verify.proposed` holds the same mapped drafts.
+ENGINE_MAPPED = {("tok", "topk_target_ids"), ("proposed", "ids")}
 # Counts and indices that are never negative (positions may be: a producer's shift knob).
 NONNEGATIVE = {
     ("req", "n_tok"),

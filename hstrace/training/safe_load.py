@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import pickle
 import warnings
 import zlib
 from pathlib import Path
@@ -69,6 +70,14 @@ def load_torch(path: Path) -> Any:
         raise TrainingDataError(f"{path}: corrupt gzip ({_first_line(exc)})") from exc
     except MemoryError as exc:
         raise TrainingDataError(f"{path}: needs more memory than is available to load") from exc
+    except pickle.UnpicklingError as exc:
+        # torch's message opens with advice to retry with weights_only=False (never do that
+        # with a stranger's file); the line that says what was refused is further down.
+        why = next(
+            (ln.strip() for ln in str(exc).splitlines() if "WeightsUnpickler error" in ln),
+            "not a weights-only torch file",
+        )
+        raise TrainingDataError(f"{path}: pickle refused ({why[:200]})") from exc
     except Exception as exc:  # corrupt zip, truncated gzip, disallowed pickle global, ...
         raise TrainingDataError(f"{path}: cannot load ({_first_line(exc)})") from exc
 
