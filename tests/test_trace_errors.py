@@ -246,6 +246,9 @@ def test_sharded_column_reads_and_a_hole_in_its_shard_is_named(tmp_path):
     shard.write_bytes(bytes(raw))
     with open_trace(d) as tr, pytest.raises(TraceError, match="inner chunk"):
         tr.rank(0).table("target").column("tok", "aux_hidden")
+    holey = _zip(d, tmp_path / "holey.zip")  # zarr's own read path, through the store guard
+    with open_trace(holey) as tr, pytest.raises(TraceError, match="no inner chunk for committed"):
+        tr.rank(0).table("target").column("tok", "aux_hidden")
 
     shard.unlink()
     with pytest.raises(TraceError, match=r"tok\.aux_hidden/c/0/0 is missing"):

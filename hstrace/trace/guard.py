@@ -112,6 +112,14 @@ def array_rule(label: str, arr: Any, committed: int, name: str) -> ArrayRule:
     )
 
 
+def _bytes_view(data: Any) -> np.ndarray:
+    """The bytes of a zarr Buffer as a flat uint8 array (a view for CPU buffers)."""
+    try:
+        return np.asarray(data.as_numpy_array()).reshape(-1).view(np.uint8)
+    except (AttributeError, ValueError, TypeError):
+        return np.frombuffer(data.to_bytes(), np.uint8)
+
+
 class GuardedStore(WrapperStore):
     """Wraps the read-only LocalStore or ZipStore of a trace (see the module docstring)."""
 
@@ -217,10 +225,11 @@ class GuardedStore(WrapperStore):
             if self._required(rule, idx):
                 raise TraceError(f"{self._where}: chunk {key} is missing (corrupt)")
             return
-        raw = data.to_bytes() if byte_range is None or rule.inner_rows else None
+        # A view, not a copy (a shard read whole is up to 128 MiB): only its head/tail is read.
+        raw = _bytes_view(data) if byte_range is None or rule.inner_rows else None
         if rule.inner_rows is None:
             if rule.blosc and raw is not None and len(raw) >= _BLOSC_HEADER:
-                nbytes = int.from_bytes(raw[4:8], "little")
+                nbytes = int.from_bytes(bytes(raw[4:8]), "little")
                 if nbytes > rule.decoded_bytes:
                     raise TraceError(
                         f"{self._where}: chunk {key} declares {nbytes} decoded bytes, more than "
@@ -231,7 +240,10 @@ class GuardedStore(WrapperStore):
             return  # an inner chunk read; the index was checked when it was read
         if raw is None or len(raw) < rule.index_bytes:
             raise TraceError(f"{self._where}: shard {key} is shorter than its index (corrupt)")
-        index = np.frombuffer(raw[-rule.index_bytes : -rule.index_bytes + 16 * rule.n_inner], "<u8")
+        tail = bytes(
+            raw[len(raw) - rule.index_bytes : len(raw) - rule.index_bytes + 16 * rule.n_inner]
+        )
+        index = np.frombuffer(tail, "<u8")
         index = index.reshape(rule.n_inner, 2)
         # Inner chunks are in C order; along dim 0 the j-th row of inner chunks starts at row
         # shard_start + j * inner_rows.
