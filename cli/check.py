@@ -145,7 +145,7 @@ def check(
         if resolution["reading"] is not None:
             for name, v in norm_output_flags(value, resolution["reading"]).items():
                 setattr(model.cfg, name, v)
-    findings, metrics = static_findings(report, model, n_layers, resolution)
+    findings, metrics = static_findings(report, model, n_layers, resolution, advisory=True)
     if resolution is not None:
         metrics["norm_output_resolution"] = resolution
     if td is not None:

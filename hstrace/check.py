@@ -527,16 +527,24 @@ def static_findings(
     model: Eagle3Drafter,
     n_layers: int | None = None,
     norm_output_resolution: dict[str, Any] | None = None,
+    advisory: bool = False,
 ) -> tuple[list[Finding], dict[str, Any]]:
     """`n_layers`: the target's decoder layer count (from --target), for SGLang's defaults.
-    `norm_output_resolution`: `resolve_norm_output`'s answer when it ran."""
+    `norm_output_resolution`: `resolve_norm_output`'s answer when it ran. `advisory` (what
+    `hstrace check` asks for, before anything is served): also the findings that only say what
+    to verify, the top-level aux ids SGLang ignores and a SpecForge `norm_output` whose reading
+    is unknown. Replay (which reuses these checks) leaves them out: it judges both from the
+    recorded data (the capture audit, the what-if search), and a question is not a verdict."""
     vocab, vinfo = check_vocab(rep, model)
+    flags = check_flags(rep, model, norm_output_resolution)
+    if not advisory:
+        flags = [f for f in flags if f.evidence.get("reading") != "unknown"]
     found = (
         check_weights(rep)
-        + check_flags(rep, model, norm_output_resolution)
+        + flags
         + check_head_and_embed(rep, model)
         + vocab
-        + check_aux_source(rep, model, n_layers)
+        + (check_aux_source(rep, model, n_layers) if advisory else [])
         + check_slots(rep, model)
     )
     return found, {"vocab": vinfo}
