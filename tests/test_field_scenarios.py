@@ -127,6 +127,27 @@ def test_cache_hit_trace_replays_clean(cached):
     assert result.metrics["engine_vs_reference"]["within_noise"]
 
 
+def test_sglang_shaped_cache_hits_replay_clean(work, cached):
+    """The cache-hit trace with SGLang's top-k conventions (top-k on each extend's last row
+    only, ids -1 / log-prob -inf elsewhere; NaN log-probs after a verify): still clean."""
+    t = fp.read(cached)
+    seen: set[int] = set()
+    for e in t.of("draft_extend"):
+        tok = e.axes["tok"]
+        for key, a, b in e.blocks():
+            tok["topk_draft_ids"][a : b - 1] = -1
+            tok["topk_target_ids"][a : b - 1] = -1
+            tok["topk_logprobs"][a : b - 1] = -np.inf
+            if key in seen:
+                tok["topk_logprobs"][b - 1] = np.nan
+            seen.add(key)
+    result = replay(fp.write(t, work / "cached-sglang-shape.zarr"), TRAINING)
+    assert result.verdict.code == "no-wiring-fault", dump(result)
+    evr = result.metrics["engine_vs_reference"]
+    assert evr["rows_without_topk"] > 0 and evr["rows_ids_only"] > 0
+    assert result.metrics["engine_vs_reference_by_cache"]["cache_hit"]["agrees"]
+
+
 @pytest.mark.parametrize(
     ("code", "knobs"),
     [
