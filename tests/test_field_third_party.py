@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hstrace.replay.serving import read_serving
-from hstrace.trace import open_trace, request_key, summarize
+from hstrace.replay.serving import accept_len_by_rank, read_serving
+from hstrace.trace import TraceWriter, open_trace, request_key, summarize
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "trace-format.md"
 
@@ -54,3 +54,28 @@ def test_doc_example_writes_a_trace_replay_reads(tmp_path):
     assert serving.draft_batches == [[ka, kb], [ka]]
     assert serving.accept_by_key == {ka: [2]}
     assert np.asarray(b.draft.topk_draft_ids).shape == (4, 8)
+
+
+def test_accept_len_by_rank(tmp_path):
+    """A DP rank with its own writer: acceptance per rank, beside rank 0's replay."""
+    path = tmp_path / "two-ranks.zarr"
+    exec(compile(_example(), str(DOC), "exec"), {"path": path})  # noqa: S102 - our own doc
+    with TraceWriter(path, rank=1, process=False) as w:
+        for accept in (0, 0, 1):
+            w.write(
+                "verify",
+                req={
+                    "req_key": [request_key("req-c")],
+                    "accept_len": [accept],
+                    "bonus_id": [5],
+                    "n_proposed": [3],
+                    "n_accepted": [accept],
+                },
+                proposed={"ids": np.array([1, 2, 3])},
+                accepted={"ids": np.array([1][:accept], dtype=np.int64)},
+            )
+    with open_trace(path) as tr:
+        assert accept_len_by_rank(tr) == {
+            "0": {"verify_rows": 1, "mean_accept_len": 2.0},
+            "1": {"verify_rows": 3, "mean_accept_len": 0.3333},
+        }

@@ -182,6 +182,8 @@ def batch_coupling(ctx) -> list[Finding]:
     evidence: dict[str, Any] = {"aux_rows": aux[:20], "draft_inputs": fed[:20]}
     if len(by_size) > 1:
         evidence["accept_len_by_verify_batch_size"] = by_size
+    if ctx.metrics.get("accept_len_by_rank"):
+        evidence["accept_len_by_rank"] = ctx.metrics["accept_len_by_rank"]
     return [
         Finding(
             "batch-coupling",

@@ -26,7 +26,7 @@ from hstrace.replay.redaction import (
     redaction_of,
 )
 from hstrace.replay.result import ReplayResult
-from hstrace.replay.serving import ServingData, read_serving
+from hstrace.replay.serving import ServingData, accept_len_by_rank, read_serving
 from hstrace.replay.step0 import threads_for
 from hstrace.replay.target import ReferenceTarget
 
@@ -195,6 +195,7 @@ def replay(
         raise TrainingDataError(f"--against {against}: no such training dir or trace")
     with open_trace(trace_path) as trace:
         serving: ServingData = read_serving(trace)
+        by_rank = accept_len_by_rank(trace) if len(trace.ranks) > 1 else {}
     modes = redaction_modes(serving.meta)
     redaction: dict[str, Any] = {"modes": list(modes)} if modes else {}
     salt = None
@@ -255,6 +256,8 @@ def replay(
     )
     for what, why in serving.missing.items():
         ctx.skip(what, why)
+    if len(by_rank) > 1:  # replay compares rank 0's rows; the others' acceptance beside it
+        ctx.metrics["accept_len_by_rank"] = by_rank
     if target_note:
         ctx.skip("target model", target_note)
     if not matches:

@@ -281,6 +281,24 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
     )
 
 
+def accept_len_by_rank(trace: Any) -> dict[str, dict[str, float | int]]:
+    """{rank: {verify_rows, mean_accept_len}} over every rank's `verify` table (accept_len
+    excludes the bonus): with DP attention each rank serves its own requests, and an
+    acceptance that depends on the rank points at a rank-coupled gather (sglang#16274)."""
+    out: dict[str, dict[str, float | int]] = {}
+    for r in trace.ranks:
+        verify = trace.rank(r).table("verify")
+        if verify is None or verify.num_steps == 0:
+            continue
+        lens = _np(verify.column("req", "accept_len")).astype(np.int64)
+        if len(lens):
+            out[str(r)] = {
+                "verify_rows": len(lens),
+                "mean_accept_len": round(float(lens.mean()), 4),
+            }
+    return out
+
+
 def _verify_batch_sizes(verify: Any) -> dict[int, list[int]]:
     if verify is None or verify.num_steps == 0:
         return {}
@@ -390,8 +408,10 @@ def _draft_rows(table: Any) -> dict[int, dict[str, Any]]:
 
 
 def _draft_chains(ext: Any, steps: Any) -> dict[int, list[DraftChain]]:
-    """Per request, the i-th chain of `draft_step` rows (a new one starts at k = 1) paired with
-    the i-th draft-extend event: the chain drafts from that event's last row."""
+    """Per request, each chain of `draft_step` rows (a new one starts at k = 1) paired with the
+    request's last draft-extend event before it (by `seq`): the chain drafts from that event's
+    top-k row. Not every extend is followed by a chain: a chunked prefill's non-final chunks
+    are not (SGLang drafts only after the last chunk)."""
     if ext is None or steps is None or steps.num_steps == 0 or ext.num_steps == 0:
         return {}
     cols = steps.columns.get("tok", [])
@@ -409,14 +429,15 @@ def _draft_chains(ext: Any, steps: Any) -> dict[int, list[DraftChain]]:
         if "topk_draft_ids" in ext.columns.get("tok", [])
         else None
     )
-    extents: dict[int, list[int]] = {}  # key -> rows covered after each extend event
+    ext_seq = _np(ext.column("step", "seq")).astype(np.int64).reshape(-1)
+    extents: dict[int, list[tuple[int, int]]] = {}  # key -> (seq, rows covered) per extend
     first: dict[int, int] = {}
-    for _s, key, a, b in _per_request_blocks(ext):
+    for s, key, a, b in _per_request_blocks(ext):
         if b > a:
             first.setdefault(key, int(ext_pos[a]))
             drafted = np.nonzero(ext_top[a:b] >= 0)[0] if ext_top is not None else []
             last = a + int(drafted[-1]) if len(drafted) else b - 1
-            extents.setdefault(key, []).append(int(ext_pos[last]) - first[key] + 1)
+            extents.setdefault(key, []).append((int(ext_seq[s]), int(ext_pos[last]) - first[key] + 1))
     k_of = _np(steps.column("step", "step_index")).astype(np.int64).reshape(-1)
     ids = _np(steps.column("tok", "input_ids")).astype(np.int64)
     top = _np(steps.column("tok", "topk_draft_ids")).astype(np.int64)
