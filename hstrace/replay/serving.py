@@ -437,28 +437,36 @@ def _draft_chains(ext: Any, steps: Any) -> dict[int, list[DraftChain]]:
             first.setdefault(key, int(ext_pos[a]))
             drafted = np.nonzero(ext_top[a:b] >= 0)[0] if ext_top is not None else []
             last = a + int(drafted[-1]) if len(drafted) else b - 1
-            extents.setdefault(key, []).append((int(ext_seq[s]), int(ext_pos[last]) - first[key] + 1))
+            extents.setdefault(key, []).append(
+                (int(ext_seq[s]), int(ext_pos[last]) - first[key] + 1)
+            )
     k_of = _np(steps.column("step", "step_index")).astype(np.int64).reshape(-1)
     ids = _np(steps.column("tok", "input_ids")).astype(np.int64)
     top = _np(steps.column("tok", "topk_draft_ids")).astype(np.int64)
     lps = _col(steps, "tok", "topk_logprobs")
     lps = _np(lps).astype(np.float32) if lps is not None else None
+    step_seq = _np(steps.column("step", "seq")).astype(np.int64).reshape(-1)
     raw: dict[int, list[list[tuple[int, int]]]] = {}  # key -> chains -> (k, tok row)
+    starts: dict[int, list[int]] = {}  # key -> seq of each chain's first step
     for s, key, a, b in _per_request_blocks(steps):
         if b <= a:
             continue
         chains = raw.setdefault(key, [])
         if int(k_of[s]) == 1 or not chains:
             chains.append([])
+            starts.setdefault(key, []).append(int(step_seq[s]))
         chains[-1].append((int(k_of[s]), a))
     out: dict[int, list[DraftChain]] = {}
     for key, chains in raw.items():
-        ext_rows = extents.get(key, [])
-        for i, chain in enumerate(chains[: len(ext_rows)]):
+        events = extents.get(key, [])
+        for chain, start in zip(chains, starts[key], strict=True):
+            before = [n for q, n in events if q < start]
+            if not before:
+                continue
             rows = np.array([r for _k, r in chain], dtype=np.int64)
             out.setdefault(key, []).append(
                 DraftChain(
-                    rows=ext_rows[i],
+                    rows=before[-1],
                     step_index=np.array([k for k, _r in chain], dtype=np.int64),
                     input_ids=ids[rows],
                     topk_draft_ids=top[rows],
