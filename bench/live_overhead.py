@@ -221,7 +221,8 @@ def main() -> None:
                 )
                 env["HSTRACE_RECORD"] = json.dumps(
                     {"out": str(out), "streams": STREAMS, "on_full": "block",
-                     "status": str(work / "status.jsonl"), "engine": "vllm"}
+                     "status": str(work / "status.jsonl"), "engine": "vllm",
+                     "close_on_signal": True}
                 )  # fmt: skip
             got, n = serve_and_measure(arm, 18461 + cycle, env, work, prompts, args)
             tps[arm] += got

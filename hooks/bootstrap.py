@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from typing import Any
 
 ENV = "HSTRACE_RECORD"  # JSON: {"out", "streams", "on_full", "status"}
@@ -41,13 +40,12 @@ def _sglang_version() -> str | None:
 
 
 def _refuse(cfg: dict[str, Any], message: str) -> None:
-    """Stop the server before it takes traffic: a clear line, and a status file the launcher reads."""
-    status = cfg.get("status")
-    if status:
-        with open(status, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"pid": os.getpid(), "refused": message}) + "\n")
-    print(f"hstrace: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)  # not an Exception: SGLang's plugin loader does not swallow it
+    """Stop the server before it takes traffic: a clear line, and a status file the launcher
+    reads (the status protocol shared by every engine's hooks: hstrace.engines.hooks_common).
+    SystemExit, not an Exception: SGLang's and vLLM's plugin loaders do not swallow it."""
+    from hstrace.engines.hooks_common import refuse
+
+    refuse(cfg, message)
 
 
 def activate(via: str, engine: str = "sglang") -> bool:

@@ -11,29 +11,24 @@ fire when the model runs inside CUDA graphs.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.abc
 import inspect
 import sys
-import threading
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hstrace.engines import hooks_common
 from hstrace.engines import sglang_audit as audit
 from hstrace.engines import sglang_taps as taps
 from hstrace.engines.sglang_versions import PatchPoint, Version, patch_points_for
 
 
-class Recorder:
-    """Per-process state: the config, the lazily opened writer, disabled taps."""
+class Recorder(hooks_common.Recorder):
+    """SGLang's per-process state on top of the shared recorder (writer, static audit, status
+    line, disabled taps: hstrace.engines.hooks_common)."""
 
     def __init__(self, cfg: dict[str, Any], version: Version) -> None:
-        self.cfg = cfg
-        self.version = version
-        self.streams = set(cfg.get("streams", ()))
-        self.disabled: set[str] = set()
+        super().__init__(cfg, version)
         self.skipped_internal = 0
         self.seen_rids: set[str] = set()
         self.hot_token_id: Any = None
@@ -42,41 +37,11 @@ class Recorder:
         # SGLang's `layers_to_capture` (= HF hidden_states indices), from the target's
         # `set_eagle3_layers_to_capture`: written as the `aux_hidden` column's `layer_ids`.
         self.capture_layers: list[int] | None = None
-        self.lock = threading.Lock()
-        self._writer: Any = None
-        self.writer_factory: Callable[[int], Any] | None = None  # tests may inject the real writer
-
-    def rank(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-    def writer(self) -> Any:
-        with self.lock:
-            if self._writer is None:
-                if self.writer_factory is not None:
-                    self._writer = self.writer_factory(self.rank())
-                else:
-                    from hstrace.trace import TraceWriter
-
-                    self._writer = TraceWriter(
-                        self.cfg["out"], rank=self.rank(), on_full=self.cfg.get("on_full", "block")
-                    )
-                    import atexit
-
-                    atexit.register(self.close)
-                    from hstrace.hooks.bootstrap import _state
-
-                    # how the hooks got into this process: "plugin" (SGLang's entry point) or
-                    # "sitecustomize" (the generated fallback)
-                    self._writer.update_static({"hooks_via": _state.get("via")})
-            return self._writer
 
     def close(self) -> None:
-        if self._writer is not None:
-            if self.skipped_internal:
-                self._writer.update_static({"skipped_health_check_steps": self.skipped_internal})
-            self._writer.close()
+        if self._writer is not None and self.skipped_internal and not self.closed:
+            self._writer.update_static({"skipped_health_check_steps": self.skipped_internal})
+        super().close()
 
     def internal(self, rids: Any) -> bool:
         """A step that serves only SGLang's own health checks (`/health` generates one token
@@ -87,54 +52,15 @@ class Recorder:
         self.skipped_internal += 1
         return True
 
-    def static(self, items: dict[str, Any]) -> None:
-        w = self.writer()
-        w.update_static(items)
-        w.flush()  # the audit must be on disk even if the server dies right after loading
-
-    def main_process_static(self, items: dict[str, Any]) -> None:
-        """Static facts found in SGLang's main process (which has no trace writer: rank 0's
-        belongs to the scheduler): a line in the launcher's status file, merged into the
-        trace's `static` when the run ends."""
-        import json
-        import os
-
-        status = self.cfg.get("status")
-        if not status:
-            return
-        with open(status, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps({"pid": os.getpid(), "static": items}, default=str) + "\n")
-
     def emit(self, writes: list[taps.TableWrite]) -> None:
-        w = self.writer()
         for tw in writes:
-            if tw.table not in self.streams:
-                continue
-            # only the axes this table has (verify has no `tok`, requests no per-step columns)
-            axes = {"step": tw.step, "req": tw.req, "tok": tw.tok, **tw.other}
-            kwargs = {axis: cols for axis, cols in axes.items() if cols}
-            if tw.table == "target" and self.capture_layers:
-                kwargs["column_attrs"] = {
+            if tw.table == "target" and self.capture_layers and tw.column_attrs is None:
+                tw.column_attrs = {
                     "tok/aux_hidden": taps.aux_hidden_attrs(
                         self.capture_layers, int(tw.tok["aux_hidden"].shape[-1])
                     )
                 }
-            w.write(tw.table, **kwargs)
-
-    def run_tap(self, name: str, fn: Callable[[], None]) -> None:
-        if name in self.disabled:
-            return
-        try:
-            fn()
-        except Exception as exc:  # never take serving down: disable and say so in the trace
-            self.disabled.add(name)
-            message = f"{type(exc).__name__}: {exc} | " + traceback.format_exc(limit=3).replace(
-                "\n", " "
-            )
-            try:
-                self.writer().note_error(name, message)
-            except Exception:
-                print(f"hstrace: tap {name} disabled: {message}", file=sys.stderr)
+        super().emit(writes)
 
 
 REC: Recorder | None = None
@@ -494,70 +420,11 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
 
 def apply(point: PatchPoint, module: Any) -> None:
     """Patch one point; a failure to patch is recorded and never reaches SGLang's import."""
-    try:
-        _apply(point, module)
-    except Exception as exc:  # never take serving down: an unpatched point records nothing
-        message = f"cannot patch {point.qualname}: {type(exc).__name__}: {exc}"
-        if REC is not None:
-            REC.run_tap(f"patch:{point.target}", lambda: REC.static({"patch_error": message}))
-        print(f"hstrace: {message}", file=sys.stderr, flush=True)
-
-
-def _apply(point: PatchPoint, module: Any) -> None:
-    cls_name, attr = point.qualname.split(".")
-    cls = getattr(module, cls_name)
-    original = cls.__dict__[attr]
-    if getattr(original, "__hstrace_wrapped__", False):
-        return
-    params = tuple(inspect.signature(original).parameters)
-    if params[: len(point.params)] != point.params:
-        if REC is not None:  # signature drift inside a supported range: record it, do not patch
-            mismatch = {point.target: {"expected": list(point.params), "found": list(params)}}
-            REC.run_tap(f"patch:{point.target}", lambda: REC.static({"patch_mismatch": mismatch}))
-        return
-    wrapped = WRAPPERS[point.qualname](original)
-    wrapped.__hstrace_wrapped__ = True  # type: ignore[attr-defined]
-    setattr(cls, attr, wrapped)
-
-
-class _PostImport(importlib.abc.MetaPathFinder):
-    """Patches a module right after it executes (hooks installed before SGLang imports it)."""
-
-    def __init__(self, pending: dict[str, list[PatchPoint]]) -> None:
-        self.pending = pending
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.pending:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-        points = self.pending.pop(fullname)
-
-        def exec_and_patch(module):
-            exec_module(module)
-            for p in points:
-                apply(p, module)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
+    hooks_common.apply_point(point, module, WRAPPERS, REC)
 
 
 def install(version: Version, cfg: dict[str, Any]) -> Recorder:
     global REC
     REC = Recorder(cfg, version)
-    pending: dict[str, list[PatchPoint]] = {}
-    for point in patch_points_for(version):
-        if point.module in sys.modules:
-            apply(point, sys.modules[point.module])
-        else:
-            pending.setdefault(point.module, []).append(point)
-    if pending:
-        sys.meta_path.insert(0, _PostImport(pending))
+    hooks_common.install_points(patch_points_for(version), WRAPPERS, REC)
     return REC

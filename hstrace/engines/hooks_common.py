@@ -142,7 +142,13 @@ class Recorder:
                     # engine workers started by multiprocessing end with os._exit, which skips
                     # atexit; its own exit finalizers still run (before daemonic children die)
                     multiprocessing.util.Finalize(self, self.close, exitpriority=100)
-                    self._close_on_signal()
+                    from hstrace.hooks.bootstrap import _state
+
+                    # how the hooks got into this process: "plugin" (the engine's entry point)
+                    # or "sitecustomize" (the generated fallback)
+                    self._writer.update_static({"hooks_via": _state.get("via")})
+                    if self.cfg.get("close_on_signal"):  # opt-in: the launcher will use it
+                        self._close_on_signal()
             return self._writer
 
     def _close_on_signal(self) -> None:

@@ -121,6 +121,7 @@ class SGLangEngine(Engine):
                     "on_full": options.on_full,
                     "status": str(status),
                     "engine": self.name,  # bootstrap installs only this engine's hooks
+                    **self._hook_options(),
                 }
             )
         )
@@ -166,6 +167,10 @@ class SGLangEngine(Engine):
 
     def _address(self, argv: Sequence[str]) -> tuple[str, int]:
         return server_address(argv)
+
+    def _hook_options(self) -> dict[str, Any]:
+        """Extra HSTRACE_RECORD keys for this engine's hooks (hooks_common.Recorder)."""
+        return {}
 
     def _wait_healthy(self, proc: subprocess.Popen, base: str, timeout_s: float) -> str | None:
         deadline = time.monotonic() + timeout_s

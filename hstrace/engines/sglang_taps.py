@@ -7,21 +7,12 @@ over as they are (the writer copies asynchronously on CUDA); only small index ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-
-@dataclass
-class TableWrite:
-    table: str
-    step: dict[str, Any] = field(default_factory=dict)
-    req: dict[str, Any] = field(default_factory=dict)
-    tok: dict[str, Any] = field(default_factory=dict)
-    other: dict[str, dict[str, Any]] = field(
-        default_factory=dict
-    )  # extra axes: proposed, accepted, rid
+# The row type is shared by every engine's taps.
+from hstrace.engines.hooks_common import TableWrite
 
 
 def _rids(batch: Any) -> list[str]:

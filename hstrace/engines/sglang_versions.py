@@ -8,8 +8,8 @@ the 0.5.23 rows against the real package with `inspect.signature`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
+from hstrace.engines import hooks_common
 from hstrace.errors import EngineError
 
 MIN_SUPPORTED = (0, 5, 13)  # v1 eagle_worker.py removed; EAGLEWorkerV2 always runs
@@ -27,27 +27,8 @@ def parse_version(text: str) -> Version:
     return int(match[1]), int(match[2]), int(match[3])
 
 
-@dataclass(frozen=True)
-class PatchPoint:
-    """One function hstrace wraps: `module:Qual.name`, the parameter names it binds by, the
-    versions in which they look like that, and the taps it feeds."""
-
-    target: str
-    params: tuple[str, ...]
-    since: Version
-    until: Version  # inclusive
-    feeds: tuple[str, ...]
-
-    def applies_to(self, version: Version) -> bool:
-        return self.since <= version <= self.until
-
-    @property
-    def module(self) -> str:
-        return self.target.split(":")[0]
-
-    @property
-    def qualname(self) -> str:
-        return self.target.split(":")[1]
+# The patch-point row type is shared with vLLM's table (hstrace.engines.hooks_common).
+PatchPoint = hooks_common.PatchPoint
 
 
 _W2 = "sglang.srt.speculative.eagle_worker_v2"

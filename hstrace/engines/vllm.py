@@ -111,6 +111,10 @@ class VLLMEngine(SGLangEngine):
             "server_cmd": self.config.server_cmd,
         }
 
+    def _hook_options(self) -> dict[str, Any]:
+        # each recording worker closes its trace on CLOSE_SIGNAL (see _shutdown)
+        return {"close_on_signal": True}
+
     def _address(self, argv: Sequence[str]) -> tuple[str, int]:
         from hstrace.engines.sglang import server_address
 
