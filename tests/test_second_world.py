@@ -340,3 +340,28 @@ def test_third_party_trace_reading_d2t_as_a_table(tmp_path, served_prompts):
     ev = _finding(doc, "d2t-direct-table")["evidence"]
     by = ev["agreement_by_reading"]
     assert by["direct table"] == 1.0 and by["offsets"] < 0.5, by
+
+
+def test_third_party_decode_trace_with_speculators_chain(tmp_path, served_prompts):
+    """Greedy decode rounds (3 drafts, topk 1) whose chain is run by speculators' own forward
+    (norm_output=True: it feeds norm(h) back), served next to the bf16 target: replay reruns
+    every recorded draft step with hstrace's reference and finds nothing to report."""
+    from hstrace.trace import open_trace
+
+    trace = _producer().record(
+        tmp_path / "decode.zarr",
+        WORLD / "target",
+        WORLD / "drafter-speculators",
+        [p[:24] for p in served_prompts],
+        layers=[2, 3, 4],
+        max_new=10,
+    )
+    doc = _replay(trace)
+    assert [f["code"] for f in doc["findings"]] == ["no-wiring-fault"], doc["findings"]
+    assert doc["skipped"] == {}  # every check ran: draft steps, verify, acceptance
+    steps = doc["metrics"]["engine_vs_reference"]["by_draft_step"]
+    assert [s["draft_step"] for s in steps] == [1, 2]
+    assert all(s["top1_agreement"] == 1.0 and s["max_logit_diff"] <= 1e-3 for s in steps), steps
+    with open_trace(trace) as tr:
+        accept = tr.rank(0).table("verify").column("req", "accept_len")
+    assert doc["metrics"]["mean_accept_len"] == pytest.approx(float(accept.mean()))
