@@ -148,6 +148,21 @@ def test_sglang_shaped_cache_hits_replay_clean(work, cached):
     assert result.metrics["engine_vs_reference_by_cache"]["cache_hit"]["agrees"]
 
 
+@pytest.mark.parametrize("redact", [(), ("ids",), ("hidden",)])
+def test_cache_hit_bundles_replay_clean(work, cached, redact):
+    """A cache-hit trace shared as a bundle (also with ids or hidden states redacted) replays
+    clean, and no check fails internally on the cached spans."""
+    from hstrace.bundle import BundleOptions, make_bundle
+
+    out = work / f"cached-bundle-{'-'.join(redact) or 'plain'}.zip"
+    make_bundle(cached, out, BundleOptions(redact=redact))
+    result = replay(out, TRAINING)
+    assert result.verdict.code == "no-wiring-fault", dump(result)
+    assert not [k for k, v in result.skipped.items() if "failed internally" in v], result.skipped
+    if "hidden" not in redact:
+        assert result.metrics["engine_vs_reference_by_cache"]["cache_hit"]["agrees"]
+
+
 @pytest.mark.parametrize(
     ("code", "knobs"),
     [

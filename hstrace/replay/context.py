@@ -350,7 +350,8 @@ class ReplayContext:
             if a.serving is r:
                 aux = a.sample.aux_concat if hasattr(a.sample, "aux_concat") else None
                 if aux is not None and a.n >= c and aux.shape[-1] == self.fc_in:
-                    return aux[:c].to(r.aux.dtype), "training sample"
+                    dtype = r.aux.dtype if r.aux is not None else aux.dtype
+                    return aux[:c].to(dtype), "training sample"
         return None
 
     def prefix_of(self, r: ServingRequest) -> Step0Input | None:
@@ -375,6 +376,7 @@ class ReplayContext:
             for r in self.serving.requests
             if r.draft is not None
             and r.draft.topk_draft_ids is not None
+            and r.draft.hidden_in is not None  # else nothing is replayed (missing says why)
             and r.aux_start > 0
             and self.cached_aux(r) is None
         ]
