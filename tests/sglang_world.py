@@ -174,9 +174,12 @@ def target_worker(*, ndt: int):
 # ---- the live server on CPU (HSTRACE_SGLANG_CPU=1: hooks/sglang_cpu_shim.py) ----------------
 
 WORLD = Path(__file__).resolve().parents[1] / "traces" / "tiny-world"
+# --mem-fraction-static: on CPU SGLang budgets the KV pool from the host's available memory
+# and refuses to start if it fell by more than the fraction while the weights loaded (other
+# processes on a shared machine); --max-total-tokens keeps the pool itself small.
 LIVE_FLAGS = (
     "--device cpu --attention-backend torch_native --dtype bfloat16 --disable-cuda-graph "
-    "--mem-fraction-static 0.05 --host 127.0.0.1"
+    "--mem-fraction-static 0.15 --max-total-tokens 32768 --host 127.0.0.1"
 )
 
 

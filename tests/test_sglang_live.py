@@ -10,7 +10,7 @@ server start (~40-70 s on 2 cores) shared by the assertions on its trace:
   wiring), training samples sent as token ids plus two prompts that hit the radix cache;
 - `shifted`: the speculators drafter (ids [2, 4, 5] "before layer k") converted to SGLang's
   layout with the ids copied verbatim, read +1 -> [3, 5, 6]; `--speculative-num-draft-tokens 8`
-  with topk 1; and a draft_step tap that raises;
+  with topk 1; `--chunked-prefill-size 24`; and a draft_step tap that raises;
 - `d2t_table`: a drafter whose d2t holds target ids (a direct table) where SGLang reads offsets.
 
 The fake-forward record -> replay loop (the former tests/test_sglang_replay_loop.py) is gone:
@@ -45,6 +45,7 @@ from hstrace.training import open_training  # noqa: E402
 
 SPECFORGE, SPECULATORS = WORLD / "training-specforge", WORLD / "training-speculators"
 N_SAMPLES = 6
+CHUNK = 24  # --chunked-prefill-size of the `shifted` server: 64-token prompts in 3 chunks
 BF16_ROW_REL = 2.0**-5  # a few bf16 ulps (2^-8) of relative error per row, after 5 bf16 layers
 
 
@@ -235,9 +236,9 @@ def shifted(tmp_path_factory):
     assert ids == {"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
     td = open_training(SPECULATORS)
     prompts = [td[i].input_ids.tolist() for i in range(4)]
-    cmd = world.live_server_cmd(drafter, world.free_port()).replace(
-        "--speculative-num-draft-tokens 4", "--speculative-num-draft-tokens 8"
-    )
+    cmd = world.live_server_cmd(
+        drafter, world.free_port(), extra=f"--chunked-prefill-size {CHUNK}"
+    ).replace("--speculative-num-draft-tokens 4", "--speculative-num-draft-tokens 8")
     out = tmp / "shifted.zarr"
     proc = world.live_record(out, cmd, prompts, env=world.live_env(PYTHONPATH=str(site)))
     return SimpleNamespace(proc=proc, trace=out, prompts=prompts, drafter=drafter)
@@ -256,6 +257,30 @@ def test_a_raising_tap_is_disabled_and_the_live_server_keeps_serving(shifted) ->
     assert rank.clean_close is True
 
 
+def test_chunked_prefill_is_one_step_per_chunk_at_true_positions(shifted) -> None:
+    rank = _rank(shifted.trace)
+    target, extend = rank.table("target"), rank.table("draft_extend")
+    for i, prompt in enumerate(shifted.prompts):
+        key = request_key(f"hstrace-{i}")
+        blocks = []  # (positions, target ids, draft-extend ids) per prefill step of the request
+        for s in range(target.num_steps):
+            t, e = target.step(s), extend.step(s)
+            if int(t["step"]["mode"][0]) != 0 or key not in t["req"]["req_key"].tolist():
+                continue
+            assert t["req"]["req_key"].tolist() == e["req"]["req_key"].tolist() == [key]
+            blocks.append(
+                (t["tok"]["positions"].tolist(), t["tok"]["input_ids"].tolist(), e["tok"])
+            )
+        starts = list(range(0, len(prompt), CHUNK))
+        assert [b[0][0] for b in blocks] == starts  # one target step per chunk, in order
+        for (pos, ids, ext), start in zip(blocks, starts, strict=True):
+            assert pos == list(range(start, min(start + CHUNK, len(prompt))))
+            assert ids == prompt[pos[0] : pos[-1] + 1]
+            assert ext["positions"].tolist() == pos
+            if pos[-1] + 1 < len(prompt):  # a seam: fed the next chunk's first prompt token
+                assert int(ext["input_ids"][-1]) == prompt[pos[-1] + 1]
+
+
 def test_speculators_ids_read_plus_one_replay_to_aux_layer_shift(shifted) -> None:
     static = open_trace(shifted.trace).meta["static"]
     assert static["capture"]["layers_to_capture"] == [3, 5, 6]  # ids [2, 4, 5] + 1
@@ -269,6 +294,7 @@ def test_speculators_ids_read_plus_one_replay_to_aux_layer_shift(shifted) -> Non
     assert shift["evidence"]["shift"] == 1
     # the fix names SGLang's key and the ids that capture the trained layers under its +1 rule
     assert "eagle_aux_hidden_state_layer_ids" in shift["fix"] and "[1, 3, 4]" in shift["fix"]
+    assert "chunk-boundary-token" not in _codes(report)  # the chunked prefill was served right
 
 
 def test_num_draft_tokens_override_is_spec_params_adjusted(shifted) -> None:
