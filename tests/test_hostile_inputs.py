@@ -552,6 +552,15 @@ def build_drafter_cases(d: Path) -> list[Case]:
         )
     )
 
+    for name, edit, words in (
+        ("drafter_layers_1e6", {"num_hidden_layers": 10**6}, ("num_hidden_layers", "1000000")),
+        ("drafter_hidden_negative", {"hidden_size": -64}, ("hidden_size", "-64")),
+    ):
+        p = d / name
+        shutil.copytree(DRAFTER, p)
+        _edit_json(p / "config.json", lambda m, e=edit: m["transformer_layer_config"].update(e))
+        cases.append(Case(name, p, "drafter", words, ("check", "replay"), argv(p)))
+
     vb = d / "drafter_vocab_2p24_only"  # only the vocab inflated: the embedding is saved
     shutil.copytree(DRAFTER, vb)
     _edit_json(

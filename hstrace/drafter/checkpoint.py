@@ -166,6 +166,24 @@ MISSING_MAX_RATIO = 8
 MISSING_FLOOR_BYTES = 1 << 30
 
 
+# Integer sizes of DrafterConfig that must be positive (head_dim / target_hidden_size: or None).
+_POSITIVE_FIELDS = (
+    "hidden_size",
+    "vocab_size",
+    "draft_vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_aux",
+    "head_dim",
+    "target_hidden_size",
+)
+# EAGLE-3 drafters have one decoder layer (a few in variants); this only stops a config that
+# would build a million of them before any shape is compared.
+MAX_LAYERS = 64
+
+
 def _sizes(cfg: DrafterConfig) -> str:
     return (
         f"hidden_size {cfg.hidden_size}, vocab_size {cfg.vocab_size}, draft_vocab_size "
@@ -178,6 +196,17 @@ def _check_sizes(
 ) -> None:
     """Compare what the config would allocate with the checkpoint's tensors BEFORE allocating
     anything (a config claiming hidden 65536 / vocab 2^24 asks for terabytes)."""
+    for name in _POSITIVE_FIELDS:
+        value = getattr(cfg, name, None)
+        if value is None and name in ("head_dim", "target_hidden_size"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(f"{where}: {name} {value!r} is not a positive whole number")
+    if cfg.num_hidden_layers > MAX_LAYERS:
+        raise CheckpointError(
+            f"{where}: num_hidden_layers {cfg.num_hidden_layers}: an EAGLE-3 drafter has a few "
+            f"layers (limit {MAX_LAYERS}); fix config.json (nothing was allocated)"
+        )
     try:
         with torch.device("meta"):
             shapes = {
