@@ -712,4 +712,4 @@ def test_enough_hostile_runs(runs):
     cases, results, controls = runs
     results = {k: r for k, r in results.items() if k.split(":")[0] not in controls}
     if not os.environ.get("HOSTILE_ONLY"):
-        assert len(cases) >= 30 and len(results) >= 120, (len(cases), len(results))
+        assert len(cases) >= 51 and len(results) >= 218, (len(cases), len(results))
