@@ -214,7 +214,9 @@ def _print_rich(report: Any, findings: list[Finding], metrics: dict[str, Any]) -
         con.print(f"    evidence: {json.dumps(f.evidence, default=str)}", markup=False)
         con.print(f"    fix: {f.fix}", markup=False)
     res = metrics.get("norm_output_resolution")
-    if res:
+    if res and "accuracy" not in res:
+        con.print(f"SpecForge norm_output: reading not tested ({res['why']})", markup=False)
+    elif res:
         read_as = res["reading"] or "undecided"
         acc = ", ".join(f"{k} {v:.3f}" for k, v in res["accuracy"].items() if v is not None)
         con.print(

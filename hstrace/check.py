@@ -1008,6 +1008,11 @@ def resolve_norm_output(
     b + c >= `min_discordant`); otherwise `reading` is None and hstrace says it cannot tell.
     The model's flags are left as they were."""
     n = min(len(td), max_samples)
+    if n == 0:
+        return {"reading": None, "why": "no training samples"}
+    first = td[0]
+    if tuple(first.aux.shape[1:]) != (model.cfg.num_aux, model.cfg.aux_width):
+        return {"reading": None, "why": "the stored slots do not fit the drafter's fc"}
     scored = list(range(1, steps)) if value else [0]
     saved = (model.cfg.logits_use_norm, model.cfg.feed_normed)
     hits: dict[str, torch.Tensor] = {}

@@ -285,3 +285,19 @@ def test_norm_output_decided_from_training_data(tmp_path, capsys):
     f = _finding(doc, "norm-flag-mismatch")
     assert res["reading"] is None and f["severity"] == "warning" and rc == 0
     assert f["evidence"]["tested_on_training_data"] == res["why"] and "not enough" in res["why"]
+
+
+def test_norm_output_with_data_the_drafter_cannot_take(tmp_path, capsys):
+    """Training slots of another layout than the drafter's fc: the reading is not tested (no
+    crash), the slot-layout fault is reported."""
+    from test_check import _specforge_data
+
+    ck = _norm_output(tmp_path, True)
+    _specforge_data(tmp_path / "wide", width=40)  # fc takes 3 x 64
+    args = ("--against", str(tmp_path / "wide"), "--target", str(WORLD / "target"))
+    rc, doc, _ = run_check(capsys, str(ck), "--json", *args)
+    assert rc == 1 and "slot-layout" in codes(doc)
+    res = doc["metrics"]["norm_output_resolution"]
+    assert res["reading"] is None and "do not fit" in res["why"]
+    rc, out, _ = run_check(capsys, str(ck), *args)
+    assert rc == 1 and "reading not tested" in out
