@@ -128,6 +128,10 @@ class Hstrace:
     def blocked_s(self) -> float:
         return self.w.stats["blocked_s"]
 
+    def copy_s(self) -> float:
+        """Time spent in the memcpy into the ring itself (TraceWriter's own count)."""
+        return self.w.stats["copy_s"]
+
     def writer_pid(self) -> int | None:
         return self.w.writer_pid
 
@@ -279,13 +283,15 @@ def run_one(
 ) -> dict:
     out = Path(tempfile.mkdtemp(dir=workdir))
     m = cls(out)
-    costs, blocked, cpu, preempted = [], [], [], []
+    costs, blocked, cpu, preempted, copied = [], [], [], [], []
     blocked_s = getattr(m, "blocked_s", lambda: 0.0)
+    copy_s = getattr(m, "copy_s", lambda: 0.0)
+    ru0 = _cpu_s()
     t0 = time.perf_counter()
     for s in range(steps):
         if paced:
             busy(STEP_MS)
-        b0 = blocked_s()
+        b0, k0 = blocked_s(), copy_s()
         v0 = involuntary_switches()  # outside the timed region: a syscall each
         c = time.thread_time()
         a = time.perf_counter()
@@ -294,30 +300,47 @@ def run_one(
         cpu.append((time.thread_time() - c) * 1000)
         preempted.append(involuntary_switches() > v0)
         blocked.append((blocked_s() - b0) * 1000)
+        copied.append((copy_s() - k0) * 1000)
     m.close()
     wall = time.perf_counter() - t0
+    ru1 = _cpu_s()
     size, files, meta = disk_usage(m.root())
     result = {
         "costs_ms": costs,
         "cpu_ms": cpu,
         "blocked_ms": blocked,
+        "copy_ms": copied,
         "preempted": preempted,
         "wall_s": wall,
+        # CPU seconds of this process (all threads) and of finished children (the writer
+        # process, which exits at close): the rate each would have on a core of its own.
+        "cpu_self_s": ru1[0] - ru0[0],
+        "cpu_children_s": ru1[1] - ru0[1],
         "disk_bytes": size,
         "files": files,
         "metadata_files": meta,
     }
     if issubclass(cls, Hstrace):
         if read:  # right after the write, like the raw file's read: both in the page cache
-            result["read_s"], ok = read_hstrace(m.root(), pool, steps)
+            result["read_s"], result["read_cpu_s"], ok = read_hstrace(m.root(), pool, steps)
         else:
             ok = check_hstrace(m.root(), pool, steps)
         result["lossless"] = ok
         result["uncompressed_chunks"], result["chunks"] = chunk_counts(m.root())
     elif cls is RawWrite and read:
+        c0 = _cpu_s()[0]
         result["read_s"] = read_raw(m.root())
+        result["read_cpu_s"] = _cpu_s()[0] - c0
     shutil.rmtree(out)
     return result
+
+
+def _cpu_s() -> tuple[float, float]:
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
 
 def read_raw(path: Path) -> float:
@@ -331,9 +354,10 @@ def read_raw(path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def read_hstrace(path: Path, pool: list[dict], steps: int) -> tuple[float, bool]:
+def read_hstrace(path: Path, pool: list[dict], steps: int) -> tuple[float, float, bool]:
     """Seconds to read every column of both tables through hstrace's reader (what `show`,
     `diff` and replay call), then a bit-exact check of every step against what was written."""
+    c0 = _cpu_s()[0]
     t0 = time.perf_counter()
     with open_trace(path) as tr:
         got = {}
@@ -345,6 +369,7 @@ def read_hstrace(path: Path, pool: list[dict], steps: int) -> tuple[float, bool]
                 {c: t.column("tok", c) for c in t.columns["tok"]},
             )
     dt = time.perf_counter() - t0
+    cpu = _cpu_s()[0] - c0
     ok = True
     for name, part in (("target", "target"), ("draft_step", "draft")):
         n, off, cols = got[name]
@@ -355,7 +380,7 @@ def read_hstrace(path: Path, pool: list[dict], steps: int) -> tuple[float, bool]
                 want = pool[s % len(pool)][part][c]
                 want = (want.view(torch.int16) if want.dtype == torch.bfloat16 else want).numpy()
                 ok &= bool(np.array_equal(a[off[s] : off[s + 1]], want))
-    return dt, ok
+    return dt, cpu, ok
 
 
 def chunk_counts(path: Path) -> tuple[int, int]:
@@ -631,6 +656,13 @@ def main(argv: list[str] | None = None) -> dict:
                 pct([c - b for c, b in zip(p["costs_ms"], p["blocked_ms"], strict=True)], 99)
                 for p in paced
             ),
+            # Of the record call, the memcpy into the staging ring alone (hstrace's own count),
+            # and everything else (checks, ring allocation, the pipe message).
+            "producer_copy_ms_median": med(pct(p["copy_ms"], 50) for p in paced),
+            "producer_other_ms_median": med(
+                pct([c - k for c, k in zip(p["costs_ms"], p["copy_ms"], strict=True)], 50)
+                for p in paced
+            ),
             "blocked_steps_share": med(
                 sum(b > 0 for b in p["blocked_ms"]) / len(p["blocked_ms"]) for p in paced
             ),
@@ -664,8 +696,20 @@ def main(argv: list[str] | None = None) -> dict:
             entry["uncompressed_chunk_share_firehose"] = med(
                 f["uncompressed_chunks"] / max(1, f["chunks"]) for f in fire
             )
+        # Logical MB per CPU second spent (producer + writer process): load-independent.
+        entry["mb_per_cpu_s"] = med(
+            args.firehose_steps * sb / 1e6 / max(1e-9, f["cpu_self_s"] + f["cpu_children_s"])
+            for f in fire
+        )
+        entry["writer_cpu_s_per_gb"] = med(
+            f["cpu_children_s"] / (args.firehose_steps * sb / 1e9) for f in fire
+        )
         if all("read_s" in f for f in fire):
             entry["read_mb_s"] = med(args.firehose_steps * sb / 1e6 / f["read_s"] for f in fire)
+        if all("read_cpu_s" in f for f in fire):
+            entry["read_mb_per_cpu_s"] = med(
+                args.firehose_steps * sb / 1e6 / max(1e-9, f["read_cpu_s"]) for f in fire
+            )
         results[name] = entry
     base = results.get("raw_write")
     copy = results.get("copy_only")
@@ -679,6 +723,8 @@ def main(argv: list[str] | None = None) -> dict:
         e["mb_s_vs_raw"] = e["sustained_mb_s"] / base["sustained_mb_s"] if base else None
         if base and "read_mb_s" in e and "read_mb_s" in base:
             e["read_vs_raw"] = e["read_mb_s"] / base["read_mb_s"]
+        if base:
+            e["mb_per_cpu_s_vs_raw"] = e["mb_per_cpu_s"] / base["mb_per_cpu_s"]
     report = {
         "workload": {
             "step_bytes": sb,
