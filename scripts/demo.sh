@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's first command: the main job, for real, on this machine.
 #
-#   bash scripts/demo.sh [--engine vllm]
+#   bash scripts/demo.sh [--engine vllm|sglang]
 #
 # vllm (default): builds (once, cached) the vLLM CPU venv (scripts/vllm-venv.sh), serves the
 # tiny world on vLLM with the SpecForge-format drafter as it is (its aux ids are written for
@@ -11,6 +11,9 @@
 # Where vLLM CPU cannot run (not x86-64 Linux) it says so in one line and replays the bundled
 # trace traces/examples/aux-layer-shift.zarr instead.
 #
+# sglang: the real SGLang 0.5.23 server on CPU (scripts/sglang-venv.sh, HSTRACE_SGLANG_CPU=1)
+# with the speculators drafter converted to SGLang's layout: aux-layer-shift (demo_sglang).
+#
 # Engines: each is a `demo_<name>` function below; add one to support another engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +22,7 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --engine) ENGINE="${2:?--engine needs a name}"; shift 2 ;;
     --engine=*) ENGINE="${1#--engine=}"; shift ;;
-    *) echo "hstrace demo: error: unknown argument $1 (usage: scripts/demo.sh [--engine vllm])" >&2; exit 2 ;;
+    *) echo "hstrace demo: error: unknown argument $1 (usage: scripts/demo.sh [--engine vllm|sglang])" >&2; exit 2 ;;
   esac
 done
 TRAINING=traces/tiny-world/training-speculators
@@ -49,6 +52,33 @@ demo_vllm() {
     --server-cmd "$py -m vllm.entrypoints.openai.api_server --model traces/tiny-world/target --speculative-config '$spec' --host 127.0.0.1 --port $port --max-model-len 512 --dtype float32" \
     --prompts-from "$TRAINING" --samples "$SAMPLES" --out "$out"
   "$py" -m hstrace replay "$out" --against "$TRAINING"
+}
+
+demo_sglang() {
+  # SGLang 0.5.23 on CPU: the real server with hstrace's CPU shim (HSTRACE_SGLANG_CPU=1, test and
+  # demo only: hooks/sglang_cpu_shim.py stands in for CUDA/Triton-only kernels). It serves the
+  # speculators drafter converted to SGLang's layout with its aux ids copied verbatim (SGLang
+  # cannot read speculators' nested config): ids [2, 4, 5] mean "before layer k" there, SGLang
+  # adds 1, so it captures layers one higher than training: aux-layer-shift, with SGLang's fix.
+  if [[ "$(uname -s)-$(uname -m)" != "Linux-x86_64" ]]; then
+    echo "the SGLang CPU demo runs on x86-64 Linux only (this is $(uname -s) $(uname -m)): replaying the bundled trace traces/examples/aux-layer-shift.zarr instead" >&2
+    python3 -m pip install -q -c scripts/constraints-cpu.txt -e '.[reference,training]' >&2
+    bundled python3
+    return
+  fi
+  local py work out port drafter
+  py="$(bash scripts/sglang-venv.sh | tail -1)"
+  work="$(mktemp -d "${TMPDIR:-/tmp}/hstrace-demo.XXXXXX")"
+  out="$work/demo.zarr" drafter="$work/drafter-speculators-sglang-layout"
+  port="${HSTRACE_DEMO_PORT:-18401}"
+  "$py" -c "import sys; from hstrace.drafter import load_drafter, save_drafter; save_drafter(load_drafter(sys.argv[1])[0], sys.argv[2], dialect='specforge')" \
+    traces/tiny-world/drafter-speculators "$drafter"
+  export HSTRACE_SGLANG_CPU=1 HF_HUB_OFFLINE=1
+  echo "serving the tiny world on SGLang (CPU) with the speculators drafter in SGLang's layout, recording $SAMPLES training samples into $out" >&2
+  "$py" -m hstrace record \
+    --server-cmd "$py -m sglang.launch_server --model-path traces/tiny-world/target --speculative-algorithm EAGLE3 --speculative-draft-model-path $drafter --speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4 --device cpu --attention-backend torch_native --dtype bfloat16 --disable-cuda-graph --mem-fraction-static 0.15 --max-total-tokens 32768 --host 127.0.0.1 --port $port" \
+    --prompts-from "$TRAINING" --samples "$SAMPLES" --out "$out"
+  "$py" -m hstrace replay "$out" --against "$TRAINING" --target traces/tiny-world/target
 }
 
 if ! declare -F "demo_$ENGINE" >/dev/null; then
