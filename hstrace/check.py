@@ -2,6 +2,12 @@
 the vocab map already reveal, before any trace. Each check returns `Finding`s; engine-dependent
 ones say which engine versions they apply to (`Finding.applies_to`).
 
+Nothing here guesses: an accuracy needs a real embedding (else it is marked skipped, with no
+value); an embedding slot in the training data is decided from the numbers (the target's or the
+drafter's embedding, else "a function of the token alone"); SpecForge's `norm_output`, whose
+meaning changed in SpecForge PR #879, is read from the training tensors by a paired test, or
+reported as a question.
+
 Engine facts used here (shared/reference/sglang-internals.md §2, training-formats.md §6, §9):
 SGLang ≤0.5.11 maps only `midlayer.*` (drops `layers.0.*` silently); `fc_norm` from 0.5.12;
 `norm_before_fc`/`input_norm` from 0.5.17; `norm_before_residual`, sliding windows and qwen3
