@@ -99,6 +99,13 @@ def parse_streams(value: str | None) -> frozenset[str]:
     "Knobs: hstrace.engines.reference.ReferenceKnobs.",
 )
 @click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Prompts in flight at once (sglang: the scheduler batches them); 1 = one after another.",
+)
+@click.option(
     "--startup-timeout",
     type=float,
     default=900.0,
@@ -120,6 +127,7 @@ def record(
     on_full: str,
     knobs: tuple[str, ...],
     startup_timeout: float,
+    concurrency: int,
 ) -> None:
     """Run an engine with hstrace's hooks and record a trace."""
     if engine_name is None:
@@ -148,6 +156,7 @@ def record(
         streams=parse_streams(streams),
         on_full=on_full,
         startup_timeout_s=startup_timeout,
+        concurrency=concurrency,
         show_progress=sys.stderr.isatty(),
     )
     engine = get_engine(

@@ -218,6 +218,7 @@ def live_record(
     *,
     max_new_tokens: int = 16,
     env: dict[str, str] | None = None,
+    concurrency: int = 1,
 ):
     """`hstrace record --server-cmd ...` against the live CPU server (a subprocess, as a user
     runs it): the hooks load in SGLang's real processes through the plugin entry point."""
@@ -230,6 +231,7 @@ def live_record(
     cmd = [sys.executable, "-m", "hstrace", "record", "--server-cmd", server_cmd]
     cmd += ["--out", str(out), "--prompts", str(prompts_file)]
     cmd += ["--max-new-tokens", str(max_new_tokens), "--startup-timeout", "400"]
+    cmd += ["--concurrency", str(concurrency)]
     return subprocess.run(cmd, capture_output=True, text=True, env=env or live_env(), timeout=900)
 
 

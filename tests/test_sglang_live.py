@@ -7,7 +7,8 @@ in the real scheduler process, and `hstrace replay` reads the trace. Each module
 server start (~40-70 s on 2 cores) shared by the assertions on its trace:
 
 - `clean`: the SpecForge-format drafter (ids [1, 3, 4], SGLang's +1 -> HF [2, 4, 5]: the correct
-  wiring), training samples sent as token ids plus two prompts that hit the radix cache;
+  wiring), training samples sent as token ids two at a time (`--concurrency 2`: batched steps)
+  plus two prompts that hit the radix cache;
 - `shifted`: the speculators drafter (ids [2, 4, 5] "before layer k") converted to SGLang's
   layout with the ids copied verbatim, read +1 -> [3, 5, 6]; `--speculative-num-draft-tokens 8`
   with topk 1; `--chunked-prefill-size 24`; and a draft_step tap that raises;
@@ -17,9 +18,8 @@ The fake-forward record -> replay loop (the former tests/test_sglang_replay_loop
 every path it drove runs here for real. Named fakes remain only where the live server does not
 go: a server that dies at load time (test_sglang_record_cpu.py: no shim, the KV-pool Triton
 warm-up kills it after both models loaded), in-process audits of single SGLang functions over
-several checkpoints (test_sglang_audit_inprocess.py), and multi-request batches with different
-accept lengths in one verify (test_sglang_taps.py: `hstrace record` sends one prompt at a time,
-so the live batches hold one request).
+several checkpoints (test_sglang_audit_inprocess.py), and the taps' row building checked value
+by value against the worker's exact inputs (test_sglang_taps.py).
 """
 
 from __future__ import annotations
@@ -74,8 +74,12 @@ def clean(tmp_path_factory):
     # sample 0 again (its whole prompt is in the radix cache) and the first 40 tokens of sample 1
     prompts += [td[0].input_ids.tolist(), td[1].input_ids[:40].tolist()]
     out = tmp / "clean.zarr"
+    # two prompts in flight at once: SGLang batches them (prefill, verify, draft steps)
     proc = world.live_record(
-        out, world.live_server_cmd(WORLD / "drafter-specforge", world.free_port()), prompts
+        out,
+        world.live_server_cmd(WORLD / "drafter-specforge", world.free_port()),
+        prompts,
+        concurrency=2,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return SimpleNamespace(trace=out, prompts=prompts, td=td, tmp=tmp)
@@ -93,6 +97,9 @@ def test_hooks_run_in_the_real_scheduler_and_the_trace_closes_cleanly(clean) -> 
     assert static["spec"]["effective"] == {"num_steps": 3, "topk": 1, "num_draft_tokens": 4}
     assert static["skipped_health_check_steps"] >= 1  # the launcher's /health polls
     verify = rank.table("verify")
+    for table in (verify, rank.table("target"), rank.table("draft_step")):
+        off = table.offsets("req")
+        assert int((off[1:] - off[:-1]).max()) == 2  # batched steps were recorded as batches
     per_request: dict[int, int] = {}
     for key in verify.column("req", "req_key").tolist():
         per_request[key] = per_request.get(key, 0) + 1

@@ -194,46 +194,54 @@ class SGLangEngine(Engine):
         options: RecordOptions,
         result: RecordResult,
     ) -> str | None:
+        """Send the prompts (greedy), `options.concurrency` at a time (1: one after the other;
+        more: SGLang batches the requests in flight together)."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from rich.progress import Progress
 
+        def one(i: int, prompt: Prompt) -> dict[str, Any] | str:
+            rid = f"hstrace-{i}"
+            body: dict[str, Any] = {
+                "rid": rid,
+                "sampling_params": {"max_new_tokens": options.max_new_tokens, "temperature": 0.0},
+            }
+            if prompt.input_ids is not None:
+                body["input_ids"] = list(prompt.input_ids)
+            else:
+                body["text"] = prompt.text
+            req = urllib.request.Request(
+                base + "/generate",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    reply = json.loads(r.read())
+            except (urllib.error.URLError, OSError) as exc:
+                if proc.poll() is not None:
+                    return f"the server died while serving prompt {i} (code {proc.returncode})"
+                return f"prompt {i} failed: {exc}"
+            meta = reply.get("meta_info", {}) if isinstance(reply, dict) else {}
+            return {
+                "rid": rid,
+                "source_id": prompt.source_id,
+                **{k: meta[k] for k in SPEC_METRIC_KEYS if k in meta},
+            }
+
+        width = max(1, int(getattr(options, "concurrency", 1)))
         with Progress(disable=not options.show_progress, transient=True) as progress:
             task = progress.add_task("recording", total=len(prompts))
-            for i, prompt in enumerate(prompts):
-                rid = f"hstrace-{i}"
-                body: dict[str, Any] = {
-                    "rid": rid,
-                    "sampling_params": {
-                        "max_new_tokens": options.max_new_tokens,
-                        "temperature": 0.0,
-                    },
-                }
-                if prompt.input_ids is not None:
-                    body["input_ids"] = list(prompt.input_ids)
-                else:
-                    body["text"] = prompt.text
-                result.prompts_sent += 1
-                req = urllib.request.Request(
-                    base + "/generate",
-                    data=json.dumps(body).encode(),
-                    headers={"Content-Type": "application/json"},
-                )
-                try:
-                    with urllib.request.urlopen(req, timeout=600) as r:
-                        reply = json.loads(r.read())
-                except (urllib.error.URLError, OSError) as exc:
-                    if proc.poll() is not None:
-                        return f"the server died while serving prompt {i} (code {proc.returncode})"
-                    return f"prompt {i} failed: {exc}"
-                meta = reply.get("meta_info", {}) if isinstance(reply, dict) else {}
-                result.request_metrics.append(
-                    {
-                        "rid": rid,
-                        "source_id": prompt.source_id,
-                        **{k: meta[k] for k in SPEC_METRIC_KEYS if k in meta},
-                    }
-                )
-                result.prompts_completed += 1
-                progress.advance(task)
+            with ThreadPoolExecutor(width) as pool:
+                for start in range(0, len(prompts), width):
+                    wave = list(enumerate(prompts))[start : start + width]
+                    result.prompts_sent += len(wave)
+                    for got in pool.map(lambda item: one(*item), wave):
+                        if isinstance(got, str):
+                            return got
+                        result.request_metrics.append(got)
+                        result.prompts_completed += 1
+                        progress.advance(task)
         return None
 
     # SIGTERM to SGLang's main process alone is its graceful stop: the tokenizer manager sends
