@@ -242,7 +242,7 @@ def test_zip_bomb_and_truncation_are_refused(demo, tmp_path):
 
 @pytest.mark.parametrize("window", [1, 3, 64])
 def test_windowed_steps_match_step_reads(demo, window):
-    from hstrace.bundle.stepcache import WindowedSteps
+    from hstrace.trace.stepcache import WindowedSteps
 
     view = open_trace(demo).rank(0)
     for name in view.tables:

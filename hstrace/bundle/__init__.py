@@ -13,8 +13,8 @@ from typing import Any
 from hstrace.bundle.manifest import MANIFEST, REPORT, REPRODUCE
 from hstrace.bundle.pack import BundleOptions, BundleResult, make_bundle, parse_size
 from hstrace.bundle.redact import hash_token_ids, read_salt
-from hstrace.bundle.safezip import check_zip, read_member
 from hstrace.errors import TraceError
+from hstrace.trace.safezip import check_zip, read_member
 
 __all__ = [
     "BundleOptions",

@@ -147,8 +147,8 @@ def _row_nbytes(t: Any, axis: str, column: str) -> int:
 
 def open_checked(path: str | os.PathLike[str]) -> Any:
     """`open_trace`, after the zip-bomb and path checks when `path` is a zip (a bundle)."""
-    from hstrace.bundle.safezip import check_zip
     from hstrace.trace import open_trace
+    from hstrace.trace.safezip import check_zip
 
     if Path(path).is_file():
         check_zip(path)

@@ -20,19 +20,7 @@ from typing import Any
 import numpy as np
 
 from hstrace.errors import HstraceError
-
-# (table, axis) -> the req-axis column counting that axis' rows per request.
-REQUEST_ROW_COUNTS: dict[tuple[str, str], str] = {
-    ("target", "tok"): "n_tok",
-    ("draft_extend", "tok"): "n_tok",
-    ("draft_step", "tok"): "n_tok",
-    ("verify", "proposed"): "n_proposed",
-    ("verify", "accepted"): "n_accepted",
-    ("requests", "tok"): "n_prompt",
-    ("requests", "rid"): "rid_len",
-}
-STEP_AXIS = "step"
-REQ_AXIS = "req"
+from hstrace.trace.schema import REQ_AXIS, REQUEST_ROW_COUNTS, STEP_AXIS
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import torch
 
 from hstrace.bundle import redact as rd
 from hstrace.bundle.select import STEP_AXIS, Event, slice_requests
-from hstrace.bundle.stepcache import WindowedSteps
+from hstrace.trace.stepcache import WindowedSteps
 
 
 @dataclass

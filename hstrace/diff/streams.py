@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from hstrace.bundle.select import REQ_AXIS, REQUEST_ROW_COUNTS, STEP_AXIS
-from hstrace.bundle.stepcache import WindowedSteps
+from hstrace.trace.schema import REQ_AXIS, REQUEST_ROW_COUNTS, STEP_AXIS
+from hstrace.trace.stepcache import WindowedSteps
 
 COMPARED_TABLES = ("target", "verify", "draft_extend", "draft_step")
 # Columns that identify rather than describe: never compared.

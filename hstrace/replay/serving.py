@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from hstrace.errors import TraceError
-from hstrace.trace.schema import MODE_VERIFY
+from hstrace.trace.schema import MODE_VERIFY, REQUEST_ROW_COUNTS
 
 
 @dataclass
@@ -144,8 +144,10 @@ def _torch(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(x))
 
 
-def _per_request_blocks(table: Any, count_col: str = "n_tok"):
-    """Yield (step, req_key, tok_start, tok_stop) for every request block of every step."""
+def _per_request_blocks(table: Any, count_col: str | None = None):
+    """Yield (step, req_key, tok_start, tok_stop) for every request block of every step; the
+    rows a request owns on the tok axis are counted by the schema's REQUEST_ROW_COUNTS."""
+    count_col = count_col or REQUEST_ROW_COUNTS[(table.name, "tok")]
     off_req = table.offsets("req")
     off_tok = table.offsets("tok")
     keys = _np(table.column("req", "req_key")).astype(np.int64)

@@ -164,8 +164,8 @@ def _check_zip(path: Path) -> None:
                 f"{path}: zip member {name!r} points outside the archive; refusing to read it"
             )
     # Zip bombs (total size, inflation ratio), duplicate names, symlinks: judged from the
-    # central directory before zarr decompresses anything (bundle room, hstrace.bundle.safezip).
-    from hstrace.bundle.safezip import check_zip
+    # central directory before zarr decompresses anything (hstrace.trace.safezip).
+    from hstrace.trace.safezip import check_zip
 
     check_zip(path)
 

@@ -27,6 +27,8 @@ ROOT_KEY = "hstrace"
 
 # The axis with one row per event; it needs no offsets (step s is row s).
 STEP_AXIS = "step"
+# The axis with one row per request in an event.
+REQ_AXIS = "req"
 # A table's CSR offsets array: int64 [S+1, len(axes)], its attribute OFFSETS_AXES_KEY lists
 # the non-step axes in column order.
 OFFSETS_ARRAY = "offsets"
@@ -40,6 +42,18 @@ V1_TABLES: dict[str, tuple[str, ...]] = {
     "draft_step": ("step", "req", "tok"),
     "verify": ("step", "req", "proposed", "accepted"),
     "requests": ("step", "req", "tok", "rid"),
+}
+
+# (table, axis) -> the req-axis column counting that axis' rows per request: which rows of
+# each axis a request owns (bundle subsets, diff streams and replay's request blocks read it).
+REQUEST_ROW_COUNTS: dict[tuple[str, str], str] = {
+    ("target", "tok"): "n_tok",
+    ("draft_extend", "tok"): "n_tok",
+    ("draft_step", "tok"): "n_tok",
+    ("verify", "proposed"): "n_proposed",
+    ("verify", "accepted"): "n_accepted",
+    ("requests", "tok"): "n_prompt",
+    ("requests", "rid"): "rid_len",
 }
 
 # Step-axis columns the writer fills in when the producer does not give them.

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 
-STEP_AXIS = "step"
+from hstrace.trace.schema import STEP_AXIS
+
 DEFAULT_WINDOW = 64
 MAX_WINDOW_BYTES = 64 << 20
 
