@@ -62,17 +62,20 @@ def vllm_env():
     os.environ.update(saved)
 
 
-def server_cmd(drafter: Path, port: int) -> str:
+def server_cmd(drafter: Path, port: int, eager: bool = False) -> str:
     spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
     return (
         f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {TINY / 'target'} "
         f"--speculative-config '{spec}' --host 127.0.0.1 --port {port} --max-model-len 512 "
-        f"--dtype float32"
+        f"--dtype float32" + (" --enforce-eager" if eager else "")
     )
 
 
-def record(out: Path, drafter: Path, port: int, **extra):
-    engine = get_engine("vllm", EngineConfig(server_cmd=server_cmd(drafter, port), extra=extra))
+def record(out: Path, drafter: Path, port: int, eager: bool = False, **extra):
+    """`eager` skips torch.compile (20-30 s of each start on 2 cores): the clean run and its
+    baseline are compiled, as vLLM serves by default; the diagnosis runs need not be."""
+    cmd = server_cmd(drafter, port, eager)
+    engine = get_engine("vllm", EngineConfig(server_cmd=cmd, extra=extra))
     engine.check_supported()
     prompts = load_prompts_from_training(TRAINING, SAMPLES)
     return engine.record(
@@ -249,7 +252,7 @@ def test_request_keys_are_the_engine_request_ids(clean) -> None:
 @pytest.fixture(scope="module")
 def specforge(tmp_path_factory):
     out = tmp_path_factory.mktemp("specforge") / "specforge.zarr"
-    res = record(out, TINY / "drafter-specforge", 18433)
+    res = record(out, TINY / "drafter-specforge", 18433, eager=True)
     assert res.ok, res.error
     return {"out": out, "replay": replay(out, TRAINING)}
 
@@ -277,7 +280,7 @@ def no_nbr(tmp_path_factory):
     assert config.pop("norm_before_residual") is False  # trained without it
     (drafter / "config.json").write_text(json.dumps(config, indent=2))
     out = tmp / "no_nbr.zarr"
-    res = record(out, drafter, 18434)
+    res = record(out, drafter, 18434, eager=True)
     assert res.ok, res.error
     return {"out": out, "replay": replay(out, TRAINING)}
 
@@ -303,7 +306,7 @@ def faulty(tmp_path_factory, clean):
     saved = dict(os.environ)
     os.environ.update(HSTRACE_TEST_FAIL_TAP="verify", PYTHONPATH=site)
     try:
-        res = record(out, TINY / "drafter-speculators", 18435)
+        res = record(out, TINY / "drafter-speculators", 18435, eager=True)
     finally:
         os.environ.clear()
         os.environ.update(saved)
