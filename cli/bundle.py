@@ -85,6 +85,6 @@ def bundle(
     if res.salt_written:
         click.echo(
             f"salt written to {res.salt_written} (keep it private; it is not in the zip). Redact the "
-            "training side with the same salt: hstrace.bundle.redact.hash_token_ids(ids, salt) "
-            "with salt = bytes.fromhex(open(SALT).read()), or pass --salt-file to the next bundle."
+            "training side with the same salt: hstrace.redaction.hash_token_ids(ids, salt) "
+            "with salt = hstrace.redaction.read_salt(SALT), or pass --salt-file to the next bundle."
         )

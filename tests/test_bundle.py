@@ -14,8 +14,8 @@ import torch
 from test_bundle_support import H, K, write_demo_trace
 
 from hstrace.bundle import BundleOptions, bundle_info, check_zip, hash_token_ids, make_bundle
-from hstrace.bundle.redact import SKETCH_DIM, slot_statistics
 from hstrace.errors import TraceError
+from hstrace.redaction import SKETCH_DIM, slot_statistics
 from hstrace.trace import open_trace, request_key
 
 
@@ -151,6 +151,29 @@ def test_redact_ids_is_a_consistent_salted_hash(demo, tmp_path):
         and (tmp_path / "ids2.zip.salt").exists()
         and "hash_token_ids" in out.stdout
     )
+
+
+def test_one_salt_rule_for_bundle_replay_and_training_side(demo, tmp_path):
+    """A fresh `.salt` file holds the salt itself: passed back as --salt-file (bundle), found by
+    replay's lookup and read with `read_salt` (training side), it is the same salt each time."""
+    from hstrace.redaction import find_salt, read_salt, salt_digest
+
+    first = make_bundle(demo, tmp_path / "a.zip", BundleOptions(redact=("ids",)))
+    salt = read_salt(first.salt_written)
+    digest = bundle_info(first.path)["manifest"]["redaction"]["salt_sha256"]
+    assert salt_digest(salt) == digest
+    again = make_bundle(demo, tmp_path / "b.zip", BundleOptions(redact=("ids",), salt=salt))
+    assert bundle_info(again.path)["manifest"]["redaction"]["salt_sha256"] == digest
+    a_ids = open_trace(first.path).rank(0).table("target").column("tok", "input_ids")
+    b_ids = open_trace(again.path).rank(0).table("target").column("tok", "input_ids")
+    assert np.array_equal(np.asarray(a_ids), np.asarray(b_ids))
+    assert find_salt(first.path, None, digest) == (salt, first.salt_written)
+    # a bundle made before the one rule hashed with the hex-decoded bytes of its salt file:
+    # the recorded digest picks that reading, and only a digest may
+    legacy = tmp_path / "legacy.salt"
+    legacy.write_bytes(b"ab" * 16)
+    assert find_salt(tmp_path / "x.zip", legacy, salt_digest(b"\xab" * 16))[0] == b"\xab" * 16
+    assert read_salt(legacy) == b"ab" * 16
 
 
 def test_redact_hidden_keeps_stats_and_fingerprints(demo, tmp_path):

@@ -1,7 +1,7 @@
 """Bug-report bundles: a trace subset, its manifest, the replay verdict, one zip.
 
 Public API: `make_bundle`, `BundleOptions`, `parse_size`, `read_salt`, `check_zip`,
-`bundle_info`; token-id redaction for the training side: `hstrace.bundle.redact.hash_token_ids`.
+`bundle_info`; token-id redaction for the training side: `hstrace.redaction.hash_token_ids`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 from hstrace.bundle.manifest import MANIFEST, REPORT, REPRODUCE
 from hstrace.bundle.pack import BundleOptions, BundleResult, make_bundle, parse_size
-from hstrace.bundle.redact import hash_token_ids, read_salt
 from hstrace.errors import TraceError
+from hstrace.redaction import hash_token_ids, read_salt
 from hstrace.trace.safezip import check_zip, read_member
 
 __all__ = [

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hstrace import redaction as rd
 from hstrace.bundle import manifest as mf
-from hstrace.bundle import redact as rd
 from hstrace.bundle.select import RankPlan, choose_events, parse_requests, parse_steps, plan_rank
 from hstrace.bundle.subset import Redaction, SubsetStats, write_subset
 from hstrace.errors import HstraceError
@@ -180,7 +180,7 @@ def make_bundle(
         if opts.salt is None:
             how.salt = rd.new_salt()
             salt_written = out.with_name(out.name + ".salt")
-            salt_written.write_bytes(how.salt.hex().encode())
+            salt_written.write_bytes(how.salt)  # the file holds the salt itself
             os.chmod(salt_written, 0o600)
         else:
             how.salt = opts.salt

@@ -41,7 +41,7 @@ def write_report(
         if how.ids:
             redaction_note += (
                 " Token ids are salted hashes: they align with training data hashed with the same"
-                " salt (hstrace.bundle.redact.hash_token_ids); the drafter cannot run on them."
+                " salt (hstrace.redaction.hash_token_ids); the drafter cannot run on them."
             )
         if how.hidden:
             redaction_note += (

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hstrace.bundle import redact as rd
+from hstrace import redaction as rd
 from hstrace.bundle.select import STEP_AXIS, Event, slice_requests
 from hstrace.trace.stepcache import WindowedSteps
 

@@ -149,7 +149,7 @@ class ReplayContext:
     def serving_width(self) -> int | None:
         """Width of the recorded capture (for a sketched bundle: the width before redaction)."""
         if self.sketched:
-            from hstrace.bundle.redact import SKETCH_DIM
+            from hstrace.redaction import SKETCH_DIM
 
             dim = int(self.serving.sketch_attrs.get("sketch_dim") or SKETCH_DIM)
             widths = {
@@ -180,7 +180,7 @@ class ReplayContext:
 
     def sketch(self, slots: torch.Tensor) -> torch.Tensor:
         """[N, K, W] -> [N, K, D]: the same seeded projection `hstrace bundle` applied."""
-        from hstrace.bundle.redact import sketch_slots
+        from hstrace.redaction import sketch_slots
 
         return sketch_slots(slots).reshape(slots.shape[0], slots.shape[1], -1)
 
@@ -266,6 +266,41 @@ class ReplayContext:
             layer_fingerprint(self.slots[0], self.target_layers),
             layer_fingerprint(self.slots[1], self.target_layers),
         )
+
+    @cached_property
+    def serving_dtype(self) -> torch.dtype:
+        """The dtype the target was served in, as the recorded aux rows carry it (a producer
+        writes them as served, docs/trace-format.md); bf16 when nothing says (a bundle's
+        sketches, no aux rows): what engines serve in."""
+        if not self.sketched:
+            for r in self.serving.requests:
+                if r.aux is not None and r.aux.dtype.is_floating_point:
+                    return r.aux.dtype
+        return torch.bfloat16
+
+    @cached_property
+    def target_own_cos(self) -> list[float] | None:
+        """Per serving slot: mean per-token cos(target forward in the serving dtype, fp32
+        forward) at the HF layer the slot holds, on the aligned rows the slots use: how far the
+        target moves from its fp32 self in that dtype alone (bf16 MoE routing flips)."""
+        fps = self.layer_fingerprints
+        if fps is None or self.target is None:
+            return None
+        if self.serving_dtype == torch.float32:
+            return [1.0] * len(fps[0].layer)
+        out = []
+        for a in self.aligned:
+            ids = torch.as_tensor(a.sample.input_ids[: a.n]).long()
+            layers = self.target.layers_in(ids, self.serving_dtype)[a.start :]
+            out.append(self.sketch(layers.float()) if self.sketched else layers)
+            self.tick("target forward (serving dtype)", a.n)
+        lowp, ref = torch.cat(out), self.target_layers
+        cos = []
+        for layer in fps[0].layer:
+            x, y = lowp[:, layer], ref[:, layer]
+            c = (x * y).sum(-1) / (x.norm(dim=-1) * y.norm(dim=-1)).clamp_min(1e-12)
+            cos.append(float(c.mean()))
+        return cos
 
     # -- the drafter on recorded inputs ----------------------------------------------------------
     @cached_property

@@ -8,72 +8,20 @@ so that is one-line bad input that says what to pass.
 
 `hidden`: the hidden-state columns are gone; the per-slot sketches that replace them still
 fingerprint slots (see `hstrace.replay.context.ReplayContext.slots`).
+
+What a bundle's redaction says and how its salt is found live in `hstrace.redaction`, shared
+with `hstrace bundle`; this module only turns hashes back into ids.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from hstrace.errors import HstraceError
-
-
-class RedactedIdsError(HstraceError):
-    """A bundle with hashed token ids and no (matching) salt to recover them."""
-
-
-def redaction_of(meta: dict[str, Any]) -> dict[str, Any]:
-    """The trace's `static.bundle.redaction` ({} for a plain trace)."""
-    static = meta.get("static") or {}
-    return dict(((static.get("bundle") or {}).get("redaction")) or {})
-
-
-def redaction_modes(meta: dict[str, Any]) -> tuple[str, ...]:
-    return tuple(redaction_of(meta).get("modes") or ())
-
-
-def _salt_candidates(data: bytes) -> list[bytes]:
-    """`hstrace bundle` writes a fresh salt as hex text, while `--salt-file` takes the file's
-    bytes as they are: try both readings, the recorded digest decides."""
-    raw = data.strip()
-    out = [raw]
-    try:
-        out.append(bytes.fromhex(raw.decode("ascii")))
-    except (UnicodeDecodeError, ValueError):
-        pass
-    return out
-
-
-def find_salt(trace_path: Path, salt_file: Path | None, digest: str | None) -> tuple[bytes, Path]:
-    """The salt of an ids-redacted bundle: `salt_file`, else `<bundle>.salt` next to it (where
-    `hstrace bundle` writes it). Checked against the bundle's recorded SHA-256."""
-    from hstrace.bundle.redact import salt_digest
-
-    how = (
-        "the drafter cannot embed hashed ids: give --salt-file FILE (the salt `hstrace bundle` "
-        "wrote next to the zip), or replay the unredacted trace"
-    )
-    path = Path(salt_file) if salt_file is not None else Path(str(trace_path) + ".salt")
-    if not path.is_file():
-        where = f"--salt-file {path} does not exist" if salt_file else f"no {path.name} beside it"
-        raise RedactedIdsError(
-            f"{trace_path}: token ids are redacted (salted hashes), {where}; {how}"
-        )
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise RedactedIdsError(f"{path}: cannot read salt file ({exc.strerror})") from None
-    for salt in _salt_candidates(data):
-        if digest is None or salt_digest(salt) == digest:
-            return salt, path
-    raise RedactedIdsError(
-        f"{path}: this salt is not the one {trace_path} was redacted with (SHA-256 differs); "
-        "give the salt file written when the bundle was made"
-    )
+from hstrace.redaction import RedactedIdsError, hash_token_ids
 
 
 @dataclass
@@ -85,8 +33,6 @@ class IdRecovery:
 
     @classmethod
     def build(cls, salt: bytes, vocab_size: int, draft_vocab_size: int) -> IdRecovery:
-        from hstrace.bundle.redact import hash_token_ids
-
         tables = {}
         # -1 is included: engines pad unused top-k entries with it.
         for domain, size in (("target", vocab_size), ("draft", draft_vocab_size)):

@@ -15,15 +15,18 @@ import torch
 
 from hstrace.errors import CheckpointError, HstraceError, TrainingDataError
 from hstrace.findings import Finding
+from hstrace.redaction import (
+    RedactedIdsError,
+    find_salt,
+    redaction_modes,
+    redaction_of,
+    salt_digest,
+)
 from hstrace.replay.align import align
 from hstrace.replay.context import ReplayContext
 from hstrace.replay.redaction import (
     IdRecovery,
-    RedactedIdsError,
-    find_salt,
     recover_serving_ids,
-    redaction_modes,
-    redaction_of,
 )
 from hstrace.replay.result import ReplayResult
 from hstrace.replay.serving import ServingData, accept_len_by_rank, read_serving
@@ -172,8 +175,6 @@ def _embed_from_target(
 
 
 def _digest(salt: bytes) -> str:
-    from hstrace.bundle.redact import salt_digest
-
     return salt_digest(salt)
 
 

@@ -53,7 +53,7 @@ class ServingRequest:
     position_base: int = 0  # the position of tokens[0]
     draft: DraftRows | None = None
     # A `--redact hidden` bundle keeps, instead of aux, per-slot sketches [P, K*D] (seeded
-    # random projections, `hstrace.bundle.redact.sketch_slots`) and stats [P, K*3].
+    # random projections, `hstrace.redaction.sketch_slots`) and stats [P, K*3].
     aux_sketch: torch.Tensor | None = None
     aux_stats: torch.Tensor | None = None
     # The recorded chains (`draft_step`), in round order; empty when not recorded.

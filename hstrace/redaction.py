@@ -1,4 +1,5 @@
-"""Redaction for bundles that leave the building.
+"""Redaction of token ids and hidden states: what `hstrace bundle --redact` writes and what
+replay reads back (one module below both, so the two sides cannot drift apart).
 
 `ids`: every token id becomes a salted 63-bit hash. The map is a pure function of (salt, id),
 so the same salt applied to the training side (`hash_token_ids`) gives the same values and
@@ -11,6 +12,13 @@ and the L2 norm, plus a fingerprint: a seeded Gaussian random projection of the 
 `SKETCH_DIM` values (Johnson-Lindenstrauss), which keeps cosine similarities between slots and
 training-time layers approximately (error ~ 1/sqrt(SKETCH_DIM)) but cannot be inverted back
 to the hidden state.
+
+The salt: one rule for every salt file. Its bytes, stripped of surrounding whitespace, ARE the
+salt (at least 16 bytes); a fresh salt is 32 random bytes written as 64 hex characters, and
+those characters are the salt, so a `.salt` file written by one bundle can be passed as
+`--salt-file` to the next bundle, to replay, or read on the training side with `read_salt`.
+Bundles made before this rule hashed with the hex-decoded bytes of their `.salt` file; a
+recorded digest (`salt_sha256`) tells the two readings apart, so those still replay.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,27 +41,87 @@ DRAFT_ID_COLUMNS = {"topk_draft_ids"}
 # Columns holding hidden states (one row per token; width = slots * slot_width).
 HIDDEN_COLUMNS = {"aux_hidden", "hidden_in"}
 
-SALT_BYTES = 32
+SALT_BYTES = 32  # random bytes in a fresh salt (written, and used, as their hex text)
+MIN_SALT_BYTES = 16
 SKETCH_DIM = 32
 SKETCH_SEED = 20260601
 STATS = ("mean", "std", "norm")
 _MASK63 = (1 << 63) - 1
 
 
+class RedactedIdsError(HstraceError):
+    """A bundle with hashed token ids and no (matching) salt to recover them."""
+
+
+def redaction_of(meta: dict[str, Any]) -> dict[str, Any]:
+    """The trace's `static.bundle.redaction` ({} for a plain trace)."""
+    static = meta.get("static") or {}
+    return dict(((static.get("bundle") or {}).get("redaction")) or {})
+
+
+def redaction_modes(meta: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(redaction_of(meta).get("modes") or ())
+
+
 def new_salt() -> bytes:
-    return os.urandom(SALT_BYTES)
+    """A fresh salt: 32 random bytes as 64 hex characters (the salt file holds exactly it)."""
+    return os.urandom(SALT_BYTES).hex().encode("ascii")
+
+
+def _salt_readings(data: bytes) -> list[bytes]:
+    """The salt a file holds (its stripped bytes), then the legacy reading (hex-decoded) that
+    bundles made before the one-rule salt used; only a recorded digest may pick the latter."""
+    raw = data.strip()
+    out = [raw]
+    try:
+        legacy = bytes.fromhex(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        return out
+    if legacy:
+        out.append(legacy)
+    return out
+
+
+def _read_salt_bytes(p: Path, error: type[HstraceError]) -> bytes:
+    try:
+        return p.read_bytes()
+    except OSError as exc:
+        raise error(f"{p}: cannot read salt file ({exc.strerror})") from None
 
 
 def read_salt(path: str | os.PathLike[str]) -> bytes:
+    """The salt in a salt file (its bytes, stripped): for `hstrace bundle --salt-file` and for
+    hashing the training side with `hash_token_ids`."""
     p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise HstraceError(f"{p}: cannot read salt file ({exc.strerror})") from None
-    salt = data.strip()
-    if len(salt) < 16:
-        raise HstraceError(f"{p}: salt file holds {len(salt)} bytes; need at least 16")
+    salt = _salt_readings(_read_salt_bytes(p, HstraceError))[0]
+    if len(salt) < MIN_SALT_BYTES:
+        raise HstraceError(
+            f"{p}: salt file holds {len(salt)} bytes; need at least {MIN_SALT_BYTES}"
+        )
     return salt
+
+
+def find_salt(trace_path: Path, salt_file: Path | None, digest: str | None) -> tuple[bytes, Path]:
+    """The salt of an ids-redacted bundle: `salt_file`, else `<bundle>.salt` next to it (where
+    `hstrace bundle` writes it). Checked against the bundle's recorded SHA-256."""
+    how = (
+        "the drafter cannot embed hashed ids: give --salt-file FILE (the salt `hstrace bundle` "
+        "wrote next to the zip), or replay the unredacted trace"
+    )
+    path = Path(salt_file) if salt_file is not None else Path(str(trace_path) + ".salt")
+    if not path.is_file():
+        where = f"--salt-file {path} does not exist" if salt_file else f"no {path.name} beside it"
+        raise RedactedIdsError(
+            f"{trace_path}: token ids are redacted (salted hashes), {where}; {how}"
+        )
+    readings = _salt_readings(_read_salt_bytes(path, RedactedIdsError))
+    for salt in readings if digest is not None else readings[:1]:
+        if digest is None or salt_digest(salt) == digest:
+            return salt, path
+    raise RedactedIdsError(
+        f"{path}: this salt is not the one {trace_path} was redacted with (SHA-256 differs); "
+        "give the salt file written when the bundle was made"
+    )
 
 
 def salt_digest(salt: bytes) -> str:
