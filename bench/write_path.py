@@ -4,7 +4,11 @@ One per-step workload (default: 8 target tokens x 3x7168 bf16 aux hidden states,
 rows of top-64 ids/log-probs + lse + full 32000-vocab bf16 logits, ids and positions; about
 1.4 MB per step) is recorded in one process, method after method, in rounds:
 
-  hstrace      TraceWriter (writer process, shared-memory staging, zarr + blosc zstd-1)
+  hstrace      TraceWriter as shipped (writer process, shared-memory staging, blosc zstd-1 on
+               two encoding threads, chunks stored uncompressed while more than half a ring behind)
+  hstrace_1t   the same, one encoding thread, never uncompressed (the lossless rate)
+  hstrace_2t   the same, two encoding threads, never uncompressed
+  copy_only    the same bytes memmoved into a preallocated staging buffer (the producer's floor)
   torch_save   torch.save of a dict per step, one file per step (SGLang's dumper style)
   safetensors  safetensors.torch.save_file per step, one file per step
   raw_write    the same bytes appended to one open file, unbuffered (the disk's limit)

@@ -159,8 +159,11 @@ class _Shard:
         tmp = f"{self.path}.{uuid.uuid4().hex}.partial"
         with open(self.tmp, "rb") as src, open(tmp, "wb") as dst:
             left = self.pos
-            while left:  # in-kernel copy of what is encoded so far
-                n = os.copy_file_range(src.fileno(), dst.fileno(), left)
+            while left:  # in-kernel copy of what is encoded so far (Linux), else read/write
+                if hasattr(os, "copy_file_range"):
+                    n = os.copy_file_range(src.fileno(), dst.fileno(), left)
+                else:
+                    n = dst.write(src.read(min(left, 16 << 20)))
                 if n == 0:
                     raise OSError(f"{self.tmp}: shorter than the {self.pos} bytes written")
                 left -= n
