@@ -60,7 +60,8 @@ from hstrace.errors import HstraceError
 def bundle(
     trace, out, requests, steps, max_size, redact, salt_file, drafter, with_drafter, against
 ) -> None:
-    from hstrace.bundle import BundleOptions, make_bundle, parse_size, read_salt
+    from hstrace.bundle import BundleOptions, parse_size, read_salt
+    from hstrace.pipelines import bundle as make_bundle
 
     if salt_file and "ids" not in redact:
         raise HstraceError("--salt-file only applies with --redact ids")

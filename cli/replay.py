@@ -53,7 +53,7 @@ def replay(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from hstrace.replay import replay as run_replay
+    from hstrace.pipelines import replay as run_replay
     from hstrace.report import render_json, render_markdown, render_terminal
 
     err = Console(stderr=True)

@@ -44,7 +44,7 @@ def report(
 
     summarize(tr)
     if against:
-        from hstrace.replay import replay
+        from hstrace.pipelines import replay
 
         result = replay(
             Path(trace),

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "open_trace": "hstrace.trace",
     "TraceWriter": "hstrace.trace",
-    "replay": "hstrace.replay",
+    "replay": "hstrace.pipelines",
     "load_drafter": "hstrace.drafter",
     "open_training": "hstrace.training",
     "Finding": "hstrace.findings",
@@ -36,7 +36,7 @@ __all__ = [
 if TYPE_CHECKING:
     from hstrace.drafter import load_drafter
     from hstrace.findings import Finding
-    from hstrace.replay import replay
+    from hstrace.pipelines import replay
     from hstrace.trace import TraceWriter, open_trace
     from hstrace.training import open_training
 

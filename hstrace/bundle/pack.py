@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,9 @@ class BundleOptions:
     drafter: str | None = None
     with_drafter: bool = False
     against: str | None = None  # training dir for the replay verdict
+    # (markdown, replay JSON) of the verdict on a bundled store; with `against` it must be
+    # given from above (`hstrace.pipelines.bundle` passes the replay): bundle never runs it.
+    verdict: Callable[[Path], tuple[str, dict[str, Any]]] | None = None
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """REPORT.md for a bundle (ready to paste into an issue) and the one-line reproduce command.
 
 With a training dir (`--against`) the report is the replay's Markdown verdict, computed on the
-bundled subset itself, so the reproduce command gives the same answer. Without one it is a
+bundled subset itself by the verdict function the pipeline above hands in (`opts.verdict`), so the reproduce command gives the same answer. Without one it is a
 summary of the subset (engine, steps, acceptance) that says replay was not run and how to.
 """
 
@@ -11,6 +11,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from hstrace.errors import HstraceError
+
 
 def reproduce_line(out: Path, opts: Any) -> str:
     cmd = ["hstrace", "replay", out.name]
@@ -19,13 +21,6 @@ def reproduce_line(out: Path, opts: Any) -> str:
     if opts.drafter:
         cmd += ["--drafter", str(opts.drafter)]
     return shlex.join(cmd)
-
-
-def _run_replay(store: Path, opts: Any) -> Any:
-    """The replay room's entry point, run on the bundled subset itself."""
-    from hstrace.replay import replay
-
-    return replay(store, Path(opts.against), Path(opts.drafter) if opts.drafter else None)
 
 
 def write_report(
@@ -55,11 +50,13 @@ def write_report(
                 )
         redaction_note += "\n"
     if opts.against:
-        from hstrace.report import render_markdown
-
-        result = _run_replay(store, opts)
-        md = render_markdown(result)
-        return (md + redaction_note + f"\n\nReproduce: `{reproduce}`\n", "replay", result.to_json())
+        if opts.verdict is None:
+            raise HstraceError(
+                "--against: the verdict comes from the replay pipeline; call "
+                "hstrace.pipelines.bundle (or pass BundleOptions.verdict)"
+            )
+        md, replay_json = opts.verdict(store)  # run on the bundled subset itself
+        return (md + redaction_note + f"\n\nReproduce: `{reproduce}`\n", "replay", replay_json)
     with open_trace(store) as tr:
         meta = tr.meta
         eng = meta.get("engine") or {}

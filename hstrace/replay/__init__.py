@@ -3,7 +3,12 @@
 Pure parts (tensors in, numbers out): `align` (serving requests to training samples by token
 ids), `fingerprint` (which slot holds which hidden state), `compare` (engine vs reference
 draft outputs, judged against fp32), `whatif` (which misreading reproduces the engine),
-`step0` (batched reference forwards). I/O: `serving` (reads a trace), `run` (`replay()`).
+`step0` (batched reference forwards). I/O: `serving` (reads a trace), `run` (`replay_with`,
+which runs the checks it is given).
+
+`hstrace.replay(...)` is the public entry point: a facade over `hstrace.pipelines.replay`
+(replay + diagnose), kept here so `from hstrace.replay import replay` goes on working. No
+module of this package imports `hstrace.diagnose`.
 """
 
 import sys
@@ -12,8 +17,8 @@ import types
 from hstrace.replay.result import ReplayResult
 
 
-def replay(*args, **kwargs) -> ReplayResult:  # noqa: D103 - see hstrace.replay.run.replay
-    from hstrace.replay.run import replay as _replay
+def replay(*args, **kwargs) -> ReplayResult:  # noqa: D103 - see hstrace.pipelines.replay
+    from hstrace.pipelines import replay as _replay
 
     return _replay(*args, **kwargs)
 

@@ -1,7 +1,10 @@
-"""`replay()`: open everything, align, build the context, run the checks, assemble the result.
+"""`replay_with(checks, ...)`: open everything, align, build the context, run the given checks,
+assemble the result.
 
 This is the only module of the replay that touches files (trace, training dir, checkpoints,
-target); everything it calls is pure and testable on tensors.
+target); everything it calls is pure and testable on tensors. The checks come from above
+(`hstrace.pipelines.replay` passes `hstrace.diagnose.diagnose`): replay builds the evidence the
+checks read and never imports them, so dependencies point down.
 """
 
 from __future__ import annotations
@@ -178,7 +181,11 @@ def _digest(salt: bytes) -> str:
     return salt_digest(salt)
 
 
-def replay(
+Checks = Callable[[ReplayContext], list[Finding]]
+
+
+def replay_with(
+    checks: Checks,
     trace_path: Path,
     against: Path,
     drafter_path: Path | None = None,
@@ -186,7 +193,6 @@ def replay(
     progress: Progress | None = None,
     salt_file: Path | None = None,
 ) -> ReplayResult:
-    from hstrace.diagnose import diagnose
     from hstrace.drafter import load_drafter
     from hstrace.trace import open_trace
     from hstrace.trace.validate import check_token_ids
@@ -270,7 +276,7 @@ def replay(
             else "no hidden states and no sketches: no slot checks"
         )
     with torch.inference_mode(), threads_for(drafter.cfg.hidden_size):
-        findings: list[Finding] = diagnose(ctx)
+        findings: list[Finding] = checks(ctx)
     fingerprints: dict[str, Any] = {}
     if ctx.slot_matrix is not None:
         fingerprints["serving_x_training"] = ctx.slot_matrix.to_json()

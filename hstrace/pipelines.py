@@ -1,0 +1,60 @@
+"""The top of the library: pipelines that put the rooms together, so the rooms need not.
+
+`replay` = the replay room's evidence (`hstrace.replay.run.replay_with`) judged by the
+diagnose room's checks; `bundle` = a bundle whose REPORT.md verdict is that replay, run on the
+bundled subset. The rooms below never import this module or each other upwards: bundle does
+not run replay, replay does not import diagnose (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from hstrace.replay.result import ReplayResult
+
+
+def replay(
+    trace_path: str | os.PathLike[str],
+    against: str | os.PathLike[str],
+    drafter_path: str | os.PathLike[str] | None = None,
+    target_path: str | os.PathLike[str] | None = None,
+    progress: Any = None,
+    salt_file: str | os.PathLike[str] | None = None,
+) -> ReplayResult:
+    """Replay a trace against training tensors (or another trace) and diagnose it."""
+    from hstrace.diagnose import diagnose
+    from hstrace.replay.run import replay_with
+
+    return replay_with(
+        diagnose,
+        Path(trace_path),
+        Path(against),
+        Path(drafter_path) if drafter_path is not None else None,
+        Path(target_path) if target_path is not None else None,
+        progress=progress,
+        salt_file=Path(salt_file) if salt_file is not None else None,
+    )
+
+
+def replay_verdict(against: str | os.PathLike[str], drafter: str | os.PathLike[str] | None) -> Any:
+    """A bundle's verdict function: (Markdown, replay JSON) of `replay(store, against, drafter)`."""
+
+    def verdict(store: Path) -> tuple[str, dict[str, Any]]:
+        from hstrace.report import render_markdown
+
+        result = replay(store, against, drafter)
+        return render_markdown(result), result.to_json()
+
+    return verdict
+
+
+def bundle(trace_path: str | os.PathLike[str], out: str | os.PathLike[str], opts: Any) -> Any:
+    """`hstrace bundle`: `make_bundle`, with the replay verdict when `opts.against` is set."""
+    from hstrace.bundle import make_bundle
+
+    if opts.against and opts.verdict is None:
+        opts = dataclasses.replace(opts, verdict=replay_verdict(opts.against, opts.drafter))
+    return make_bundle(trace_path, out, opts)
