@@ -159,11 +159,18 @@ class SGLangEngine(Engine):
         return result
 
     def _launch_static(self, version: str) -> dict[str, Any]:
-        return {
+        static: dict[str, Any] = {
             "engine_version": version,
             "sglang_version": version,
             "server_cmd": self.config.server_cmd,
         }
+        # The server inherits this environment: a simulated-acceptance switch set here
+        # (SGLANG_SIMULATE_ACC_LEN / _METHOD) makes every accept number fake, and replay must
+        # see it even when it is not on the command line.
+        simulate = {k: v for k, v in os.environ.items() if k.startswith("SGLANG_SIMULATE_")}
+        if simulate:
+            static["env"] = simulate
+        return static
 
     def _address(self, argv: Sequence[str]) -> tuple[str, int]:
         return server_address(argv)
