@@ -138,6 +138,7 @@ class Recorder:
                     import atexit
                     import multiprocessing.util
 
+                    _unpin(self._writer.writer_pid)
                     atexit.register(self.close)
                     # engine workers started by multiprocessing end with os._exit, which skips
                     # atexit; its own exit finalizers still run (before daemonic children die)
@@ -217,6 +218,22 @@ class Recorder:
             except Exception:
                 print(f"hstrace: tap {name} disabled: {message}", file=sys.stderr)
             return None
+
+
+def _unpin(pid: int | None) -> None:
+    """Engines pin their model thread to a core (vLLM's CPU worker binds its OpenMP threads);
+    a writer process started from it inherits that affinity and would compete for the serving
+    core. Give it the CPUs of the engine process that started this one instead."""
+    import os
+
+    if pid is None or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        mine, parent = os.sched_getaffinity(0), os.sched_getaffinity(os.getppid())
+        if parent - mine:
+            os.sched_setaffinity(pid, parent)
+    except OSError:
+        pass
 
 
 # ---- installing wrappers: now, or right after the module is imported ------------------------
