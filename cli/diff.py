@@ -22,8 +22,9 @@ import click
 )
 def diff(trace_a: str, trace_b: str, as_json: bool, rank: int, ulps: float) -> int:
     from hstrace.bundle.pack import open_checked
-    from hstrace.diff import diff_traces, render_text
+    from hstrace.diff import diff_traces
     from hstrace.errors import HstraceError
+    from hstrace.report.diff import render_text
 
     if ulps <= 0:
         raise HstraceError(f"--ulps {ulps}: must be positive")

@@ -28,6 +28,7 @@ def write_report(
 ) -> tuple[str, str, dict[str, Any] | None]:
     """(markdown, "replay" | "summary", replay JSON or None)."""
     from hstrace.html.acceptance import acceptance_of
+    from hstrace.report.acceptance import markdown_table
     from hstrace.trace import open_trace
 
     redaction_note = ""
@@ -81,6 +82,8 @@ def write_report(
             lines += [
                 f"Mean accept length: {acc.mean_accept_len:.3f} draft tokens per verify "
                 f"(excluding the bonus token), over {acc.rows} verify rows.",
+                "",
+                *markdown_table(acc.by_position),
                 "",
             ]
     return "\n".join(lines) + redaction_note, "summary", None

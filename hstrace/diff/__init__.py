@@ -1,7 +1,7 @@
 """`hstrace diff`: compare two traces stream by stream, first difference in dataflow order."""
 
 from hstrace.diff.compare import STAGES, Difference, DiffResult, diff_traces
-from hstrace.diff.render import render_text
 from hstrace.diff.tolerance import Tolerance
 
-__all__ = ["STAGES", "DiffResult", "Difference", "Tolerance", "diff_traces", "render_text"]
+__all__ = ["STAGES", "DiffResult", "Difference", "Tolerance", "diff_traces"]
+# Its text rendering lives with the other renderers: hstrace.report.diff.render_text.

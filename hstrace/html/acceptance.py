@@ -1,10 +1,10 @@
 """Acceptance figures read straight from a trace's `verify` table (no replay needed).
 
-Conventions, stated wherever these numbers are shown: `accept_len` counts accepted draft
-tokens and excludes the bonus token (tokens committed per verify = accept_len + 1). Draft
-position i (0-based) is *reached* by a verify row when the engine proposed more than i tokens
-and accepted the first i; it is *accepted* when accept_len > i. The conditional rate is
-accepted / reached; the unconditional rate is accepted / all verify rows.
+The counts per draft position (offered, reached, accepted) and both rates come from
+`hstrace.trace.acceptance`, the one count `hstrace show`, `hstrace report` and a bundle's
+REPORT.md all print: `accept_len` excludes the bonus token (tokens committed per verify =
+accept_len + 1); `rate_of_offered` = accepted / rows that offered position i, `rate_of_reached`
+= accepted / rows that reached it (offered it and accepted every draft before it).
 """
 
 from __future__ import annotations
@@ -14,29 +14,37 @@ from typing import Any
 
 import numpy as np
 
+from hstrace.trace.acceptance import CONVENTIONS, PositionCounts, by_position
+
 
 @dataclass(frozen=True)
 class Acceptance:
     rows: int  # (verify event, request) rows
     mean_accept_len: float  # excluding the bonus token
-    by_position: list[tuple[int, int, int]]  # (position, reached, accepted)
+    by_position: list[PositionCounts]
     histogram: list[tuple[int, int]]  # (accept_len, rows)
 
     def conditional(self) -> list[float]:
-        return [a / r if r else float("nan") for _, r, a in self.by_position]
+        """rate_of_reached per position (NaN where no row reached it)."""
+        return [
+            float("nan") if p.rate_of_reached is None else p.rate_of_reached
+            for p in self.by_position
+        ]
 
-    def unconditional(self) -> list[float]:
-        return [a / self.rows if self.rows else float("nan") for _, _, a in self.by_position]
+    def of_offered(self) -> list[float]:
+        """rate_of_offered per position (NaN where no row offered it)."""
+        return [
+            float("nan") if p.rate_of_offered is None else p.rate_of_offered
+            for p in self.by_position
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "rows": self.rows,
             "mean_accept_len": self.mean_accept_len,
             "convention": "accept_len excludes the bonus token",
-            "by_position": [
-                {"position": p, "reached": r, "accepted": a, "rate": (a / r if r else None)}
-                for p, r, a in self.by_position
-            ],
+            "by_position": [p.to_json() for p in self.by_position],
+            "by_position_conventions": dict(CONVENTIONS),
             "histogram": {str(k): v for k, v in self.histogram},
         }
 
@@ -56,7 +64,7 @@ def acceptance_of(trace: Any, rank: int | None = None) -> Acceptance | None:
         p = (
             np.asarray(t.column("req", "n_proposed"), dtype=np.int64)
             if "n_proposed" in cols
-            else np.full_like(a, a.max(initial=0))
+            else np.full_like(a, -1)  # unknown: every position counts as offered
         )
         lens.append(a)
         props.append(p)
@@ -66,15 +74,12 @@ def acceptance_of(trace: Any, rank: int | None = None) -> Acceptance | None:
     p = np.concatenate(props)
     if a.size == 0:
         return None
-    depth = int(max(p.max(initial=0), a.max(initial=0)))
-    by_pos = []
-    for i in range(depth):
-        reached = int(np.count_nonzero((p > i) & (a >= i)))
-        accepted = int(np.count_nonzero(a > i))
-        by_pos.append((i, reached, accepted))
     values, counts = np.unique(a, return_counts=True)
     hist = dict(zip(values.tolist(), counts.tolist(), strict=True))
     histogram = [(k, int(hist.get(k, 0))) for k in range(0, int(a.max(initial=0)) + 1)]
     return Acceptance(
-        rows=int(a.size), mean_accept_len=float(a.mean()), by_position=by_pos, histogram=histogram
+        rows=int(a.size),
+        mean_accept_len=float(a.mean()),
+        by_position=by_position(a, p),
+        histogram=histogram,
     )

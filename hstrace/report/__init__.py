@@ -1,6 +1,16 @@
-"""Renderings of a replay result: terminal (rich), Markdown, JSON. Each leads with the verdict:
-the first divergence in dataflow order, its evidence and the fix."""
+"""Every rendering of a result, in one place.
 
-from hstrace.report.render import render_json, render_markdown, render_terminal
+- `replay`: a `ReplayResult` as terminal (rich), Markdown, JSON; each leads with the verdict
+  (the first divergence in dataflow order, its evidence and the fix).
+- `summary`: a trace summary (`hstrace show`) on the terminal.
+- `acceptance`: acceptance by draft position, both conventions named, for terminal, Markdown
+  and HTML (`hstrace show`, `hstrace report`, a bundle's REPORT.md).
+- `diff`: a `DiffResult` as plain text.
 
-__all__ = ["render_json", "render_markdown", "render_terminal"]
+The HTML page (`hstrace.html`) draws its acceptance table with `acceptance.html_table`.
+"""
+
+from hstrace.report.replay import render_json, render_markdown, render_terminal
+from hstrace.report.summary import render_summary_terminal
+
+__all__ = ["render_json", "render_markdown", "render_summary_terminal", "render_terminal"]

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from hstrace.errors import TraceError
+from hstrace.trace import acceptance as acc
 from hstrace.trace.reader import TableView, Trace
 from hstrace.trace.schema import MODE_PREFILL
 from hstrace.trace.validate import DRAFT_ID_COLUMNS, TARGET_ID_COLUMNS
@@ -112,14 +113,6 @@ def summarize(trace: Trace) -> dict[str, Any]:
     }
 
 
-def _count_greater(values: np.ndarray, depth: int, cap: np.ndarray | None = None) -> np.ndarray:
-    """[depth] array: entry i = how many values are > i (and, with `cap`, also have cap > i)."""
-    v = values if cap is None else np.minimum(values, cap)
-    v = np.clip(v, 0, depth).astype(np.int64)
-    hist = np.bincount(v, minlength=depth + 1)
-    return (hist[::-1].cumsum()[::-1])[1:]
-
-
 def _acceptance(accept_lens: list[np.ndarray], proposed: list[np.ndarray]) -> dict[str, Any]:
     al = np.concatenate(accept_lens) if accept_lens else np.zeros(0, np.int64)
     out: dict[str, Any] = {"convention": ACCEPT_CONVENTION, "verify_rows": int(al.size)}
@@ -129,34 +122,29 @@ def _acceptance(accept_lens: list[np.ndarray], proposed: list[np.ndarray]) -> di
             "mean_accept_len_incl_bonus": None,
             "histogram": {},
             "rate_by_position": [],
+            "by_position": [],
+            "by_position_conventions": dict(acc.CONVENTIONS),
         }
     values, counts = np.unique(al, return_counts=True)
     prop = np.concatenate(proposed)
     if al.min() < 0 or (prop.size and prop.min() < -1):
         raise TraceError(f"verify: accept_len {int(al.min())} / n_proposed are negative (corrupt)")
-    # Position i (0-based) is accepted iff accept_len > i; the denominator is the rows that
-    # proposed at least i+1 tokens (all rows when n_proposed was not recorded). The reader has
-    # checked n_proposed against the proposed rows, so the depth is bounded by the data; the
-    # rates come from counts per value, O(depth + rows), not a pass over the rows per depth.
-    depth = int(max(al.max(), prop.max())) if prop.size else int(al.max())
+    # Both conventions of acceptance by position come from hstrace.trace.acceptance, the one
+    # count every output uses. The reader has checked n_proposed against the proposed rows, so
+    # the depth is bounded by the data.
+    depth = acc.depth_of(al, prop)
     if depth > MAX_DEPTH:
         raise TraceError(
             f"verify: accept_len / n_proposed up to {depth}, more than {MAX_DEPTH} draft "
             "positions (corrupt)"
         )
-    known = prop >= 0
-    offered_beyond = _count_greater(prop[known], depth) + int((~known).sum())
-    accepted_offered = _count_greater(al[known], depth, prop[known]) + _count_greater(
-        al[~known], depth
-    )
-    rates = [
-        round(float(accepted_offered[i]) / int(offered_beyond[i]), 6) if offered_beyond[i] else None
-        for i in range(depth)
-    ]
+    positions = acc.by_position(al, prop, depth)
     mean = float(al.mean())
     return out | {
         "mean_accept_len": round(mean, 6),
         "mean_accept_len_incl_bonus": round(mean + 1.0, 6),
         "histogram": {str(int(v)): int(c) for v, c in zip(values, counts, strict=True)},
-        "rate_by_position": rates,
+        "rate_by_position": [p.to_json()[acc.OF_OFFERED] for p in positions],
+        "by_position": [p.to_json() for p in positions],
+        "by_position_conventions": dict(acc.CONVENTIONS),
     }

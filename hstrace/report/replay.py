@@ -1,4 +1,9 @@
-"""Terminal, Markdown and JSON renderings of a `ReplayResult`."""
+"""Terminal, Markdown and JSON renderings of a `ReplayResult`.
+
+The terminal lists findings one under the other, each with its evidence beneath it as
+`key: value` lines shortened to the console's width, so an 80-column terminal reads it (a
+table column of raw arrays wrapped one token per line).
+"""
 
 from __future__ import annotations
 
@@ -36,6 +41,44 @@ def _evidence_line(evidence: dict[str, Any], limit: int = 6) -> str:
     return ", ".join(parts)
 
 
+def _short(v: Any, width: int) -> str:
+    """One line, at most `width` characters: floats to 4 significant digits, long arrays cut."""
+    if isinstance(v, float):
+        text = f"{v:.4g}"
+    elif isinstance(v, list | tuple):
+        text = "[" + ", ".join(f"{x:.4g}" if isinstance(x, float) else str(x) for x in v) + "]"
+    else:
+        text = str(v)
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: max(1, width - 3)] + "..."
+
+
+def evidence_lines(evidence: dict[str, Any], width: int, limit: int = 12) -> list[str]:
+    """`key: value` lines of a finding's evidence, each at most `width` characters."""
+    out = []
+    for k, v in list(evidence.items())[:limit]:
+        head = f"{k}: "
+        out.append(head + _short(v, max(8, width - len(head))))
+    if len(evidence) > limit:
+        out.append(f"... {len(evidence) - limit} more (--json has all of it)")
+    return out
+
+
+def _print_finding(console: Console, n: int, f: Any) -> None:
+    from rich.markup import escape
+    from rich.padding import Padding
+
+    style = {"fault": "red", "warning": "yellow"}.get(f.severity, "")
+    head = f"{n}. [bold]{escape(f.code)}[/] ({escape(f.stage)}, "
+    head += f"[{style}]{f.severity}[/])" if style else f"{f.severity})"
+    console.print(head)
+    console.print(Padding(escape(f.summary), (0, 0, 0, 3)))
+    if f.evidence:
+        width = max(20, console.width - 5)
+        for line in evidence_lines(f.evidence, width):
+            console.print(Padding(escape(line), (0, 0, 0, 5)), overflow="ellipsis", no_wrap=True)
+
+
 def _fmt(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
@@ -51,12 +94,9 @@ def render_terminal(result: ReplayResult, console: Console | None = None) -> Non
     console.print(Panel(body, title="verdict: first divergence", border_style=style))
     console.print(flow)
     if result.findings:
-        table = Table(title="findings (dataflow order)")
-        for col in ("stage", "code", "severity", "summary", "evidence"):
-            table.add_column(col, overflow="fold")
-        for f in result.findings:
-            table.add_row(f.stage, f.code, f.severity, f.summary, _evidence_line(f.evidence))
-        console.print(table)
+        console.print("[bold]findings (dataflow order)[/]")
+        for n, f in enumerate(result.findings, 1):
+            _print_finding(console, n, f)
     metrics = Table(title="metrics")
     metrics.add_column("metric")
     metrics.add_column("value", justify="right")
