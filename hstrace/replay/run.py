@@ -132,6 +132,43 @@ def _training_side(
     return list(td.samples()), "training", {"format": td.format, "samples": len(td)}
 
 
+def _resolve_norm_output(
+    drafter: torch.nn.Module,
+    report: Any,
+    samples: list[Any],
+    target_path: Path | None,
+    target: ReferenceTarget | None,
+) -> dict[str, Any] | None:
+    """SpecForge PR #879 changed what `norm_output` means and `load_drafter` reads it as before
+    the PR. With training tensors at hand, the reading the weights were trained with is the one
+    they score better under (`hstrace.check.resolve_norm_output`, as `hstrace check` does): the
+    reference drafter runs under it, and replay's `inputs` says which and why."""
+    if getattr(report, "dialect", None) != "specforge" or "norm_output" not in report.config:
+        return None
+    from hstrace.check import PRE_879, norm_output_flags, resolve_norm_output
+    from hstrace.metrics import TargetHead
+
+    value = bool(report.config["norm_output"])
+    head = TargetHead.from_pretrained(target_path) if target is not None else None
+    with torch.inference_mode():
+        res = resolve_norm_output(drafter, samples, value, head)
+    reading = res.get("reading")
+    used = reading or PRE_879
+    for name, v in norm_output_flags(value, used).items():
+        setattr(drafter.cfg, name, v)
+    return {
+        "norm_output": value,
+        "reading": used,
+        "from": (
+            "the training tensors (resolve_norm_output)"
+            if reading
+            else f"default, as load_drafter reads it (the training tensors cannot tell: "
+            f"{res.get('why')})"
+        ),
+        "resolution": res,
+    }
+
+
 def _embed_from_target(
     drafter: torch.nn.Module,
     report: Any,
@@ -246,6 +283,10 @@ def replay_with(
             drafter, report, target, target_path, explicit_target
         )
 
+    norm_output = None
+    if kind == "training" and no_forward is None:
+        norm_output = _resolve_norm_output(drafter, report, samples, target_path, target)
+
     matches, coverage = align(
         [r.tokens for r in serving.requests], [s.input_ids.numpy() for s in samples]
     )
@@ -298,6 +339,7 @@ def replay_with(
             "drafter_dialect": getattr(report, "dialect", None),
             "drafter_embedding": embed_source,
             "target": str(target_path) if target is not None else None,
+            **({"specforge_norm_output": norm_output} if norm_output else {}),
             **({"redaction": redaction} if redaction else {}),
         },
         skipped=dict(ctx.skipped),
