@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from test_bundle_support import H, K, write_demo_trace
+from helpers.cli import run_cli
+from helpers.demo_trace import H, K
 
 from hstrace.bundle import BundleOptions, bundle_info, check_zip, hash_token_ids, make_bundle
 from hstrace.errors import TraceError
@@ -19,13 +18,9 @@ from hstrace.redaction import SKETCH_DIM, slot_statistics
 from hstrace.trace import open_trace, request_key
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hstrace", *args], capture_output=True, text=True)
-
-
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Path:
-    return write_demo_trace(tmp_path_factory.mktemp("src") / "demo.zarr", rounds=8)
+def demo(demo_trace) -> Path:
+    return demo_trace(rounds=8)
 
 
 def _same(a, b) -> bool:

@@ -11,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers.cli import run_cli
 
 from hstrace.bundle import bundle_info
 from hstrace.engines.base import EngineConfig, RecordOptions
@@ -20,10 +21,6 @@ pytestmark = pytest.mark.slow
 
 REPO_WORLD = Path(__file__).resolve().parents[1] / "traces" / "tiny-world"
 PARTS = ("target", "training-speculators", "drafter-speculators")
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hstrace", *args], capture_output=True, text=True)
 
 
 @pytest.fixture(scope="module")

@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
-from test_bundle_support import copy_trace, write_demo_trace
+from helpers.cli import run_cli
+from helpers.demo_trace import copy_trace, write_demo_trace
 
 from hstrace.bundle import BundleOptions, make_bundle
 from hstrace.diff import diff_traces
 from hstrace.trace import open_trace
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hstrace", *args], capture_output=True, text=True)
-
-
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return write_demo_trace(tmp_path_factory.mktemp("a") / "a.zarr", rounds=5)
+def base(demo_trace):
+    return demo_trace(rounds=5)
 
 
 def test_same_prompts_other_request_ids_are_identical(base, tmp_path):

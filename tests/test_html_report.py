@@ -12,13 +12,13 @@ import re
 import shutil
 import struct
 import subprocess
-import sys
 import zlib
 from pathlib import Path
 
 import numpy as np
 import pytest
-from test_bundle_support import H, K, write_demo_trace
+from helpers.cli import run_cli
+from helpers.demo_trace import H, K
 
 from hstrace.bundle import BundleOptions, make_bundle
 from hstrace.findings import Finding
@@ -32,13 +32,9 @@ WINDOW = (1280, 1700)
 BAR_RGB = (0x3B, 0x6E, 0xA8)  # hstrace.html.svg.BAR
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "hstrace", *args], capture_output=True, text=True)
-
-
 @pytest.fixture(scope="module")
-def trace(tmp_path_factory) -> Path:
-    return write_demo_trace(tmp_path_factory.mktemp("t") / "t.zarr", rounds=12)
+def trace(demo_trace) -> Path:
+    return demo_trace(rounds=12)
 
 
 def replay_json(trace: Path) -> dict:

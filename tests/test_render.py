@@ -7,26 +7,17 @@ from __future__ import annotations
 
 import re
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from helpers.cli import EXAMPLES, TRAINING, invoke
 
-from cli.main import cli
 from hstrace.html.acceptance import acceptance_of
 from hstrace.trace import open_trace, summarize
 from hstrace.trace.acceptance import by_position
 
-REPO = Path(__file__).resolve().parents[1]
-TRACE = REPO / "traces" / "examples" / "aux-layer-shift.zarr"
-TRAINING = REPO / "traces" / "tiny-world" / "training-speculators"
-
-
-def _run(*args: str):
-    res = CliRunner().invoke(cli, list(args), env={"COLUMNS": "80"}, standalone_mode=False)
-    assert res.exception is None, res.output
-    return res
+TRACE = EXAMPLES / "aux-layer-shift.zarr"
+_run = invoke  # at COLUMNS=80
 
 
 def _pct(x):

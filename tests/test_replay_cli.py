@@ -6,28 +6,16 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.cli import EXAMPLES, REPO, TRAINING, assert_one_line_error, run_cli
 
-REPO = Path(__file__).resolve().parent.parent
-EXAMPLES = REPO / "traces" / "examples"
-TRAINING = REPO / "traces" / "tiny-world" / "training-speculators"
 pytestmark = pytest.mark.skipif(not EXAMPLES.is_dir(), reason="example traces not built")
 
 
 def hstrace(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hstrace", *args], capture_output=True, text=True, cwd=cwd
-    )
-
-
-def assert_one_line_error(run: subprocess.CompletedProcess, needle: str) -> None:
-    assert run.returncode == 2, run.stderr
-    assert "Traceback" not in run.stderr
-    lines = [line for line in run.stderr.splitlines() if line.startswith("hstrace: error:")]
-    assert len(lines) == 1 and needle in lines[0], run.stderr
+    return run_cli(*args, cwd=cwd)
 
 
 def test_fault_exits_1_and_leads_with_the_verdict(tmp_path):
