@@ -111,6 +111,13 @@ def _replay(trace: Path, training: Path, target: Path) -> dict:
     return replay(trace, training, target_path=target).to_json()
 
 
+def _redacted(trace: Path, out: Path) -> Path:
+    from hstrace.bundle import BundleOptions, make_bundle
+
+    make_bundle(trace, out, BundleOptions(redact=("hidden",)))
+    return out
+
+
 def _codes(doc: dict) -> list[str]:
     return [f["code"] for f in doc["findings"]]
 
@@ -131,6 +138,9 @@ def test_bf16_routing_flips_are_not_drift(tied):
     assert max(serving_cos) < 0.999, serving_cos
     assert min(serving_cos) > 0.99, serving_cos
     assert "target-drift" not in _codes(doc), doc["findings"]
+    assert not [f for f in doc["findings"] if f.get("stage") == "target-capture"], doc["findings"]
+    # a `--redact hidden` bundle: judged from the per-slot sketches, the same answer
+    doc = _replay(_redacted(trace, d / "clean.h.zip"), training, target)
     assert not [f for f in doc["findings"] if f.get("stage") == "target-capture"], doc["findings"]
 
 
@@ -161,3 +171,9 @@ def test_same_cosines_from_another_checkpoint_are_drift(tied, tmp_path):
     s = drift[0]["summary"]
     assert f"serving cos {ev['serving_vs_fp32_cos'][i]:.5f}" in s, s
     assert f"own bfloat16-vs-fp32 cos {ev['target_own_cos'][i]:.5f} on the same rows" in s, s
+    doc = _replay(
+        _redacted(trace, tmp_path / "drift.h.zip"), WORLD / "training-speculators", WORLD / "target"
+    )
+    ev = next(f for f in doc["findings"] if f["code"] == "target-drift")["evidence"]
+    assert ev["serving_drift_slots"] == [0, 1, 2] and ev["drifted"] == "serving", ev
+    assert ev["fingerprinted_from"].startswith("per-slot sketches"), ev
