@@ -163,7 +163,10 @@ def test_rebuild_reproduces_the_world(tmp_path):
     assert rebuilt["files"].keys() == MANIFEST["files"].keys()
     for key in ("acc0_teacher", "acc0_target"):
         assert abs(rebuilt["heldout"][key] - MANIFEST["heldout"][key]) < 0.03, key
-    assert abs(
-        rebuilt["heldout"]["sim_accept_len_with_bonus"]
-        - MANIFEST["heldout"]["sim_accept_len_with_bonus"]
-    ) < 0.2
+    assert (
+        abs(
+            rebuilt["heldout"]["sim_accept_len_with_bonus"]
+            - MANIFEST["heldout"]["sim_accept_len_with_bonus"]
+        )
+        < 0.2
+    )
