@@ -448,6 +448,26 @@ def build_training_cases(d: Path) -> list[Case]:
         )
     )
 
+    for name, make in (
+        ("speculators_hs_fifo", lambda f: os.mkfifo(f)),
+        ("speculators_hs_dev_zero", lambda f: f.symlink_to("/dev/zero")),
+    ):
+        p = d / name
+        shutil.copytree(TRAIN, p)
+        f = p / "hidden_states" / "hs_3.safetensors"
+        f.unlink()
+        make(f)
+        cases.append(
+            Case(
+                name,
+                p,
+                "training",
+                ("hs_3.safetensors", "not a regular file"),
+                ("replay", "check"),
+                argv(p),
+            )
+        )
+
     # A legacy .pt whose pickle would run a command: refused by weights_only, never executed.
     lg = d / "legacy_code_pickle"
     shutil.copytree(WORLD / "training-speculators-legacy", lg)
@@ -712,4 +732,4 @@ def test_enough_hostile_runs(runs):
     cases, results, controls = runs
     results = {k: r for k, r in results.items() if k.split(":")[0] not in controls}
     if not os.environ.get("HOSTILE_ONLY"):
-        assert len(cases) >= 51 and len(results) >= 218, (len(cases), len(results))
+        assert len(cases) >= 53 and len(results) >= 222, (len(cases), len(results))

@@ -170,6 +170,19 @@ def _check_zip(path: Path) -> None:
     check_zip(path)
 
 
+def _attrs(node: Any, where: str, what: str) -> dict[str, Any]:
+    """A node's attributes as a dict; TraceError when its metadata holds something else."""
+    try:
+        attrs = node.metadata.attributes
+        if not isinstance(attrs, dict):
+            raise TypeError(type(attrs).__name__)
+        return dict(attrs)
+    except Exception as exc:  # noqa: BLE001 - zarr keeps whatever JSON the file held
+        raise TraceError(
+            f"{where}: attributes of {what} are not a JSON object (corrupt metadata)"
+        ) from exc
+
+
 class RankView:
     def __init__(self, trace: Trace, rank: int) -> None:
         self.trace = trace
@@ -257,8 +270,13 @@ class TableView:
                 "(corrupt)"
             )
         if off_arr is not None:
-            stored_axes = dict(off_arr.attrs).get(OFFSETS_AXES_KEY)
-            if off_arr.ndim != 2 or stored_axes is None or sorted(stored_axes) != sorted(off_axes):
+            stored_axes = _attrs(off_arr, self._where, OFFSETS_ARRAY).get(OFFSETS_AXES_KEY)
+            if (
+                off_arr.ndim != 2
+                or not isinstance(stored_axes, list)
+                or not all(isinstance(a, str) for a in stored_axes)
+                or sorted(stored_axes) != sorted(off_axes)
+            ):
                 raise TraceError(
                     f"{self._where}: offsets array {list(off_arr.shape)} with axes {stored_axes!r} "
                     f"does not match the table's axes {off_axes} (corrupt)"
@@ -271,7 +289,14 @@ class TableView:
                 raise TraceError(
                     f"{self._where}: column {key[0]}/{key[1]} holds {arr.shape[0]} rows, commit record says {committed}"
                 )
-            self._logical[key] = dict(arr.attrs).get("hstrace_dtype", str(arr.dtype))
+            self._logical[key] = _attrs(arr, self._where, "/".join(key)).get(
+                "hstrace_dtype", str(arr.dtype)
+            )
+            if not isinstance(self._logical[key], str):
+                raise TraceError(
+                    f"{self._where}: column {key[0]}/{key[1]} has hstrace_dtype "
+                    f"{self._logical[key]!r}, not a dtype name (corrupt)"
+                )
             v.check_dtype(
                 key[0],
                 key[1],
@@ -356,7 +381,7 @@ class TableView:
         """A column's attributes (`hstrace_dtype`, and producer-given ones like `layer_ids`)."""
         if (axis, column) not in self._arrays:
             raise TraceError(f"{self._where}: no column {axis}/{column} (columns: {self.columns})")
-        return dict(self._arrays[(axis, column)].attrs)
+        return _attrs(self._arrays[(axis, column)], self._where, f"{axis}/{column}")
 
     def logical_dtype(self, axis: str, column: str) -> str:
         return self._logical[(axis, column)]

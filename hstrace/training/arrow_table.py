@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from hstrace.errors import TrainingDataError
+from hstrace.training.safe_load import read_small_text, require_regular
 
 
 def have_pyarrow() -> bool:
@@ -27,7 +28,7 @@ def data_files(root: Path) -> list[Path]:
     state = root / "state.json"
     if state.is_file():
         try:
-            names = [f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+            names = [f["filename"] for f in json.loads(read_small_text(state))["_data_files"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise TrainingDataError(f"{state}: not an HF datasets state file ({exc})") from exc
         return [root / n for n in names]
@@ -50,6 +51,7 @@ class ArrowColumns:
             raise TrainingDataError(f"{self.root}: no .arrow files of an HF dataset")
         out: dict[str, list[list[int]]] = {c: [] for c in self.columns}
         for f in files:
+            require_regular(f)  # a FIFO would block memory_map forever
             try:
                 with pa.memory_map(str(f)) as src:
                     table = pa.ipc.open_stream(src).read_all()

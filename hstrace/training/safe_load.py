@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import pickle
+import stat
 import warnings
 import zlib
 from pathlib import Path
@@ -53,8 +55,41 @@ def gunzip_capped(path: Path) -> bytes:
     return out.getvalue()
 
 
+# JSON side files (state.json, data_config.json) are a few KiB.
+TEXT_MAX_BYTES = 16 << 20
+
+
+def require_regular(path: Path) -> None:
+    """A training file must be a regular file: a FIFO would block the loader forever and a
+    device (a link to /dev/zero) would never end."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise TrainingDataError(f"{path}: missing training file") from None
+    except OSError as exc:
+        raise TrainingDataError(f"{path}: cannot stat ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TrainingDataError(
+            f"{path}: not a regular file (a device, FIFO or socket); refusing to read it"
+        )
+
+
+def read_small_text(path: Path, max_bytes: int = TEXT_MAX_BYTES) -> str:
+    """A small side file's text (JSON configs), refused past `max_bytes` or if not a file."""
+    require_regular(path)
+    with open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise TrainingDataError(f"{path}: larger than {max_bytes} bytes; not a config file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TrainingDataError(f"{path}: not UTF-8 text ({exc.reason})") from None
+
+
 def load_torch(path: Path) -> Any:
     """`torch.load` of a `.pt`/`.ckpt` or a gzip-compressed `.ckpt.gz`, weights only."""
+    require_regular(path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's pickle-protocol notes: we say what failed
@@ -83,6 +118,7 @@ def load_torch(path: Path) -> Any:
 
 
 def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    require_regular(path)
     try:
         return load_file(str(path), device="cpu")
     except FileNotFoundError as exc:

@@ -21,7 +21,12 @@ import torch
 from hstrace.errors import TrainingDataError
 from hstrace.training._build import checked_sample
 from hstrace.training.conventions import OUTPUT_OF_LAYER
-from hstrace.training.safe_load import load_torch, require_dict, require_tensor
+from hstrace.training.safe_load import (
+    load_torch,
+    read_small_text,
+    require_dict,
+    require_tensor,
+)
 from hstrace.training.sample import TrainingData, TrainingSample
 
 _FILE = re.compile(r"^data_(\d+)\.pt$")
@@ -40,7 +45,7 @@ def read_layer_ids(root: Path) -> list[int] | None:
     if not cfg.is_file():
         return None
     try:
-        ids = json.loads(cfg.read_text())["hidden_states"]["layer_ids"]
+        ids = json.loads(read_small_text(cfg))["hidden_states"]["layer_ids"]
     except (ValueError, KeyError, TypeError) as exc:
         raise TrainingDataError(f"{cfg}: no hidden_states.layer_ids ({exc})") from exc
     if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
