@@ -15,7 +15,8 @@ import numpy as np
 from hstrace.errors import TraceError
 
 # Columns of schema v1 holding token ids; the top-k ids may be -1 where no top-k was computed
-# (SGLang keeps logits only for some rows: docs/trace-format.md).
+# (SGLang keeps logits only for some rows: docs/trace-format.md); an engine may pad a request's
+# proposed drafts with -1 (vLLM's placeholder).
 TARGET_ID_COLUMNS = {
     ("tok", "input_ids"),
     ("tok", "prompt_ids"),
@@ -25,7 +26,7 @@ TARGET_ID_COLUMNS = {
     ("accepted", "ids"),
 }
 DRAFT_ID_COLUMNS = {("tok", "topk_draft_ids")}
-SENTINEL_OK = {("tok", "topk_target_ids"), ("tok", "topk_draft_ids")}
+SENTINEL_OK = {("tok", "topk_target_ids"), ("tok", "topk_draft_ids"), ("proposed", "ids")}
 # Target ids the engine mapped from draft ids itself: a misread d2t (SGLang's hot_token_id =
 # d2t + arange over a d2t that holds a table) proposes ids past the vocabulary, and that is the
 # evidence of the fault, not corruption (replay only compares them, never indexes with them).
