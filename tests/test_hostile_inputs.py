@@ -581,6 +581,25 @@ def build_drafter_cases(d: Path) -> list[Case]:
         _edit_json(p / "config.json", lambda m, e=edit: m["transformer_layer_config"].update(e))
         cases.append(Case(name, p, "drafter", words, ("check", "replay"), argv(p)))
 
+    for name, make in (
+        ("drafter_config_fifo", lambda f: os.mkfifo(f)),
+        ("drafter_config_dev_zero", lambda f: f.symlink_to("/dev/zero")),
+    ):
+        p = d / name
+        shutil.copytree(DRAFTER, p)
+        (p / "config.json").unlink()
+        make(p / "config.json")
+        cases.append(
+            Case(
+                name,
+                p,
+                "drafter",
+                ("config.json", "not a regular file"),
+                ("check", "replay"),
+                argv(p),
+            )
+        )
+
     vb = d / "drafter_vocab_2p24_only"  # only the vocab inflated: the embedding is saved
     shutil.copytree(DRAFTER, vb)
     _edit_json(
@@ -732,4 +751,4 @@ def test_enough_hostile_runs(runs):
     cases, results, controls = runs
     results = {k: r for k, r in results.items() if k.split(":")[0] not in controls}
     if not os.environ.get("HOSTILE_ONLY"):
-        assert len(cases) >= 53 and len(results) >= 222, (len(cases), len(results))
+        assert len(cases) >= 55 and len(results) >= 226, (len(cases), len(results))

@@ -91,8 +91,15 @@ def _find(path: Path) -> tuple[Path, Path]:
     raise CheckpointError(f"{path}: no model.safetensors or pytorch_model.bin")
 
 
+CONFIG_MAX_BYTES = 16 << 20
+
+
 def read_config(ckpt_dir: Path) -> dict[str, Any]:
     cfg_path = ckpt_dir / "config.json"
+    if cfg_path.exists() and not cfg_path.is_file():  # a FIFO would block, a device never end
+        raise CheckpointError(f"{cfg_path}: not a regular file; refusing to read it")
+    if cfg_path.is_file() and cfg_path.stat().st_size > CONFIG_MAX_BYTES:
+        raise CheckpointError(f"{cfg_path}: larger than {CONFIG_MAX_BYTES} bytes; not a config")
     try:
         raw = json.loads(cfg_path.read_text())
     except FileNotFoundError:
