@@ -56,45 +56,43 @@ def activate(via: str, engine: str = "sglang") -> bool:
     # call inside an SGLang server (or the reverse) does nothing.
     if cfg.get("engine", "sglang") != engine:
         return False
+    return _activate_engine(cfg, via, engine)
+
+
+# engine -> (its version table, its patches, its name in messages). Both version tables offer
+# `check_supported_version`; the installed version is read here (vLLM has two distributions).
+_ENGINES = {
+    "sglang": ("hstrace.engines.sglang_versions", "hstrace.hooks.sglang_patches", "SGLang"),
+    "vllm": ("hstrace.engines.vllm_versions", "hstrace.hooks.vllm_patches", "vLLM"),
+}
+
+
+def _installed_version(engine: str) -> str | None:
     if engine == "vllm":
-        return _activate_vllm(cfg, via)
-    from hstrace.engines.sglang_versions import check_supported_version
+        from hstrace.engines.vllm_versions import installed_version
+
+        return installed_version()
+    return _sglang_version()
+
+
+def _activate_engine(cfg: dict[str, Any], via: str, engine: str) -> bool:
+    from importlib import import_module
+
     from hstrace.errors import EngineError
 
-    text = _sglang_version()
+    versions_module, patches_module, label = _ENGINES[engine]
+    text = _installed_version(engine)
     if text is None:
         _refuse(
-            cfg, "hstrace record needs SGLang in the server's Python, and it is not installed there"
+            cfg,
+            f"hstrace record needs {label} in the server's Python, and it is not installed there",
         )
     try:
-        version = check_supported_version(text)  # type: ignore[arg-type]
+        version = import_module(versions_module).check_supported_version(text)
     except EngineError as exc:
         _refuse(cfg, str(exc))
         return False
-    from hstrace.hooks.sglang_patches import install
-
-    install(version, cfg)
-    _state.update(active=True, via=via)
-    return True
-
-
-def _activate_vllm(cfg: dict[str, Any], via: str) -> bool:
-    from hstrace.engines.vllm_versions import check_supported_version, installed_version
-    from hstrace.errors import EngineError
-
-    text = installed_version()
-    if text is None:
-        _refuse(
-            cfg, "hstrace record needs vLLM in the server's Python, and it is not installed there"
-        )
-    try:
-        version = check_supported_version(text)  # type: ignore[arg-type]
-    except EngineError as exc:
-        _refuse(cfg, str(exc))
-        return False
-    from hstrace.hooks.vllm_patches import install
-
-    install(version, cfg)
+    import_module(patches_module).install(version, cfg)
     _state.update(active=True, via=via)
     return True
 
