@@ -37,6 +37,8 @@ from collections.abc import Callable
 from typing import Any
 from unittest.mock import MagicMock
 
+from hstrace.engines.hooks_common import patch_modules
+
 ENV = "HSTRACE_SGLANG_CPU"
 SUPPORTED = "0.5.23"
 _state: dict[str, Any] = {"installed": False}
@@ -512,35 +514,6 @@ def patches() -> dict[str, list[Callable[[Any], None]]]:
     return out
 
 
-class _PostImport(importlib.abc.MetaPathFinder):
-    """Runs the patches of a module right after it executes (before any importer sees it)."""
-
-    def __init__(self, pending: dict[str, list[Callable[[Any], None]]]) -> None:
-        self.pending = pending
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.pending:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
-        todo = self.pending.pop(fullname)
-
-        def exec_and_patch(module):
-            exec_module(module)
-            for fn in todo:
-                fn(module)
-
-        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
-        return spec
-
-
 def install() -> None:
     """Install every stand-in (a module already imported is patched now)."""
     if _state["installed"]:
@@ -548,12 +521,4 @@ def install() -> None:
     _state["installed"] = True
     if not _torchvision_importable():
         sys.meta_path.insert(0, TorchvisionStandIn())
-    pending: dict[str, list[Callable[[Any], None]]] = {}
-    for name, fns in patches().items():
-        if name in sys.modules:
-            for fn in fns:
-                fn(sys.modules[name])
-        else:
-            pending[name] = fns
-    if pending:
-        sys.meta_path.insert(0, _PostImport(pending))
+    patch_modules(patches())

@@ -269,13 +269,15 @@ def _apply(point: PatchPoint, module: Any, wrappers: Wrappers, rec: Recorder | N
     setattr(cls, attr, wrapped)
 
 
-class PostImport(importlib.abc.MetaPathFinder):
-    """Patches a module right after it executes (hooks installed before the engine imports it)."""
+ModulePatch = Callable[[Any], None]
 
-    def __init__(
-        self, pending: dict[str, list[PatchPoint]], wrappers: Wrappers, rec: Recorder | None
-    ) -> None:
-        self.pending, self.wrappers, self.rec = pending, wrappers, rec
+
+class PostImport(importlib.abc.MetaPathFinder):
+    """Runs a module's patches right after it executes, before any importer sees it (hooks and
+    stand-ins are installed before the engine imports the modules they change)."""
+
+    def __init__(self, pending: dict[str, list[ModulePatch]]) -> None:
+        self.pending = pending
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in self.pending:
@@ -289,24 +291,34 @@ class PostImport(importlib.abc.MetaPathFinder):
             return spec
         loader = spec.loader
         exec_module = loader.exec_module
-        points = self.pending.pop(fullname)
-        wrappers, rec = self.wrappers, self.rec
+        todo = self.pending.pop(fullname)
 
         def exec_and_patch(module):
             exec_module(module)
-            for p in points:
-                apply_point(p, module, wrappers, rec)
+            for patch in todo:
+                patch(module)
 
         loader.exec_module = exec_and_patch  # type: ignore[method-assign]
         return spec
 
 
-def install_points(points: tuple[PatchPoint, ...], wrappers: Wrappers, rec: Recorder) -> None:
-    pending: dict[str, list[PatchPoint]] = {}
-    for point in points:
-        if point.module in sys.modules:
-            apply_point(point, sys.modules[point.module], wrappers, rec)
+def patch_modules(patches: Mapping[str, list[ModulePatch]]) -> None:
+    """Apply each module's patches now if it is imported, else right after its import."""
+    pending: dict[str, list[ModulePatch]] = {}
+    for name, todo in patches.items():
+        if name in sys.modules:
+            for patch in todo:
+                patch(sys.modules[name])
         else:
-            pending.setdefault(point.module, []).append(point)
+            pending.setdefault(name, []).extend(todo)
     if pending:
-        sys.meta_path.insert(0, PostImport(pending, wrappers, rec))
+        sys.meta_path.insert(0, PostImport(pending))
+
+
+def install_points(points: tuple[PatchPoint, ...], wrappers: Wrappers, rec: Recorder) -> None:
+    by_module: dict[str, list[ModulePatch]] = {}
+    for point in points:
+        by_module.setdefault(point.module, []).append(
+            lambda module, point=point: apply_point(point, module, wrappers, rec)
+        )
+    patch_modules(by_module)
