@@ -61,30 +61,38 @@ def last_error_lines(log: str, n: int = 8) -> str:
 
 class SGLangEngine(Engine):
     name = "sglang"
+    label = "SGLang"  # the engine's name in messages
+    # what check_supported asks the server's Python (subclasses: another engine's probe)
+    version_probe = "import importlib.metadata as m; print(m.version('sglang'))"
+
+    def _check_version(self, text: str) -> None:
+        from hstrace.engines.sglang_versions import check_supported_version
+
+        check_supported_version(text)
 
     def check_supported(self) -> str:
-        """Version of the sglang the server command will run. The server's own Python decides;
+        """Version of the engine the server command will run. The server's own Python decides;
         we ask it when the command starts with a Python interpreter, else the hooks refuse
         inside the server before it takes traffic."""
         argv = self._argv()
         python = argv[0] if "python" in Path(argv[0]).name else sys.executable
-        probe = subprocess.run(
-            [python, "-c", "import importlib.metadata as m; print(m.version('sglang'))"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        try:
+            probe = subprocess.run(
+                [python, "-c", self.version_probe], capture_output=True, text=True, timeout=120
+            )
+        except OSError as exc:
+            raise EngineError(f"cannot run {python} (from --server-cmd): {exc.strerror}") from exc
         if probe.returncode != 0:
-            raise EngineError(f"SGLang is not installed for {python} (needed by --server-cmd)")
-        from hstrace.engines.sglang_versions import check_supported_version
-
+            raise EngineError(
+                f"{self.label} is not installed for {python} (needed by --server-cmd)"
+            )
         self.version = probe.stdout.strip()
-        check_supported_version(self.version)
+        self._check_version(self.version)
         return self.version
 
     def _argv(self) -> list[str]:
         if not self.config.server_cmd:
-            raise EngineError("the sglang engine needs --server-cmd")
+            raise EngineError(f"the {self.name} engine needs --server-cmd")
         argv = shlex.split(self.config.server_cmd)
         if not argv:
             raise EngineError("--server-cmd is empty")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -21,7 +20,6 @@ from typing import Any
 
 from hstrace.engines.base import Prompt, RecordOptions, RecordResult
 from hstrace.engines.sglang import SGLangEngine
-from hstrace.errors import EngineError
 
 _PROBE = (
     "import importlib.metadata as m\n"
@@ -77,28 +75,13 @@ def parse_spec_metrics(text: str) -> dict[str, Any]:
 
 class VLLMEngine(SGLangEngine):
     name = "vllm"
+    label = "vLLM"
+    version_probe = _PROBE
 
-    def check_supported(self) -> str:
-        argv = self._argv()
-        python = argv[0] if "python" in Path(argv[0]).name else sys.executable
-        try:
-            probe = subprocess.run(
-                [python, "-c", _PROBE], capture_output=True, text=True, timeout=120
-            )
-        except OSError as exc:
-            raise EngineError(f"cannot run {python} (from --server-cmd): {exc.strerror}") from exc
-        if probe.returncode != 0:
-            raise EngineError(f"vLLM is not installed for {python} (needed by --server-cmd)")
+    def _check_version(self, text: str) -> None:
         from hstrace.engines.vllm_versions import check_supported_version
 
-        self.version = probe.stdout.strip()
-        check_supported_version(self.version)
-        return self.version
-
-    def _argv(self) -> list[str]:
-        if not self.config.server_cmd:
-            raise EngineError("the vllm engine needs --server-cmd")
-        return super()._argv()
+        check_supported_version(text)
 
     def record(self, prompts: Sequence[Prompt], out: Path, options: RecordOptions) -> RecordResult:
         self._out_path = Path(out)
