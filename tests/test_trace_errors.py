@@ -15,17 +15,17 @@ from hstrace.errors import TraceError
 from hstrace.trace import TraceWriter, create_trace, open_trace
 
 
-def _trace(path: Path) -> Path:
+def _trace(path: Path, lengths=(3, 200, 7), width: int = 64) -> Path:
     create_trace(path, engine={"name": "test", "version": "1"})
     with TraceWriter(path, rank=0, process=False) as w:
-        for n in (3, 200, 7):
+        for n in lengths:
             w.write(
                 "target",
                 step={"mode": 0},
                 req={"req_key": torch.tensor([1]), "n_tok": torch.tensor([n])},
                 tok={
                     "input_ids": torch.arange(n, dtype=torch.int32),
-                    "aux_hidden": torch.randn(n, 64).to(torch.bfloat16),
+                    "aux_hidden": torch.randn(n, width).to(torch.bfloat16),
                 },
             )
     return path
@@ -202,19 +202,7 @@ def test_two_writers_one_rank_exactly_one_wins(tmp_path):
 
 def _wide_trace(path: Path) -> Path:
     """aux_hidden rows of 16 KiB: the column is sharded (inner chunks of 256 rows)."""
-    create_trace(path, engine={"name": "test", "version": "1"})
-    with TraceWriter(path, rank=0, process=False) as w:
-        for n in (256, 256, 88):
-            w.write(
-                "target",
-                step={"mode": 0},
-                req={"req_key": torch.tensor([1]), "n_tok": torch.tensor([n])},
-                tok={
-                    "input_ids": torch.arange(n, dtype=torch.int32),
-                    "aux_hidden": torch.randn(n, 8192).to(torch.bfloat16),
-                },
-            )
-    return path
+    return _trace(path, lengths=(256, 256, 88), width=8192)
 
 
 def test_sharded_column_reads_and_a_hole_in_its_shard_is_named(tmp_path):
