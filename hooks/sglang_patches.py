@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hstrace.engines import hooks_common
+from hstrace.engines import hooks_common, load_audit
 from hstrace.engines import sglang_audit as audit
 from hstrace.engines import sglang_taps as taps
 from hstrace.engines.sglang_versions import PatchPoint, Version, patch_points_for
@@ -75,67 +75,16 @@ def _bind(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def wrap_load_weights(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def load_weights(self, weights):
-        rec = REC
-        if rec is None or "load_weights" in rec.disabled:
-            return original(self, weights)
-        wa = audit.WeightsAudit(parameters=[n for n, _ in self.named_parameters()])
-        current: list[str | None] = [None]
-        name_of = {id(p): n for n, p in self.named_parameters()}
-        saved: list[tuple[Any, Any]] = []
-
-        def watched(param, loader):
-            @functools.wraps(loader)
-            def call(*a, **k):
-                wa.loaded_parameters.add(name_of[id(param)])
-                if current[0] is not None:
-                    wa.consumed_by.setdefault(current[0], []).append(name_of[id(param)])
-                return loader(*a, **k)
-
-            return call
-
-        from sglang.srt.model_loader.weight_utils import default_weight_loader
-
-        for _, param in self.named_parameters():
-            saved.append((param, param.__dict__.get("weight_loader")))
-            param.weight_loader = watched(
-                param, getattr(param, "weight_loader", default_weight_loader)
-            )
-
-        def tapped():
-            for key, tensor in weights:
-                current[0] = key
-                wa.checkpoint_keys[key] = {
-                    "shape": list(tensor.shape),
-                    "dtype": str(tensor.dtype).removeprefix("torch."),
-                }
-                if "d2t" in key:
-                    wa.special_keys[key] = "hot_token_id"
-                elif "t2d" in key:
-                    wa.special_keys[key] = "ignored by SGLang"
-                yield key, tensor
-            current[0] = None
-
-        try:
-            result = original(self, tapped())
-        finally:
-            for param, loader in saved:
-                if loader is None:
-                    param.__dict__.pop("weight_loader", None)
-                else:
-                    param.weight_loader = loader
-        rec.run_tap("load_weights", lambda: _audit_draft(rec, self, wa))
-        return result
-
-    return load_weights
+    """The shared load_weights audit (hstrace.engines.load_audit) with SGLang's `LOAD` spec;
+    after the load, the draft's static record (`_audit_draft`)."""
+    return load_audit.wrap_load_weights(original, lambda: REC, audit.LOAD, _audit_draft)
 
 
-def _audit_draft(rec: Recorder, model: Any, wa: audit.WeightsAudit) -> None:
+def _audit_draft(rec: Recorder, model: Any, wa: load_audit.WeightsAudit) -> None:
     cfg = model.config
     raw = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
     path = Path(str(getattr(cfg, "_name_or_path", "") or ""))
-    on_disk = audit.read_config_json(path) if path.is_dir() else {}
+    on_disk = load_audit.read_config_json(path) if path.is_dir() else {}
     source = audit.aux_layer_source(on_disk or raw)
     fc = getattr(model.model, "fc", None)
     target_hidden = getattr(cfg, "target_hidden_size", None) or cfg.hidden_size
@@ -144,7 +93,7 @@ def _audit_draft(rec: Recorder, model: Any, wa: audit.WeightsAudit) -> None:
     )
     hot = getattr(model, "hot_token_id", None)
     rec.hot_token_id = hot
-    findings = audit.weights_findings(wa) + audit.aux_layer_findings(source, None)
+    findings = load_audit.weights_findings(wa, audit.LOAD) + audit.aux_layer_findings(source, None)
     rec.static(
         {
             "draft_config": on_disk or raw,
@@ -162,7 +111,7 @@ def _audit_draft(rec: Recorder, model: Any, wa: audit.WeightsAudit) -> None:
                 "is_identity": bool((hot == hot.new_tensor(range(hot.numel()))).all()),
             },
             "weights": wa.to_static(),
-            "checkpoint_sha256": audit.hash_checkpoint_files(path) if path.is_dir() else {},
+            "checkpoint_sha256": load_audit.hash_checkpoint_files(path) if path.is_dir() else {},
             "findings_load": [f.to_json() for f in findings],
         }
     )

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hstrace.engines import load_audit
 from hstrace.engines import vllm_audit as audit
 from hstrace.engines import vllm_taps as taps
 from hstrace.engines.hooks_common import Recorder, Version, install_points
@@ -191,81 +192,13 @@ def wrap_compute_logits(original: Callable) -> Callable:
 
 
 def wrap_load_weights(original: Callable) -> Callable:
-    @functools.wraps(original)
-    def load_weights(self, weights):
-        rec = REC
-        if rec is None or "load_weights" in rec.disabled:
-            return original(self, weights)
-        params = dict(self.named_parameters())
-        wa = audit.weights_audit(list(params))
-        name_of = {id(p): n for n, p in params.items()}
-        key_of: dict[int, str] = {}
-        held: list[Any] = []  # keeps the checkpoint tensors alive so their ids stay unique
-        saved: list[tuple[Any, Any]] = []
+    """The shared load_weights audit (hstrace.engines.load_audit) with vLLM's `LOAD` spec."""
+    return load_audit.wrap_load_weights(original, lambda: REC, audit.LOAD, _record_weights)
 
-        def watched(param: Any, loader: Callable) -> Callable:
-            @functools.wraps(loader)
-            def call(*a, **k):
-                wa.loaded_parameters.add(name_of[id(param)])
-                key = key_of.get(id(a[1])) if len(a) > 1 else None
-                if key is not None:
-                    wa.consumed_by.setdefault(key, []).append(name_of[id(param)])
-                return loader(*a, **k)
 
-            return call
-
-        def watch_all() -> None:
-            from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-            for param in params.values():
-                saved.append((param, param.__dict__.get("weight_loader")))
-                param.weight_loader = watched(
-                    param, getattr(param, "weight_loader", default_weight_loader)
-                )
-
-        rec.run_tap("load_weights", watch_all)
-
-        def tapped():
-            for key, tensor in weights:
-                try:
-                    wa.checkpoint_keys[key] = {
-                        "shape": list(tensor.shape),
-                        "dtype": str(tensor.dtype).removeprefix("torch."),
-                    }
-                    key_of[id(tensor)] = key
-                    held.append(tensor)
-                    if "t2d" in key:
-                        wa.special_keys[key] = "skipped by vLLM (t2d is not used)"
-                    elif "d2t" in key:
-                        wa.special_keys[key] = "draft_id_to_target_id (read as offsets)"
-                except Exception:
-                    pass
-                yield key, tensor
-
-        try:
-            result = original(self, tapped())
-        finally:
-            for param, loader in saved:
-                if loader is None:
-                    param.__dict__.pop("weight_loader", None)
-                else:
-                    param.weight_loader = loader
-        # d2t is loaded through its own loader too; it counts as consumed, not special
-        for key in [k for k, v in wa.special_keys.items() if "d2t" in k and wa.consumed_by.get(k)]:
-            wa.special_keys.pop(key)
-        held.clear()
-        rec.run_tap(
-            "load_weights",
-            lambda: rec.static(
-                {
-                    "weights": wa.to_static(),
-                    "findings_load": [f.to_json() for f in audit.weights_findings(wa)],
-                }
-            ),
-        )
-        return result
-
-    return load_weights
+def _record_weights(rec: VLLMRecorder, model: Any, wa: load_audit.WeightsAudit) -> None:
+    findings = load_audit.weights_findings(wa, audit.LOAD)
+    rec.static({"weights": wa.to_static(), "findings_load": [f.to_json() for f in findings]})
 
 
 def wrap_setup_aux(original: Callable) -> Callable:
@@ -306,25 +239,14 @@ def wrap_setup_aux(original: Callable) -> Callable:
     return _setup_eagle3_aux_hidden_state_outputs
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    import json
-
-    try:
-        return json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-
-
 def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
     import torch
-
-    from hstrace.engines.sglang_audit import hash_checkpoint_files
 
     vc = proposer.vllm_config
     spec = vc.speculative_config
     dmc = spec.draft_model_config
     drafter_path = Path(str(dmc.model))
-    on_disk = _read_json(drafter_path) if drafter_path.is_dir() else {}
+    on_disk = load_audit.read_config_json(drafter_path) if drafter_path.is_dir() else {}
     hf = dmc.hf_config
     served = hf.to_dict()
     model = proposer.model
@@ -395,7 +317,9 @@ def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
             "torch": torch.__version__,
         },
         "engine_version": ".".join(map(str, REC.version)) if REC is not None else None,
-        "checkpoint_sha256": hash_checkpoint_files(drafter_path) if drafter_path.is_dir() else {},
+        "checkpoint_sha256": load_audit.hash_checkpoint_files(drafter_path)
+        if drafter_path.is_dir()
+        else {},
     }
 
 

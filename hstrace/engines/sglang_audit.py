@@ -7,91 +7,25 @@ imports SGLang.
 
 from __future__ import annotations
 
-import hashlib
-import json
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from hstrace.engines.load_audit import LoadAuditSpec
 from hstrace.findings import Finding
 
-# Draft parameters that never come from an EAGLE-3 checkpoint in SGLang: the embedding is shared
-# from the target (set_embed) — and the lm_head too when the draft config has no draft_vocab_size.
-SHARED_FROM_TARGET = ("model.embed_tokens.weight",)
-
-
-@dataclass
-class WeightsAudit:
-    """Which checkpoint keys SGLang consumed and which parameters it filled, observed live."""
-
-    checkpoint_keys: dict[str, dict[str, Any]] = field(default_factory=dict)  # key -> shape, dtype
-    consumed_by: dict[str, list[str]] = field(default_factory=dict)  # key -> params it filled
-    special_keys: dict[str, str] = field(
-        default_factory=dict
-    )  # d2t -> "hot_token_id", t2d -> "ignored"
-    parameters: list[str] = field(default_factory=list)
-    loaded_parameters: set[str] = field(default_factory=set)
-    expected_unloaded: tuple[str, ...] = SHARED_FROM_TARGET
-
-    def dropped_keys(self) -> list[str]:
-        return [
-            k
-            for k in self.checkpoint_keys
-            if not self.consumed_by.get(k) and k not in self.special_keys
-        ]
-
-    def unloaded_parameters(self) -> list[str]:
-        return [
-            p
-            for p in self.parameters
-            if p not in self.loaded_parameters and p not in self.expected_unloaded
-        ]
-
-    def to_static(self) -> dict[str, Any]:
-        return {
-            "checkpoint_keys": {
-                k: {
-                    **meta,
-                    "consumed_into": self.consumed_by.get(k, []),
-                    "special": self.special_keys.get(k),
-                }
-                for k, meta in self.checkpoint_keys.items()
-            },
-            "parameters": {p: (p in self.loaded_parameters) for p in self.parameters},
-            "dropped_keys": self.dropped_keys(),
-            "unloaded_parameters": self.unloaded_parameters(),
-            "shared_from_target": [p for p in self.expected_unloaded if p in self.parameters],
-        }
-
-
-def weights_findings(audit: WeightsAudit) -> list[Finding]:
-    dropped, unloaded = audit.dropped_keys(), audit.unloaded_parameters()
-    if not dropped and not unloaded:
-        return []
-    loadable = [p for p in audit.parameters if p not in audit.expected_unloaded]
-    every = bool(loadable) and not any(p in audit.loaded_parameters for p in loadable)
-    summary = (
-        f"SGLang loaded none of the drafter's parameters from the checkpoint ({len(dropped)} keys dropped)"
-        if every
-        else f"{len(dropped)} checkpoint keys dropped, {len(unloaded)} drafter parameters never loaded"
-    )
-    prefixes = sorted({k.split(".")[0] for k in dropped})
-    return [
-        Finding(
-            "weights-dropped",
-            summary,
-            evidence={
-                "dropped_keys": dropped[:50],
-                "unloaded_parameters": unloaded[:50],
-                "dropped_prefixes": prefixes,
-            },
-            fix=(
-                "rename the checkpoint keys to SGLang's EAGLE-3 names (fc.*, layers.0.* or midlayer.*, norm.*, "
-                "lm_head.*, d2t) — unknown prefixes are dropped silently and the parameters keep uninitialised memory"
-            ),
-        )
-    ]
+# What SGLang's `LlamaForCausalLMEagle3.load_weights` does differently (the audit itself:
+# hstrace.engines.load_audit). The embedding is shared from the target (set_embed) — and the
+# lm_head too when the draft config has no draft_vocab_size.
+LOAD = LoadAuditSpec(
+    engine="SGLang",
+    default_loader="sglang.srt.model_loader.weight_utils:default_weight_loader",
+    special_keys=(("d2t", "hot_token_id"), ("t2d", "ignored by SGLang")),
+    fix=(
+        "rename the checkpoint keys to SGLang's EAGLE-3 names (fc.*, layers.0.* or midlayer.*, "
+        "norm.*, lm_head.*, d2t) — unknown prefixes are dropped silently and the parameters "
+        "keep uninitialised memory"
+    ),
+)
 
 
 def aux_layer_source(draft_config: Mapping[str, Any]) -> dict[str, Any]:
@@ -191,25 +125,3 @@ def fc_width(fc_in_features: int, target_hidden_size: int, num_captures: int) ->
         "num_captures": num_captures,
         "match": fc_in_features == delivered,
     }
-
-
-def hash_checkpoint_files(
-    directory: Path, patterns: Iterable[str] = ("*.safetensors", "*.bin", "*.pt", "config.json")
-) -> dict[str, str]:
-    """sha256 of each checkpoint file (so a trace names exactly which weights were served)."""
-    hashes: dict[str, str] = {}
-    for pattern in patterns:
-        for path in sorted(directory.glob(pattern)):
-            digest = hashlib.sha256()
-            with path.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 22), b""):
-                    digest.update(chunk)
-            hashes[path.name] = digest.hexdigest()
-    return hashes
-
-
-def read_config_json(directory: Path) -> dict[str, Any]:
-    try:
-        return json.loads((directory / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return {}

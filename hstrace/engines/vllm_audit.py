@@ -2,8 +2,8 @@
 
 The hooks (hstrace.hooks.vllm_patches) gather the raw facts inside the worker process; the
 functions here turn them into the trace's `static` record. Nothing here imports vLLM. The
-weights audit type is shared with SGLang (`sglang_audit.WeightsAudit`): what differs between
-engines is which parameters are expected to come from the target, not the bookkeeping.
+load_weights audit is shared with SGLang (hstrace.engines.load_audit); `LOAD` says what vLLM's
+loader does differently.
 
 vLLM's conventions (0.32.0, V1 runner; shared/reference/vllm-internals.md §2):
 - aux layer id k = the input of decoder layer k = HF `hidden_states[k]` (no +1; SGLang adds 1);
@@ -19,12 +19,25 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hstrace.engines.sglang_audit import WeightsAudit
-from hstrace.findings import Finding
+from hstrace.engines.load_audit import LoadAuditSpec
 
 CAPTURE_CONVENTION = "before_layer: id k = input of decoder layer k = HF hidden_states[k]"
-# Parameters vLLM fills from the target, not from the drafter checkpoint, when it shares them.
-SHARED_WHEN_ABSENT = ("model.embed_tokens.weight",)
+# What vLLM's `Eagle3LlamaForCausalLM.load_weights` does differently: it skips t2d and loads d2t
+# into `draft_id_to_target_id` through a parameter loader (then it counts as consumed); the
+# embedding comes from the target when the checkpoint has none.
+LOAD = LoadAuditSpec(
+    engine="vLLM",
+    default_loader="vllm.model_executor.model_loader.weight_utils:default_weight_loader",
+    special_keys=(
+        ("t2d", "skipped by vLLM (t2d is not used)"),
+        ("d2t", "draft_id_to_target_id (read as offsets)"),
+    ),
+    fix=(
+        "rename the checkpoint keys to what vLLM's Eagle3LlamaForCausalLM.load_weights "
+        "maps (speculators layers.0.*, SpecForge midlayer.*, fc.*, norm.*, lm_head.*, "
+        "d2t); it prefixes every other key with model. and skips what matches nothing"
+    ),
+)
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 # What vLLM reads when a flag is absent, per config format (update_eagle3 / model getattr).
 VLLM_DEFAULTS: dict[str, dict[str, bool]] = {
@@ -41,10 +54,6 @@ VLLM_DEFAULTS: dict[str, dict[str, bool]] = {
         "norm_output": False,
     },
 }
-
-
-def weights_audit(parameters: Sequence[str]) -> WeightsAudit:
-    return WeightsAudit(parameters=list(parameters), expected_unloaded=SHARED_WHEN_ABSENT)
 
 
 def config_format(on_disk: Mapping[str, Any]) -> str:
@@ -169,26 +178,3 @@ def capture_record(layer_ids: Sequence[int], source: Mapping[str, Any]) -> dict[
         "layer_ids_source": source.get("source"),
         "capture_convention": CAPTURE_CONVENTION,
     }
-
-
-def weights_findings(wa: WeightsAudit) -> list[Finding]:
-    dropped, unloaded = wa.dropped_keys(), wa.unloaded_parameters()
-    if not dropped and not unloaded:
-        return []
-    return [
-        Finding(
-            "weights-dropped",
-            f"vLLM dropped {len(dropped)} checkpoint keys; {len(unloaded)} drafter parameters "
-            "were never loaded",
-            evidence={
-                "dropped_keys": dropped[:50],
-                "unloaded_parameters": unloaded[:50],
-                "dropped_prefixes": sorted({k.split(".")[0] for k in dropped}),
-            },
-            fix=(
-                "rename the checkpoint keys to what vLLM's Eagle3LlamaForCausalLM.load_weights "
-                "maps (speculators layers.0.*, SpecForge midlayer.*, fc.*, norm.*, lm_head.*, "
-                "d2t); it prefixes every other key with model. and skips what matches nothing"
-            ),
-        )
-    ]
