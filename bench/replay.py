@@ -4,7 +4,7 @@
 
 Contenders, interleaved rep by rep on the same inputs (one sequence of --tokens rows):
 - `hstrace`: what `hstrace replay` does per recorded row: the reference drafter's batched
-  step-0 forward (`hstrace.replay.step0.step0_logits`, fp32, inference mode) and the
+  step-0 forward (`hstrace.reference.step0.step0_logits`, fp32, inference mode) and the
   comparison against the engine's top-k (top-k, log-probs at the engine's ids, no full-vocab
   softmax) — `hstrace.replay.compare.compare_topk`.
 - `matmul-bound`: `torch.mm` on exactly the shapes of the drafter's matmuls (fc, q/k/v, o,
@@ -35,8 +35,8 @@ from contextlib import contextmanager
 import torch
 
 from hstrace.drafter import DrafterConfig, Eagle3Drafter
+from hstrace.reference.step0 import Step0Input, step0_logits
 from hstrace.replay.compare import compare_topk
-from hstrace.replay.step0 import Step0Input, step0_logits
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

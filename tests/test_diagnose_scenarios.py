@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from hstrace.drafter import load_drafter, save_drafter
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
+from hstrace.reference.target import ReferenceTarget
 from hstrace.replay import replay
-from hstrace.replay.target import ReferenceTarget
 from hstrace.training import open_training
 
 WORLD = Path(__file__).resolve().parent.parent / "traces" / "tiny-world"

@@ -21,9 +21,9 @@ import torch
 
 from hstrace.drafter import load_drafter
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
+from hstrace.reference.target import ReferenceTarget
 from hstrace.replay import replay
 from hstrace.replay.serving import read_serving
-from hstrace.replay.target import ReferenceTarget
 from hstrace.trace import open_trace, request_key
 from hstrace.training import open_training
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from hstrace.findings import Finding
+from hstrace.reference.step0 import Step0Input
 from hstrace.replay.compare import (
     AGREE_TOP1,
     agreement,
@@ -25,7 +26,6 @@ from hstrace.replay.compare import (
     logprob_gap,
     with_topk,
 )
-from hstrace.replay.step0 import Step0Input
 
 FIX = {
     "sglang": "serve once with --disable-radix-cache (and without --enable-hierarchical-cache)",

@@ -16,8 +16,8 @@ import torch
 
 from hstrace.engines.sglang_audit import spec_findings
 from hstrace.findings import CODES, Finding
+from hstrace.reference.step0 import Step0Input
 from hstrace.replay.compare import with_topk
-from hstrace.replay.step0 import Step0Input
 from hstrace.replay.whatif import WhatIf, reproducing, search
 
 # Draft-config key (as users write it) for each reference flag.

@@ -25,7 +25,7 @@ import torch
 from hstrace import __version__
 from hstrace.engines.base import Engine, EngineConfig, Prompt, RecordOptions, RecordResult
 from hstrace.errors import CheckpointError, EngineError, HstraceError
-from hstrace.replay.step0 import threads_for
+from hstrace.reference.step0 import threads_for
 from hstrace.trace.schema import MODE_PREFILL, MODE_VERIFY, request_key
 
 TOPK = 8  # top-k recorded per draft row
@@ -244,7 +244,7 @@ class ReferenceChain:
 
     def __init__(self, target_dir: Path, drafter_dir: Path, knobs: ReferenceKnobs) -> None:
         from hstrace.drafter import load_drafter
-        from hstrace.replay.target import ReferenceTarget
+        from hstrace.reference.target import ReferenceTarget
         from hstrace.training.conventions import default_hf_indices, hf_index
 
         self.knobs = knobs

@@ -27,8 +27,8 @@ def chain_agreement(
     """[{draft_step, rows, top1_agreement, max_logit_diff}] over the chains of `requests`
     (`hstrace.replay.serving.ServingRequest` with draft rows and hidden inputs). `prefix_of(r)`
     gives a prefix-cache hit's cached span as a `Step0Input` (None: no cached span)."""
+    from hstrace.reference.step0 import Step0Input
     from hstrace.replay.compare import logprob_gap
-    from hstrace.replay.step0 import Step0Input
 
     hits: dict[int, int] = defaultdict(int)
     diff: dict[int, float] = defaultdict(float)

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hstrace.reference.step0 import Step0Input, step0_logits
+from hstrace.reference.target import ReferenceTarget
 from hstrace.replay.align import Coverage, Match
 from hstrace.replay.compare import LogitAgreement, agreement, agreement_by_step, compare_topk
 from hstrace.replay.fingerprint import (
@@ -29,8 +31,6 @@ from hstrace.replay.fingerprint import (
     slot_matrix,
 )
 from hstrace.replay.serving import ServingData, ServingRequest
-from hstrace.replay.step0 import Step0Input, step0_logits
-from hstrace.replay.target import ReferenceTarget
 
 
 @dataclass

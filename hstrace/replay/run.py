@@ -25,6 +25,8 @@ from hstrace.redaction import (
     redaction_of,
     salt_digest,
 )
+from hstrace.reference.step0 import threads_for
+from hstrace.reference.target import ReferenceTarget
 from hstrace.replay.align import align
 from hstrace.replay.context import ReplayContext
 from hstrace.replay.redaction import (
@@ -33,8 +35,6 @@ from hstrace.replay.redaction import (
 )
 from hstrace.replay.result import ReplayResult
 from hstrace.replay.serving import ServingData, accept_len_by_rank, read_serving
-from hstrace.replay.step0 import threads_for
-from hstrace.replay.target import ReferenceTarget
 
 Progress = Callable[[str, int], None]
 
