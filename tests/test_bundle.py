@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.cli import run_cli
+from helpers.cli import run_cli, run_main
 from helpers.demo_trace import H, K
 
 from hstrace.bundle import BundleOptions, bundle_info, check_zip, hash_token_ids, make_bundle
@@ -106,14 +106,14 @@ def test_max_size_drops_steps_never_truncates(demo, tmp_path):
             src.table("target").step(s)["tok"]["aux_hidden"],
             got.table("target").step(s)["tok"]["aux_hidden"],
         )
-    out = run_cli("bundle", str(demo), "-o", str(tmp_path / "tiny.zip"), "--max-size", "2kB")
+    out = run_main("bundle", str(demo), "-o", str(tmp_path / "tiny.zip"), "--max-size", "2kB")
     assert out.returncode == 2 and "Traceback" not in out.stderr and "--max-size" in out.stderr
 
 
 def test_redact_ids_is_a_consistent_salted_hash(demo, tmp_path):
     salt_file = tmp_path / "salt"
     salt_file.write_bytes(b"0123456789abcdef0123")
-    out = run_cli(
+    out = run_main(
         "bundle",
         str(demo),
         "-o",
@@ -140,7 +140,7 @@ def test_redact_ids_is_a_consistent_salted_hash(demo, tmp_path):
     assert man["redaction"]["modes"] == ["ids"] and len(man["redaction"]["salt_sha256"]) == 64
     assert salt.hex() not in json.dumps(man)
     # without --salt-file a fresh salt is written next to the zip, never into it
-    out = run_cli("bundle", str(demo), "-o", str(tmp_path / "ids2.zip"), "--redact", "ids")
+    out = run_main("bundle", str(demo), "-o", str(tmp_path / "ids2.zip"), "--redact", "ids")
     assert (
         out.returncode == 0
         and (tmp_path / "ids2.zip.salt").exists()
@@ -205,7 +205,7 @@ def test_with_drafter_ships_files_and_hashes(demo, tmp_path):
     from safetensors.torch import save_file
 
     save_file({"fc.weight": torch.ones(4, 12)}, str(d / "model.safetensors"))
-    out = run_cli(
+    out = run_main(
         "bundle", str(demo), "-o", str(tmp_path / "d.zip"), "--drafter", str(d), "--with-drafter"
     )
     assert out.returncode == 0, out.stderr
@@ -233,7 +233,7 @@ def test_path_traversal_is_refused(tmp_path, name):
     z = _zip_with(tmp_path / "t.zip", name, b"x")
     with pytest.raises(TraceError, match="refusing"):
         check_zip(z)
-    out = run_cli("bundle", str(z), "-o", str(tmp_path / "o.zip"))
+    out = run_main("bundle", str(z), "-o", str(tmp_path / "o.zip"))
     assert (
         out.returncode == 2
         and "Traceback" not in out.stderr
@@ -253,8 +253,10 @@ def test_zip_bomb_and_truncation_are_refused(demo, tmp_path):
     good = make_bundle(demo, tmp_path / "g.zip", BundleOptions()).path
     cut = tmp_path / "cut.zip"
     cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    # through a real interpreter (subprocess): exit 2, one line, no traceback
     out = run_cli("bundle", str(cut), "-o", str(tmp_path / "o.zip"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
     assert str(cut) in out.stderr
 
 

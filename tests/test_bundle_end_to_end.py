@@ -11,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers.cli import run_cli
+from helpers.cli import run_main
 
 from hstrace.bundle import bundle_info
 from hstrace.engines.base import EngineConfig, RecordOptions
@@ -66,12 +66,13 @@ def test_bundle_embeds_the_real_verdict_and_reproduces(world, runs, tmp_path):
         "--drafter",
         str(world / "drafter-speculators"),
     ]
-    out = run_cli("bundle", str(swapped), "-o", str(tmp_path / "bug.zip"), *args)
+    out = run_main("bundle", str(swapped), "-o", str(tmp_path / "bug.zip"), *args)
     assert out.returncode == 0, out.stderr
     info = bundle_info(tmp_path / "bug.zip")
     verdict = info["manifest"]["replay"]["verdict"]["code"]
     assert verdict == "aux-order" and f"`{verdict}`" in info["report"]
-    # the one-line command in the bundle gives the same verdict from the zip itself
+    # the one-line command in the bundle gives the same verdict from the zip itself (a real
+    # interpreter from the bundle's directory, as a user would run it)
     line = info["reproduce"].split()
     assert line[:3] == ["hstrace", "replay", "bug.zip"]
     again = subprocess.run(
@@ -82,11 +83,11 @@ def test_bundle_embeds_the_real_verdict_and_reproduces(world, runs, tmp_path):
     )
     assert again.returncode == 1 and json.loads(again.stdout)["verdict"]["code"] == verdict
     # `report` on the bundle shows the verdict it carries, and says where it came from
-    page = run_cli("report", str(tmp_path / "bug.zip"), "--html", str(tmp_path / "bug.html"))
+    page = run_main("report", str(tmp_path / "bug.zip"), "--html", str(tmp_path / "bug.html"))
     assert page.returncode == 1 and "aux-order" in (tmp_path / "bug.html").read_text()
     assert "bundle&#x27;s manifest" in (tmp_path / "bug.html").read_text()
     # hidden states redacted: the verdict comes from the same steps before redaction, and says so
-    red = run_cli(
+    red = run_main(
         "bundle", str(swapped), "-o", str(tmp_path / "red.zip"), "--redact", "hidden", *args
     )
     assert red.returncode == 0, red.stderr
@@ -96,9 +97,11 @@ def test_bundle_embeds_the_real_verdict_and_reproduces(world, runs, tmp_path):
         and "before redaction" in info["report"]
     )
     # hashed ids cannot be replayed (and the evidence could quote clear ids): refused up front
-    ids = run_cli("bundle", str(swapped), "-o", str(tmp_path / "ids.zip"), "--redact", "ids", *args)
+    ids = run_main(
+        "bundle", str(swapped), "-o", str(tmp_path / "ids.zip"), "--redact", "ids", *args
+    )
     assert ids.returncode == 2 and "--redact ids cannot be combined with --against" in ids.stderr
-    ok = run_cli("bundle", str(clean), "-o", str(tmp_path / "ok.zip"), *args)
+    ok = run_main("bundle", str(clean), "-o", str(tmp_path / "ok.zip"), *args)
     assert (
         ok.returncode == 0
         and bundle_info(tmp_path / "ok.zip")["manifest"]["replay"]["verdict"]["code"]
@@ -108,7 +111,7 @@ def test_bundle_embeds_the_real_verdict_and_reproduces(world, runs, tmp_path):
 
 def test_diff_names_target_aux_hidden_first(runs):
     clean, swapped = runs
-    out = run_cli("diff", str(clean), str(swapped), "--json")
+    out = run_main("diff", str(clean), str(swapped), "--json")
     assert out.returncode == 1, out.stderr
     doc = json.loads(out.stdout)
     assert doc["requests"]["matched"] == 3
@@ -119,7 +122,7 @@ def test_diff_names_target_aux_hidden_first(runs):
 
 def test_report_draws_the_real_fingerprints(world, runs, tmp_path):
     _, swapped = runs
-    out = run_cli(
+    out = run_main(
         "report",
         str(swapped),
         "--against",
@@ -134,5 +137,5 @@ def test_report_draws_the_real_fingerprints(world, runs, tmp_path):
     assert "aux-order" in page and page.count('class="cell"') == 9 and "<script" not in page
     with zipfile.ZipFile(tmp_path / "x.zip", "w") as zf:  # an unrelated zip is a clean error
         zf.writestr("a.txt", "x")
-    bad = run_cli("report", str(tmp_path / "x.zip"), "--html", str(tmp_path / "b.html"))
+    bad = run_main("report", str(tmp_path / "x.zip"), "--html", str(tmp_path / "b.html"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers.cli import run_cli
+from helpers.cli import assert_one_line_error, run_cli, run_main
 from helpers.demo_trace import copy_trace, write_demo_trace
 
 from hstrace.bundle import BundleOptions, make_bundle
@@ -50,7 +50,7 @@ def test_one_ulp_of_bf16_rounding_is_within_tolerance(base, tmp_path):
     aux = next(s for s in res.streams if s.stream == "target/tok/aux_hidden")
     assert 0 < aux.max_rel_err <= res.tolerance.rel  # it differs, but rounding explains it
     assert res.identical
-    out = run_cli("diff", str(base), str(b), "--json")
+    out = run_main("diff", str(base), str(b), "--json")
     assert out.returncode == 0
     doc = json.loads(out.stdout)
     assert doc["identical"] and doc["tolerance"]["compute_dtype"] == "bfloat16"
@@ -77,7 +77,7 @@ def test_first_difference_is_the_earliest_in_dataflow_order(base, tmp_path):
     c = write_demo_trace(tmp_path / "acc.zarr", rounds=5, accept_seed=99)
     res = diff_traces(open_trace(base), open_trace(c))
     assert res.first.stage == "verify/accept" and res.first.stream.startswith("verify/req/")
-    out = run_cli("diff", str(base), str(c))
+    out = run_main("diff", str(base), str(c))
     assert out.returncode == 1 and "FIRST DIFFERENCE: verify/req/" in out.stdout
 
 
@@ -98,7 +98,7 @@ def test_unmatched_prompts_and_bundles(base, tmp_path):
     assert res.first.stage == "prompt ids" and res.matched == 0
     # a bundle of the same trace reads directly and is identical to its source
     z = make_bundle(base, tmp_path / "b.zip", BundleOptions()).path
-    out = run_cli("diff", str(base), str(z))
+    out = run_main("diff", str(base), str(z))
     assert out.returncode == 0, out.stdout + out.stderr
     # a bundle with hashed ids no longer aligns with the plain trace, and diff says why
     r = make_bundle(base, tmp_path / "r.zip", BundleOptions(redact=("ids",), salt=b"s" * 16)).path
@@ -114,9 +114,11 @@ def test_bad_input_exits_2(tmp_path, base):
         [str(base), str(tmp_path / "missing.zarr")],
         [str(base), str(base), "--rank", "3"],
     ):
-        out = run_cli("diff", *args)
+        out = run_main("diff", *args)
         assert (
             out.returncode == 2
             and "Traceback" not in out.stderr
             and out.stderr.startswith("hstrace: error:")
         )
+    # the same contract through a real interpreter (subprocess)
+    assert_one_line_error(run_cli("diff", str(base), str(junk)), "junk.zip")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.cli import run_cli
+from helpers.cli import run_cli, run_main
 from helpers.demo_trace import H, K
 
 from hstrace.bundle import BundleOptions, make_bundle
@@ -187,10 +187,11 @@ def test_chromium_renders_the_page(trace, tmp_path):
 
 
 def test_report_cli(trace, tmp_path):
-    out = run_cli("report", str(trace), "--html", str(tmp_path / "x.html"))
+    out = run_main("report", str(trace), "--html", str(tmp_path / "x.html"))
     assert out.returncode == 0 and "not replayed" in out.stdout
     assert (tmp_path / "x.html").read_text().count("<svg") == 2
+    # through a real interpreter (subprocess): exit 2, no traceback
     bad = run_cli("report", str(tmp_path / "missing.zarr"), "--html", str(tmp_path / "y.html"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    bad = run_cli("report", str(trace), "--html", str(tmp_path / "no" / "dir.html"))
+    bad = run_main("report", str(trace), "--html", str(tmp_path / "no" / "dir.html"))
     assert bad.returncode == 2 and "Traceback" not in bad.stderr

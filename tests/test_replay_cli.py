@@ -5,28 +5,31 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from helpers.cli import EXAMPLES, REPO, TRAINING, assert_one_line_error, run_cli
+from helpers.cli import EXAMPLES, REPO, TRAINING, Ran, assert_one_line_error, run_cli, run_main
 
 pytestmark = pytest.mark.skipif(not EXAMPLES.is_dir(), reason="example traces not built")
 
 
-def hstrace(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    return run_cli(*args, cwd=cwd)
+def hstrace(*args: str, cwd: Path = REPO) -> Ran:
+    """In-process through main() (exit code and one-line error as a user sees them); the
+    tests marked `subprocess` below check the same contract through a real interpreter."""
+    return run_main(*args, cwd=cwd)
 
 
 def test_fault_exits_1_and_leads_with_the_verdict(tmp_path):
+    """Through a subprocess: exit 1 is the interpreter's own exit status."""
     md = tmp_path / "report.md"
-    run = hstrace(
+    run = run_cli(
         "replay",
         str(EXAMPLES / "aux-layer-shift.zarr"),
         "--against",
         str(TRAINING),
         "--markdown",
         str(md),
+        cwd=REPO,
     )
     assert run.returncode == 1, run.stderr
     assert "aux-layer-shift" in run.stdout.split("findings")[0]  # the verdict comes first
@@ -98,6 +101,12 @@ BAD_INPUTS = {
 def test_bad_inputs_exit_2(case, tmp_path):
     args, needle = BAD_INPUTS[case]
     assert_one_line_error(hstrace("replay", *args(tmp_path)), needle)
+
+
+def test_a_corrupt_trace_is_one_line_from_a_real_interpreter(tmp_path):
+    """The same contract through `python -m hstrace`: exit 2, one line, no traceback."""
+    args, needle = BAD_INPUTS["corrupt trace"]
+    assert_one_line_error(run_cli("replay", *args(tmp_path)), needle)
 
 
 def test_missing_against_is_a_usage_error():

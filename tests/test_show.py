@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
+from helpers.cli import REPO, Ran, run_main
 
 from hstrace.trace import TraceWriter, create_trace, open_trace
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "traces" / "example.zarr"
+EXAMPLE = REPO / "traces" / "example.zarr"
 KEYS = {
     "path",
     "schema_version",
@@ -34,10 +32,10 @@ KEYS = {
 }
 
 
-def show(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hstrace", "show", *args], capture_output=True, text=True
-    )
+def show(*args: str) -> Ran:
+    """In-process (the exit-code contract of `show` is tested through a subprocess in
+    test_cli.py and test_trace_errors.py)."""
+    return run_main("show", *args)
 
 
 def test_show_example_json_matches_the_reader():
