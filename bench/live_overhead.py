@@ -176,7 +176,7 @@ def serve_and_measure(
     finally:
         status = work / "status.jsonl"
         if arm == "with":
-            from hstrace.engines.vllm import close_traces
+            from hstrace.engines.server import close_traces
 
             close_traces(status, work / "bench.zarr")
         proc.terminate()

@@ -103,7 +103,8 @@ def parse_streams(value: str | None) -> frozenset[str]:
     type=click.IntRange(min=1),
     default=1,
     show_default=True,
-    help="Prompts in flight at once (sglang: the scheduler batches them); 1 = one after another.",
+    help="Prompts in flight at once (sglang, vllm: the scheduler batches them); 1 = one after "
+    "another.",
 )
 @click.option(
     "--startup-timeout",

@@ -30,15 +30,6 @@ def config() -> dict[str, Any] | None:
     return json.loads(raw)
 
 
-def _sglang_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return None
-
-
 def _refuse(cfg: dict[str, Any], message: str) -> None:
     """Stop the server before it takes traffic: a clear line, and a status file the launcher
     reads (the status protocol shared by every engine's hooks: hstrace.engines.hooks_common).
@@ -59,20 +50,18 @@ def activate(via: str, engine: str = "sglang") -> bool:
     return _activate_engine(cfg, via, engine)
 
 
-# engine -> (its version table, its patches, its name in messages). Both version tables offer
-# `check_supported_version`; the installed version is read here (vLLM has two distributions).
+# engine -> (its versions module, its patches module). Each versions module holds the engine's
+# `SUPPORT` (hstrace.engines.hooks_common.EngineSupport) and a module-level `installed_version`.
 _ENGINES = {
-    "sglang": ("hstrace.engines.sglang_versions", "hstrace.hooks.sglang_patches", "SGLang"),
-    "vllm": ("hstrace.engines.vllm_versions", "hstrace.hooks.vllm_patches", "vLLM"),
+    "sglang": ("hstrace.engines.sglang_versions", "hstrace.hooks.sglang_patches"),
+    "vllm": ("hstrace.engines.vllm_versions", "hstrace.hooks.vllm_patches"),
 }
 
 
-def _installed_version(engine: str) -> str | None:
-    if engine == "vllm":
-        from hstrace.engines.vllm_versions import installed_version
+def _versions(engine: str) -> Any:
+    from importlib import import_module
 
-        return installed_version()
-    return _sglang_version()
+    return import_module(_ENGINES[engine][0])
 
 
 def _activate_engine(cfg: dict[str, Any], via: str, engine: str) -> bool:
@@ -80,40 +69,34 @@ def _activate_engine(cfg: dict[str, Any], via: str, engine: str) -> bool:
 
     from hstrace.errors import EngineError
 
-    versions_module, patches_module, label = _ENGINES[engine]
-    text = _installed_version(engine)
+    versions = _versions(engine)
+    text = versions.installed_version()
     if text is None:
         _refuse(
             cfg,
-            f"hstrace record needs {label} in the server's Python, and it is not installed there",
+            f"hstrace record needs {versions.SUPPORT.label} in the server's Python, and it is "
+            "not installed there",
         )
     try:
-        version = import_module(versions_module).check_supported_version(text)
+        version = versions.check_supported_version(text)
     except EngineError as exc:
         _refuse(cfg, str(exc))
         return False
-    import_module(patches_module).install(version, cfg)
+    import_module(_ENGINES[engine][1]).install(version, cfg)
     _state.update(active=True, via=via)
     return True
+
+
+def _plugin_will_run(engine: str) -> bool:
+    """The engine calls hstrace's entry point itself (installed, listed, not filtered out)."""
+    versions = _versions(engine)
+    return versions.SUPPORT.plugin_will_run(versions.installed_version())
 
 
 def register_vllm() -> None:
     """vLLM plugin entry point (group `vllm.general_plugins`): vLLM calls it in every process
     (API server, engine core, workers) before the model is built."""
     activate("plugin", engine="vllm")
-
-
-def _vllm_plugin_will_run() -> bool:
-    from importlib.metadata import entry_points
-
-    from hstrace.engines.vllm_versions import PLUGIN_GROUP, installed_version
-
-    if installed_version() is None:
-        return False
-    allowed = os.environ.get("VLLM_PLUGINS")
-    if allowed is not None and "hstrace" not in {x.strip() for x in allowed.split(",")}:
-        return False
-    return any(ep.name == "hstrace" for ep in entry_points(group=PLUGIN_GROUP))
 
 
 def _sglang_cpu_shim() -> None:
@@ -131,32 +114,14 @@ def register() -> None:
     activate("plugin")
 
 
-def _plugin_will_run() -> bool:
-    from importlib.metadata import entry_points
-
-    from hstrace.engines.sglang_versions import PLUGIN_GROUP, has_plugin_entry_points, parse_version
-
-    text = _sglang_version()
-    if text is None or not has_plugin_entry_points(parse_version(text)):
-        return False
-    allowed = os.environ.get("SGLANG_PLUGINS")
-    if allowed and "hstrace" not in {x.strip() for x in allowed.split(",")}:
-        return False
-    return any(ep.name == "hstrace" for ep in entry_points(group=PLUGIN_GROUP))
-
-
 def activate_from_site() -> None:
     _sglang_cpu_shim()  # before anything imports SGLang (torchvision stand-in)
     cfg = config()
     if cfg is None:
         return
-    if cfg.get("engine", "sglang") == "vllm":
-        if not _vllm_plugin_will_run():
-            activate("sitecustomize", engine="vllm")
-        return
-    if _plugin_will_run():
-        return
-    activate("sitecustomize")
+    engine = cfg.get("engine", "sglang")
+    if engine in _ENGINES and not _plugin_will_run(engine):
+        activate("sitecustomize", engine=engine)
 
 
 SITECUSTOMIZE = """\

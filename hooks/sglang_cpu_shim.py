@@ -49,12 +49,9 @@ def wanted() -> bool:
 
 
 def _sglang_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+    from hstrace.engines.sglang_versions import installed_version
 
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return None
+    return installed_version()
 
 
 def refuse(message: str) -> None:

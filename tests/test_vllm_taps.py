@@ -288,13 +288,13 @@ def test_bootstrap_refuses_an_sglang_run_with_a_version_it_does_not_know(
     cfg = {"out": str(tmp_path / "t.zarr"), "streams": [], "status": str(status)}
     monkeypatch.setenv(bootstrap.ENV, json.dumps(cfg))  # no "engine": SGLang, the default
     monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
-    monkeypatch.setattr(bootstrap, "_sglang_version", lambda: "0.4.0")
+    monkeypatch.setattr("hstrace.engines.sglang_versions.installed_version", lambda: "0.4.0")
     with pytest.raises(SystemExit) as exit_:
         bootstrap.activate("plugin")
     assert exit_.value.code == 2
     refused = json.loads(status.read_text().splitlines()[-1])["refused"]
     assert "0.4.0" in refused and "\n" not in refused
-    monkeypatch.setattr(bootstrap, "_sglang_version", lambda: None)
+    monkeypatch.setattr("hstrace.engines.sglang_versions.installed_version", lambda: None)
     monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
     with pytest.raises(SystemExit):
         bootstrap.activate("plugin")

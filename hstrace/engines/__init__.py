@@ -1,4 +1,4 @@
-"""Serving-engine adapters: one `Engine` per backend (SGLang, the CPU reference chain).
+"""Serving-engine adapters: one `Engine` per backend (SGLang, vLLM, the CPU reference chain).
 
 The interface lives in `base.py`; adapters load lazily by name so the core never imports an
 engine it does not use.

