@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,15 +19,13 @@ import pytest
 pytest.importorskip("sglang", reason="needs sglang==0.5.23 (scripts/sglang-venv.sh)")
 pytestmark = pytest.mark.sglang
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import sglang_fakes  # noqa: E402
+from helpers import sglang_fakes  # noqa: E402
 
 sglang_fakes.install()
 
+from helpers.sglang_world import build_drafter, build_target  # noqa: E402
 from hstrace.hooks import sglang_patches  # noqa: E402
 from safetensors.torch import safe_open  # noqa: E402
-from sglang_world import build_drafter, build_target  # noqa: E402
 
 from hstrace.trace import TraceWriter, create_trace, open_trace  # noqa: E402
 

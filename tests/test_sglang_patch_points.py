@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import sys
-from pathlib import Path
 
 import pytest
 
 from hstrace.engines.sglang_versions import check_supported_version, patch_points_for
 from hstrace.errors import EngineError
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def test_unsupported_versions_are_refused_with_the_range() -> None:
@@ -25,7 +21,7 @@ def test_unsupported_versions_are_refused_with_the_range() -> None:
 @pytest.mark.sglang
 def test_every_patch_point_exists_with_its_signature() -> None:
     pytest.importorskip("sglang", reason="needs sglang==0.5.23 (scripts/sglang-venv.sh)")
-    import sglang_fakes
+    from helpers import sglang_fakes
 
     sglang_fakes.install()
     import sglang

@@ -20,9 +20,7 @@ sglang = pytest.importorskip(
 )
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from sglang_world import build_drafter, build_target  # noqa: E402
+from helpers.sglang_world import build_drafter, build_target, fakes_pythonpath  # noqa: E402
 
 
 def _record(
@@ -37,7 +35,7 @@ def _record(
         f"--speculative-draft-model-path {drafter} --speculative-num-steps 3 "
         f"--speculative-eagle-topk 1 --speculative-num-draft-tokens 8 --mem-fraction-static 0.1"
     )
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(HERE / "sglang_fakes_site"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=fakes_pythonpath())
     proc = subprocess.run(
         [
             sys.executable,

@@ -12,22 +12,19 @@ disk and are read back with `open_trace`.
 from __future__ import annotations
 
 import functools
-import sys
 from array import array
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("sglang", reason="needs sglang==0.5.23 (scripts/sglang-venv.sh)")
 pytestmark = pytest.mark.sglang
 
-sys.path.insert(0, str(Path(__file__).parent))
-import sglang_fakes  # noqa: E402
+from helpers import sglang_fakes  # noqa: E402
 
 sglang_fakes.install()
 
-import sglang_world  # noqa: E402
 import torch  # noqa: E402
+from helpers import sglang_world  # noqa: E402
 from hstrace.hooks import sglang_patches  # noqa: E402
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import (  # noqa: E402

@@ -156,13 +156,12 @@ class TestSGLangEngine(EngineContract):
     def config(self, tmp_path, monkeypatch) -> EngineConfig:
         if importlib.util.find_spec("sglang") is None:
             pytest.skip("needs sglang==0.5.23 (scripts/sglang-venv.sh)")
-        sys.path.insert(0, str(TESTS))
-        from sglang_world import build_drafter, build_target
+        from helpers.sglang_world import build_drafter, build_target, fakes_pythonpath
 
         target, drafter = build_target(tmp_path / "t"), build_drafter(tmp_path / "d")
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         # the named test-only fakes, in every process of the server (tests/sglang_fakes.py)
-        monkeypatch.setenv("PYTHONPATH", str(TESTS / "sglang_fakes_site"))
+        monkeypatch.setenv("PYTHONPATH", fakes_pythonpath())
         return EngineConfig(
             server_cmd=(
                 f"{sys.executable} -m sglang.launch_server --model-path {target} --device cpu "

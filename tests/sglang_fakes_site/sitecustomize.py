@@ -1,9 +1,6 @@
-# Test-only: installs the named fakes (tests/sglang_fakes.py) in every process of a CPU SGLang
-# server started by the tests. Never used outside tests.
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import sglang_fakes  # noqa: E402
+# Test-only: installs the named fakes (tests/helpers/sglang_fakes.py) in every process of a CPU
+# SGLang server started by the tests. Never used outside tests. The tests put tests/ on the
+# server's PYTHONPATH next to this directory (helpers.sglang_world.fakes_pythonpath()).
+from helpers import sglang_fakes
 
 sglang_fakes.install()

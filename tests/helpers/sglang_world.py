@@ -4,6 +4,7 @@ of SGLang's real runtime objects shared by those tests."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -173,7 +174,16 @@ def target_worker(*, ndt: int):
 
 # ---- the live server on CPU (HSTRACE_SGLANG_CPU=1: hooks/sglang_cpu_shim.py) ----------------
 
-WORLD = Path(__file__).resolve().parents[1] / "traces" / "tiny-world"
+WORLD = Path(__file__).resolve().parents[2] / "traces" / "tiny-world"
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def fakes_pythonpath() -> str:
+    """PYTHONPATH for a server that runs the named test-only fakes in every process
+    (tests/sglang_fakes_site/sitecustomize.py imports them from tests/helpers/)."""
+    return os.pathsep.join([str(TESTS / "sglang_fakes_site"), str(TESTS)])
+
+
 # --mem-fraction-static: on CPU SGLang budgets the KV pool from the host's available memory
 # and refuses to start if it fell by more than the fraction while the weights loaded (other
 # processes on a shared machine); --max-total-tokens keeps the pool itself small.
@@ -204,8 +214,6 @@ def live_server_cmd(drafter: Path, port: int, extra: str = "", target: Path | No
 
 
 def live_env(**extra: str) -> dict[str, str]:
-    import os
-
     env = dict(os.environ, HSTRACE_SGLANG_CPU="1", HF_HUB_OFFLINE="1", **extra)
     env.pop("HSTRACE_RECORD", None)
     return env
