@@ -11,8 +11,15 @@ from typing import Any
 
 import torch
 
-# The row type is shared by every engine's taps.
-from hstrace.engines.hooks_common import TableWrite
+# The row type and the rows built the same way for every engine (requests, aux attributes).
+from hstrace.engines.hooks_common import (
+    TableWrite,
+    aux_hidden_attrs,
+    request_keys,
+    requests_write,
+)
+
+__all__ = ["TableWrite", "aux_hidden_attrs"]
 
 
 def _rids(batch: Any) -> list[str]:
@@ -26,12 +33,6 @@ def all_health_checks(rids: Any) -> bool:
     """True when every request of a step is one of SGLang's health-check generations."""
     rids = [str(r) for r in rids]
     return bool(rids) and all(r.startswith(HEALTH_CHECK_RID_PREFIX) for r in rids)
-
-
-def _keys(rids: list[str]) -> torch.Tensor:
-    from hstrace.trace import request_key  # the store's stable 63-bit hash of a request id
-
-    return torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
 
 
 def _prefix_lens(batch: Any) -> list[int]:
@@ -83,18 +84,10 @@ def requests_rows(batch: Any, seen: set[str]) -> TableWrite | None:
         return None
     new = [batch.reqs[i] for i in new_at]
     seen.update(str(r.rid) for r in new)
-    prompts = [torch.as_tensor(list(r.origin_input_ids), dtype=torch.int64) for r in new]
-    rid_bytes = [torch.frombuffer(bytearray(str(r.rid).encode()), dtype=torch.uint8) for r in new]
-    return TableWrite(
-        "requests",
-        req={
-            "req_key": _keys([str(r.rid) for r in new]),
-            "n_prompt": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-            "rid_len": torch.tensor([len(b) for b in rid_bytes], dtype=torch.int64),
-            "n_cached": torch.tensor([prefix[i] for i in new_at], dtype=torch.int64),
-        },
-        tok={"prompt_ids": torch.cat(prompts)},
-        other={"rid": {"bytes": torch.cat(rid_bytes)}},
+    return requests_write(
+        [str(r.rid) for r in new],
+        [r.origin_input_ids for r in new],
+        [prefix[i] for i in new_at],
     )
 
 
@@ -113,7 +106,7 @@ def prefill_rows(
     rids = _rids(batch)
     lens = [int(n) for n in batch.extend_lens]
     positions = _extend_positions(batch).to(target_input_ids.device)
-    req = {"req_key": _keys(rids), "n_tok": torch.tensor(lens, dtype=torch.int64)}
+    req = {"req_key": request_keys(rids), "n_tok": torch.tensor(lens, dtype=torch.int64)}
     target = TableWrite(
         "target",
         step={"mode": 0},
@@ -172,7 +165,7 @@ def verify_rows(batch: Any, verify_input: Any, result: Any) -> list[TableWrite]:
     rids = _rids(batch)
     bs = len(rids)
     ndt = int(verify_input.draft_token_num)
-    keys = _keys(rids)
+    keys = request_keys(rids)
     proposed = verify_input.draft_token.to(torch.int64)
     predict = result.next_token_ids.to(torch.int64)
     accept_lens = result.accept_lens.to(torch.int64)
@@ -249,21 +242,12 @@ def draft_forward_rows(
     return TableWrite(
         table,
         step=step,
-        req={"req_key": _keys(rids), "n_tok": torch.full((len(rids),), per_req, dtype=torch.int64)},
+        req={
+            "req_key": request_keys(rids),
+            "n_tok": torch.full((len(rids),), per_req, dtype=torch.int64),
+        },
         tok=tok,
     )
-
-
-def aux_hidden_attrs(layers_to_capture: list[int], width: int) -> dict[str, Any]:
-    """Column attributes of `target.aux_hidden`, as the reference engine writes them. SGLang's
-    capture index i is the residual stream entering decoder layer i = HF `hidden_states[i]`,
-    and captures are appended in layer order (so the slots are the sorted, distinct indices)."""
-    slots = sorted(set(layers_to_capture))
-    return {
-        "layer_ids": slots,
-        "layer_id_convention": "hf_hidden_states_index",
-        "slot_width": width // len(slots) if slots else width,
-    }
 
 
 def last_rows(lens: list[int]) -> torch.Tensor:
@@ -307,7 +291,7 @@ def decode_extend_rows(
     return TableWrite(
         "draft_extend",
         req={
-            "req_key": _keys(rids),
+            "req_key": request_keys(rids),
             "n_tok": torch.full((bs,), num_draft_tokens, dtype=torch.int64),
         },
         tok=tok,

@@ -12,11 +12,12 @@ Nothing here imports vLLM: the inputs are tensors and plain lists (duck-typed in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from hstrace.engines.hooks_common import TableWrite
+from hstrace.engines.hooks_common import TableWrite, aux_hidden_attrs, request_keys, requests_write
+
+__all__ = ["TableWrite", "aux_hidden_attrs"]
 
 TOPK = 8  # draft top-k recorded per sampled row (vLLM computes the full draft logits anyway)
 PLACEHOLDER = -1  # vLLM's rejected / padding slot in sampled_token_ids
@@ -55,12 +56,6 @@ class Step:
     query_start: list[int] | None = None  # [B+1] row offsets per request
     sample_rows: list[int] | None = None  # row of each request the first pass samples from
     calls: list[DraftCall] = field(default_factory=list)
-
-
-def _keys(rids: list[str]) -> torch.Tensor:
-    from hstrace.trace import request_key  # the store's stable 63-bit hash of a request id
-
-    return torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
 
 
 def draft_topk(
@@ -115,30 +110,9 @@ def _expand_topk(
 def requests_rows(new: list[NewRequest]) -> TableWrite | None:
     if not new:
         return None
-    prompts = [torch.as_tensor(r.prompt_ids, dtype=torch.int64) for r in new]
-    rid_bytes = [torch.frombuffer(bytearray(r.rid.encode()), dtype=torch.uint8) for r in new]
-    return TableWrite(
-        "requests",
-        req={
-            "req_key": _keys([r.rid for r in new]),
-            "n_prompt": torch.tensor([len(p) for p in prompts], dtype=torch.int64),
-            "rid_len": torch.tensor([len(b) for b in rid_bytes], dtype=torch.int64),
-            "n_cached": torch.tensor([r.n_cached for r in new], dtype=torch.int64),
-        },
-        tok={"prompt_ids": torch.cat(prompts)},
-        other={"rid": {"bytes": torch.cat(rid_bytes)}},
+    return requests_write(
+        [r.rid for r in new], [r.prompt_ids for r in new], [r.n_cached for r in new]
     )
-
-
-def aux_hidden_attrs(layer_ids: list[int], width: int) -> dict[str, Any]:
-    """`target.aux_hidden` attributes: vLLM's id k is HF `hidden_states[k]` (no +1), captures
-    are concatenated in sorted layer order."""
-    slots = sorted(set(layer_ids))
-    return {
-        "layer_ids": slots,
-        "layer_id_convention": "hf_hidden_states_index",
-        "slot_width": width // len(slots) if slots else width,
-    }
 
 
 def _rows_of(step: Step, members: list[int]) -> torch.Tensor:
@@ -182,7 +156,7 @@ def target_rows(step: Step, capture_layers: list[int] | None) -> list[TableWrite
                 "target",
                 step={"mode": mode},
                 req={
-                    "req_key": _keys([step.req_ids[i] for i in members]),
+                    "req_key": request_keys([step.req_ids[i] for i in members]),
                     "n_tok": torch.tensor([lens[i] for i in members], dtype=torch.int64),
                 },
                 tok={
@@ -236,7 +210,7 @@ def verify_rows(step: Step, members: list[int]) -> TableWrite:
     return TableWrite(
         "verify",
         req={
-            "req_key": _keys([step.req_ids[i] for i in members]),
+            "req_key": request_keys([step.req_ids[i] for i in members]),
             "accept_len": torch.tensor(accept, dtype=torch.int64),
             "bonus_id": torch.tensor(bonus, dtype=torch.int64),
             "n_proposed": torch.tensor([ndraft[i] for i in members], dtype=torch.int64),
@@ -254,7 +228,7 @@ def draft_rows(step: Step, lens: list[int]) -> list[TableWrite]:
     sampled row, the target's positions, the aux concat before fc) and the K-1 chain steps."""
     if not step.calls:
         return []
-    keys = _keys(step.req_ids)
+    keys = request_keys(step.req_ids)
     n_tok = int(step.target_ids.shape[0])  # type: ignore[union-attr]
     first = step.calls[0]
     sample_rows = step.sample_rows or []
