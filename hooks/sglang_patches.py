@@ -80,7 +80,10 @@ def wrap_load_weights(original: Callable) -> Callable:
     return load_audit.wrap_load_weights(original, lambda: REC, audit.LOAD, _audit_draft)
 
 
-def _audit_draft(rec: Recorder, model: Any, wa: load_audit.WeightsAudit) -> None:
+def _audit_draft(
+    rec: Recorder, model: Any, wa: load_audit.WeightsAudit, weights_findings: list[Any]
+) -> None:
+    """The draft's static record once SGLang loaded it (the weights are recorded already)."""
     cfg = model.config
     raw = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(vars(cfg))
     path = Path(str(getattr(cfg, "_name_or_path", "") or ""))
@@ -93,7 +96,7 @@ def _audit_draft(rec: Recorder, model: Any, wa: load_audit.WeightsAudit) -> None
     )
     hot = getattr(model, "hot_token_id", None)
     rec.hot_token_id = hot
-    findings = load_audit.weights_findings(wa, audit.LOAD) + audit.aux_layer_findings(source, None)
+    findings = weights_findings + audit.aux_layer_findings(source, None)
     rec.static(
         {
             "draft_config": on_disk or raw,
@@ -110,7 +113,6 @@ def _audit_draft(rec: Recorder, model: Any, wa: load_audit.WeightsAudit) -> None
                 "head": hot[:16].tolist(),
                 "is_identity": bool((hot == hot.new_tensor(range(hot.numel()))).all()),
             },
-            "weights": wa.to_static(),
             "checkpoint_sha256": load_audit.hash_checkpoint_files(path) if path.is_dir() else {},
             "findings_load": [f.to_json() for f in findings],
         }

@@ -193,12 +193,7 @@ def wrap_compute_logits(original: Callable) -> Callable:
 
 def wrap_load_weights(original: Callable) -> Callable:
     """The shared load_weights audit (hstrace.engines.load_audit) with vLLM's `LOAD` spec."""
-    return load_audit.wrap_load_weights(original, lambda: REC, audit.LOAD, _record_weights)
-
-
-def _record_weights(rec: VLLMRecorder, model: Any, wa: load_audit.WeightsAudit) -> None:
-    findings = load_audit.weights_findings(wa, audit.LOAD)
-    rec.static({"weights": wa.to_static(), "findings_load": [f.to_json() for f in findings]})
+    return load_audit.wrap_load_weights(original, lambda: REC, audit.LOAD)
 
 
 def wrap_setup_aux(original: Callable) -> Callable:

@@ -8,8 +8,6 @@ vllm-internals.md §2), so every row can be checked by name.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -252,51 +250,3 @@ def test_engine_detection_and_prometheus_counters() -> None:
         "vllm:spec_decode_num_drafts_total": 26.0,
         "vllm:spec_decode_num_accepted_tokens_per_pos_total": {"1": 4.0},
     }
-
-
-# ---- bootstrap: only the engine the launcher named ----------------------------------------
-
-
-def test_bootstrap_installs_only_the_named_engine(monkeypatch, tmp_path) -> None:
-    from hstrace.hooks import bootstrap
-
-    status = tmp_path / "status.jsonl"
-    cfg = {
-        "out": str(tmp_path / "t.zarr"),
-        "streams": [],
-        "status": str(status),
-        "engine": "sglang",
-    }
-    monkeypatch.setenv(bootstrap.ENV, json.dumps(cfg))
-    monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
-    assert bootstrap.activate("plugin", engine="vllm") is False  # an SGLang run: vLLM hook idle
-    monkeypatch.setenv(bootstrap.ENV, json.dumps({**cfg, "engine": "vllm"}))
-    monkeypatch.setattr("hstrace.engines.vllm_versions.installed_version", lambda: "0.33.0")
-    with pytest.raises(SystemExit) as exit_:
-        bootstrap.register_vllm()
-    assert exit_.value.code == 2
-    refused = json.loads(status.read_text().splitlines()[-1])["refused"]
-    assert "vLLM 0.33.0 is not supported" in refused and "\n" not in refused
-
-
-def test_bootstrap_refuses_an_sglang_run_with_a_version_it_does_not_know(
-    monkeypatch, tmp_path
-) -> None:
-    from hstrace.hooks import bootstrap
-
-    status = tmp_path / "status.jsonl"
-    cfg = {"out": str(tmp_path / "t.zarr"), "streams": [], "status": str(status)}
-    monkeypatch.setenv(bootstrap.ENV, json.dumps(cfg))  # no "engine": SGLang, the default
-    monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
-    monkeypatch.setattr("hstrace.engines.sglang_versions.installed_version", lambda: "0.4.0")
-    with pytest.raises(SystemExit) as exit_:
-        bootstrap.activate("plugin")
-    assert exit_.value.code == 2
-    refused = json.loads(status.read_text().splitlines()[-1])["refused"]
-    assert "0.4.0" in refused and "\n" not in refused
-    monkeypatch.setattr("hstrace.engines.sglang_versions.installed_version", lambda: None)
-    monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
-    with pytest.raises(SystemExit):
-        bootstrap.activate("plugin")
-    refused = json.loads(status.read_text().splitlines()[-1])["refused"]
-    assert refused.startswith("hstrace record needs SGLang in the server's Python")

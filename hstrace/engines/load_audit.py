@@ -117,15 +117,19 @@ def weights_findings(wa: WeightsAudit, spec: LoadAuditSpec) -> list[Finding]:
 
 # ---- the wrapper --------------------------------------------------------------------------
 
-AfterLoad = Callable[[Any, Any, WeightsAudit], None]  # (recorder, model, audit)
+# (recorder, model, audit, its findings): what else an engine records off the loaded model
+AfterLoad = Callable[[Any, Any, WeightsAudit, list[Finding]], None]
 
 
 def wrap_load_weights(
-    original: Callable, recorder: Callable[[], Any], spec: LoadAuditSpec, after: AfterLoad
+    original: Callable,
+    recorder: Callable[[], Any],
+    spec: LoadAuditSpec,
+    after: AfterLoad | None = None,
 ) -> Callable:
-    """`original` (an engine's `load_weights(self, weights)`) with the audit around it. `after`
-    records the audit (and whatever else the engine reads off the loaded model) as one tap;
-    a failure anywhere in the audit disables the `load_weights` tap and never the load."""
+    """`original` (an engine's `load_weights(self, weights)`) with the audit around it: static
+    `weights` and `findings_load` once the load returns, then `after` (in the same tap). A
+    failure anywhere in the audit disables the `load_weights` tap and never the load."""
 
     @functools.wraps(original)
     def load_weights(self, weights):
@@ -138,7 +142,17 @@ def wrap_load_weights(
             result = original(self, watch.tapped(weights))
         finally:
             watch.restore()
-        rec.run_tap("load_weights", lambda: after(rec, self, watch.finish()))
+
+        def record() -> None:
+            wa = watch.finish()
+            findings = weights_findings(wa, spec)
+            rec.static(
+                {"weights": wa.to_static(), "findings_load": [f.to_json() for f in findings]}
+            )
+            if after is not None:
+                after(rec, self, wa, findings)
+
+        rec.run_tap("load_weights", record)
         return result
 
     return load_weights
@@ -162,11 +176,15 @@ class _Watch:
         self.saved: list[tuple[Any, Any]] = []
 
     def install(self) -> None:
-        module, _, attr = self.spec.default_loader.partition(":")
-        default = getattr(importlib.import_module(module), attr)
         for param in self.params.values():
+            loader = getattr(param, "weight_loader", None) or self._default_loader()
             self.saved.append((param, param.__dict__.get("weight_loader")))
-            param.weight_loader = self._watched(param, getattr(param, "weight_loader", default))
+            param.weight_loader = self._watched(param, loader)
+
+    def _default_loader(self) -> Callable:
+        """The engine's loader for a parameter without its own (what its load_weights uses)."""
+        module, _, attr = self.spec.default_loader.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
     def _watched(self, param: Any, loader: Callable) -> Callable:
         wa, name = self.wa, self.name_of[id(param)]

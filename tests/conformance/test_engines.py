@@ -9,6 +9,13 @@ record here). A new adapter is added by one more subclass.
 - sglang: what a CPU-only machine can show: check_supported, the refusal of an unsupported
   version, and a trace that opens with the schema and the static audit after a record attempt
   (SGLang dies in KV-pool init on CPU; tests/test_sglang_record_cpu.py has the details).
+- vllm: the full contract against the real vLLM OpenAI server on CPU.
+
+`EngineHooksContract` is the in-server side of the same interface, for every engine with hooks
+(no engine needed): a wrapper for each patch point of every supported version and no dead
+wrapper, the version gate's one-line refusal (directly and through the bootstrap's status
+line), and the shared load_weights audit through the engine's own wrapper, around a stand-in
+drafter with that engine's loading shape (SGLang loads while iterating; vLLM collects first).
 """
 
 from __future__ import annotations
@@ -233,3 +240,234 @@ class TestVLLMEngine(EngineContract):
 def test_no_server_cmd_is_refused_before_anything_starts() -> None:
     with pytest.raises(HstraceError, match="--server-cmd"):
         get_engine("sglang", EngineConfig()).check_supported()
+
+
+# ---- the hooks' contract: what every engine's in-server side offers ---------------------------
+#
+# Runs without the engine installed (the hooks import no engine at module import). Each engine
+# has: a versions module holding its `EngineSupport` (`SUPPORT`) and patch table, a patches
+# module with one wrapper per patched function (`WRAPPERS`), a recorder, and the shared
+# load_weights audit (hstrace.engines.load_audit) configured by its `LOAD` spec.
+
+
+def _copy_loader(param: torch.nn.Parameter, tensor: torch.Tensor, *shard: object) -> None:
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
+def _params(module: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None:
+    for name, shape in shapes.items():
+        p = torch.nn.Parameter(torch.zeros(shape))
+        p.weight_loader = _copy_loader  # type: ignore[attr-defined]
+        module.register_parameter(name, p)
+
+
+class _StreamingDrafter(torch.nn.Module):
+    """Test stand-in with SGLang's load_weights shape: each key is loaded while it is iterated,
+    d2t becomes `hot_token_id` without a parameter loader, t2d is skipped."""
+
+    def __init__(self, config_dir: Path) -> None:
+        super().__init__()
+        import types
+
+        self.model = torch.nn.Module()
+        self.model.fc = torch.nn.Linear(12, 4, bias=False)
+        self.model.fc.weight.weight_loader = _copy_loader  # type: ignore[attr-defined]
+        _params(self.model, {"embed_tokens_weight": (8, 4)})
+        _params(self, {"lm_head_weight": (8, 4)})
+        self.config = types.SimpleNamespace(
+            hidden_size=4, num_aux_hidden_states=3, _name_or_path=str(config_dir)
+        )
+        self.hot_token_id = None
+
+    def load_weights(self, weights):
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            if "d2t" in name:
+                self.hot_token_id = tensor + torch.arange(tensor.shape[0])
+                continue
+            if "t2d" in name:
+                continue
+            param = params.get(name, params.get(f"model.{name}"))
+            if param is not None:
+                param.weight_loader(param, tensor)
+
+
+class _CollectingDrafter(torch.nn.Module):
+    """Test stand-in with vLLM's load_weights shape: the iterator is collected first (keys
+    renamed: d2t -> draft_id_to_target_id, others prefixed with model.), then loaded."""
+
+    def __init__(self, config_dir: Path) -> None:
+        super().__init__()
+        self.model = torch.nn.Module()
+        self.model.fc = torch.nn.Linear(12, 4, bias=False)
+        self.model.fc.weight.weight_loader = _copy_loader  # type: ignore[attr-defined]
+        _params(self.model, {"embed_tokens_weight": (8, 4)})
+        _params(self, {"lm_head_weight": (8, 4), "draft_id_to_target_id": (8,)})
+
+    def load_weights(self, weights):
+        collected = {}
+        for name, tensor in weights:
+            if "t2d" in name:
+                continue
+            if "d2t" in name:
+                name = name.replace("d2t", "draft_id_to_target_id")
+            elif "lm_head" not in name:
+                name = f"model.{name}"
+            collected[name] = tensor
+        params = dict(self.named_parameters())
+        for name, tensor in collected.items():
+            if name in params:
+                params[name].weight_loader(params[name], tensor)
+
+
+CHECKPOINT = {
+    "fc.weight": torch.ones(4, 12),
+    "lm_head_weight": torch.ones(8, 4),
+    "d2t": torch.arange(8),
+    "t2d": torch.ones(16, dtype=torch.bool),
+    "transformer.h.0.weight": torch.ones(4, 4),  # a prefix neither engine maps: dropped
+}
+
+
+class EngineHooksContract:
+    """Subclasses name the engine's versions and patches modules and its load stand-in."""
+
+    engine: str
+    versions: str
+    patches: str
+    recorder_class: str
+    drafter: type[torch.nn.Module]
+    # what the engine's audit says d2t became (None: consumed through a parameter loader)
+    d2t_special: str | None
+
+    def _versions(self):
+        import importlib
+
+        return importlib.import_module(self.versions)
+
+    def _patches(self):
+        import importlib
+
+        return importlib.import_module(self.patches)
+
+    def test_every_supported_version_has_a_wrapper_for_each_point(self) -> None:
+        support = self._versions().SUPPORT
+        wrappers = self._patches().WRAPPERS
+        lo, hi = support.min_supported, support.max_supported
+        used: set[str] = set()
+        for version in sorted({p.since for p in support.patch_points} | {lo, hi}):
+            if not lo <= version <= hi:
+                continue
+            points = support.patch_points_for(version)
+            assert points, version
+            for point in points:
+                assert point.qualname in wrappers, (version, point.target)
+                used.add(point.qualname)
+        assert used == set(wrappers), f"wrappers no patch point uses: {set(wrappers) - used}"
+
+    def test_versions_outside_the_table_are_refused_in_one_line(self) -> None:
+        support = self._versions().SUPPORT
+        lo, hi = support.min_supported, support.max_supported
+        assert support.check_supported_version(".".join(map(str, lo))) == lo
+        assert support.check_supported_version(".".join(map(str, hi))) == hi
+        for bad in (
+            (lo[0], lo[1], lo[2] - 1) if lo[2] else (lo[0], lo[1] - 1, 99),
+            (*hi[:2], hi[2] + 1),
+        ):
+            text = ".".join(map(str, bad))
+            with pytest.raises(EngineError) as err:
+                support.check_supported_version(text)
+            message = str(err.value)
+            assert "\n" not in message and text in message and support.label in message
+        with pytest.raises(EngineError, match=f"cannot read {support.label} version"):
+            support.check_supported_version("nightly")
+
+    def test_bootstrap_refuses_a_version_it_does_not_know(self, monkeypatch, tmp_path) -> None:
+        from hstrace.hooks import bootstrap
+
+        support = self._versions().SUPPORT
+        status = tmp_path / "status.jsonl"
+        cfg = {"out": str(tmp_path / "t.zarr"), "streams": [], "status": str(status)}
+        if self.engine != "sglang":  # an SGLang run may leave "engine" out (the default)
+            cfg["engine"] = self.engine
+        monkeypatch.setenv(bootstrap.ENV, __import__("json").dumps(cfg))
+        too_new = ".".join(map(str, (*support.max_supported[:2], support.max_supported[2] + 1)))
+        monkeypatch.setattr(f"{self.versions}.installed_version", lambda: too_new)
+        for other in bootstrap._ENGINES:  # another engine's entry point does nothing here
+            if other != self.engine:
+                monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
+                assert bootstrap.activate("plugin", engine=other) is False
+        monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
+        with pytest.raises(SystemExit) as exit_:
+            bootstrap.activate("plugin", engine=self.engine)
+        assert exit_.value.code == 2
+        import json
+
+        refused = json.loads(status.read_text().splitlines()[-1])["refused"]
+        assert f"{support.label} {too_new} is not supported" in refused and "\n" not in refused
+        monkeypatch.setattr(f"{self.versions}.installed_version", lambda: None)
+        monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
+        with pytest.raises(SystemExit):
+            bootstrap.activate("plugin", engine=self.engine)
+        refused = json.loads(status.read_text().splitlines()[-1])["refused"]
+        assert refused.startswith(f"hstrace record needs {support.label} in the server's Python")
+
+    def test_load_weights_audit_names_each_key(self, monkeypatch, tmp_path) -> None:
+        """The engine's own load_weights wrapper around a stand-in drafter with that engine's
+        loading shape: each key's parameter, the dropped key, d2t/t2d as the engine takes them,
+        all in the trace's static record."""
+        import json
+
+        from hstrace.trace import TraceWriter, create_trace
+
+        patches = self._patches()
+        version = self._versions().SUPPORT.max_supported
+        out = tmp_path / "t.zarr"
+        create_trace(out, engine={"name": self.engine, "version": "x"}, command_line=[], static={})
+        rec = getattr(patches, self.recorder_class)({"out": str(out), "streams": []}, version)
+        rec.writer_factory = lambda rank: TraceWriter(out, rank=rank, process=False)
+        monkeypatch.setattr(patches, "REC", rec)
+        (qualname,) = [q for q in patches.WRAPPERS if q.endswith(".load_weights")]
+        (config_dir := tmp_path / "drafter").mkdir()
+        (config_dir / "config.json").write_text(json.dumps({"hidden_size": 4}))
+        model = self.drafter(config_dir)
+        wrapped = patches.WRAPPERS[qualname](type(model).load_weights)
+        wrapped(model, iter(CHECKPOINT.items()))
+        assert torch.equal(model.model.fc.weight, CHECKPOINT["fc.weight"])  # the load happened
+        for param in model.parameters():  # the engine's own loaders are back after the load
+            assert param.weight_loader is _copy_loader
+        rec.close()
+        static = open_trace(out).meta["static"]
+        assert "tap_errors" not in static and not rec.disabled, static.get("tap_errors")
+        weights = static["weights"]
+        keys = weights["checkpoint_keys"]
+        assert keys["fc.weight"]["consumed_into"] == ["model.fc.weight"]
+        assert keys["fc.weight"]["shape"] == [4, 12] and keys["fc.weight"]["dtype"] == "float32"
+        assert keys["lm_head_weight"]["consumed_into"] == ["lm_head_weight"]
+        assert keys["d2t"]["special"] == self.d2t_special
+        assert keys["t2d"]["special"] is not None and keys["t2d"]["consumed_into"] == []
+        assert weights["dropped_keys"] == ["transformer.h.0.weight"]
+        assert weights["unloaded_parameters"] == ["model.embed_tokens_weight"]
+        (finding,) = static["findings_load"]
+        assert finding["code"] == "weights-dropped"
+        assert finding["evidence"]["dropped_prefixes"] == ["transformer"]
+        assert self._versions().SUPPORT.label in finding["summary"]
+
+
+class TestSGLangHooks(EngineHooksContract):
+    engine = "sglang"
+    versions = "hstrace.engines.sglang_versions"
+    patches = "hstrace.hooks.sglang_patches"
+    recorder_class = "Recorder"
+    drafter = _StreamingDrafter
+    d2t_special = "hot_token_id"
+
+
+class TestVLLMHooks(EngineHooksContract):
+    engine = "vllm"
+    versions = "hstrace.engines.vllm_versions"
+    patches = "hstrace.hooks.vllm_patches"
+    recorder_class = "VLLMRecorder"
+    drafter = _CollectingDrafter
+    d2t_special = None  # loaded into draft_id_to_target_id: consumed
