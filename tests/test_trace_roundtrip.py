@@ -394,7 +394,7 @@ def test_plain_zarr_snippet_of_the_docs_reads_a_step(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["compressed", "stored-raw-while-behind"])
-def test_wide_column_files_read_by_plain_zarr_and_by_the_fast_reader(tmp_path, raw):
+def test_wide_column_files_read_by_plain_zarr_and_by_the_fast_reader(tmp_path, raw, monkeypatch):
     """The writer encodes chunks and shards itself (not through zarr): plain zarr decodes
     them, hstrace's own reader (chunkread) reads any row range of them, bit for bit, and
     chunks stored uncompressed while the writer was behind are counted in the commit record."""
@@ -406,6 +406,8 @@ def test_wide_column_files_read_by_plain_zarr_and_by_the_fast_reader(tmp_path, r
     create_trace(path, engine={"name": "test"})
     g = torch.Generator().manual_seed(5)
     rows = []
+    # No disk budget here: every chunk goes raw while behind (the budget: tests/test_rowlog.py).
+    monkeypatch.setattr(rowlog, "DISK_BUDGET", 2.0)
     rowlog.configure(1, raw_when_behind=raw)
     rowlog.set_behind(raw)
     try:

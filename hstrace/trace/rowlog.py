@@ -17,18 +17,23 @@ Chunks are encoded as soon as they fill, by a small thread pool (Blosc releases 
 appended to their shard's temp file, so a writer holds a few chunks per column in RAM, not a
 whole shard. While the writer process says it is behind (`set_behind`), chunks may be stored
 with Blosc level 0 (a valid Blosc frame holding the bytes as they are: readers need nothing
-new); each column counts them (`raw_chunks`) and the commit record says so.
+new), but only while what the writer has put on disk stays within DISK_BUDGET of the bytes it
+was given: the codec is the writer's bound (bench/README.md), so a writer that is behind
+compresses just enough chunks to keep the trace at <= 0.8x its raw size and stores the rest
+as they are. Each column counts its uncompressed chunks (`raw_chunks`); the commit record says so.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import struct
 import threading
 import time
 import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 import google_crc32c
 import numcodecs.blosc
@@ -47,6 +52,13 @@ COMPRESSORS = [BloscCodec(cname=CNAME, clevel=CLEVEL, shuffle=SHUFFLE, blocksize
 GROW_UNITS = 64
 # Chunks of one column being encoded at once; the column waits for the oldest beyond this.
 MAX_INFLIGHT = 4
+# While behind, chunks are stored uncompressed only while the bytes on disk (compressed chunks
+# as encoded, in-flight ones estimated at the ratio seen so far) stay within this share of the
+# bytes recorded (issue 14: disk <= 0.8x raw).
+DISK_BUDGET = 0.8
+# Stored/raw ratio assumed for a compressed chunk before any has finished (zstd-1 + byte
+# shuffle on bf16 activations: 0.68-0.70, bench/README.md).
+_FIRST_RATIO = 0.7
 # An empty inner chunk in a shard index (zarr's sharding codec).
 _EMPTY = np.uint64(2**64 - 1)
 
@@ -61,6 +73,16 @@ class Encoder:
         self._pool: ThreadPoolExecutor | None = None
         self._codecs: dict[tuple[int, int], Blosc] = {}
         self._lock = threading.Lock()
+        self._reset_budget()
+
+    def _reset_budget(self) -> None:
+        # Bytes handed to the encoder; bytes stored for finished chunks; raw bytes of chunks
+        # still being compressed; compressed chunks' bytes in and out (their ratio so far).
+        self.bytes_in = 0
+        self.bytes_stored = 0
+        self.bytes_pending = 0
+        self._done_in = 0
+        self._done_out = 0
 
     def configure(self, threads: int, raw_when_behind: bool) -> None:
         """threads: encoding threads (0: encode on the caller's thread)."""
@@ -76,6 +98,30 @@ class Encoder:
             else None
         )
         self.raw_when_behind = bool(raw_when_behind)
+        self._reset_budget()
+
+    def _ratio(self) -> float:
+        return self._done_out / self._done_in if self._done_in else _FIRST_RATIO
+
+    def may_store_raw(self, nbytes: int) -> bool:
+        """Whether a chunk of nbytes may go uncompressed now: only while behind (and allowed
+        to), and only while the trace stays within DISK_BUDGET of its raw size with it."""
+        if not (self.raw_when_behind and self.behind):
+            return False
+        with self._lock:
+            on_disk = self.bytes_stored + self.bytes_pending * self._ratio() + nbytes
+            return on_disk <= DISK_BUDGET * (self.bytes_in + nbytes)
+
+    def _finished(self, nbytes: int, fut: Future) -> None:
+        try:
+            out = _nbytes(fut.result())
+        except BaseException:  # noqa: BLE001 - the column raises it where it drains the chunk
+            out = nbytes
+        with self._lock:
+            self.bytes_pending -= nbytes
+            self.bytes_stored += out
+            self._done_in += nbytes
+            self._done_out += out
 
     def codec(self, typesize: int, raw: bool) -> Blosc:
         key = (typesize, 0 if raw else CLEVEL)
@@ -93,16 +139,40 @@ class Encoder:
 
     def submit(self, chunk: np.ndarray) -> tuple[Future, bool]:
         """Encode a chunk (C-contiguous, little-endian); (future of the bytes, stored raw?)."""
-        raw = self.raw_when_behind and self.behind
+        n = chunk.nbytes
+        raw = self.may_store_raw(n)
         codec = self.codec(chunk.dtype.itemsize, raw)
-        if self._pool is None:
+        with self._lock:
+            self.bytes_in += n
+            if raw:
+                self.bytes_stored += n + 16  # a level-0 Blosc frame: the bytes and its header
+            else:
+                self.bytes_pending += n
+        if raw or self._pool is None:
             f: Future = Future()
-            f.set_result(codec.encode(chunk))
-            return f, raw
-        return self._pool.submit(codec.encode, chunk), raw
+            f.set_result(raw_frame(chunk) if raw else codec.encode(chunk))
+        else:
+            f = self._pool.submit(codec.encode, chunk)
+        if not raw:
+            f.add_done_callback(partial(self._finished, n))
+        return f, raw
 
 
 ENCODER = Encoder()
+
+
+def raw_frame(chunk: np.ndarray) -> list:
+    """The chunk as a Blosc level-0 frame without copying it: Blosc's own 16-byte header
+    (format 2, zstd, byte shuffle flag, memcpyed, no split; the same bytes numcodecs writes at
+    clevel 0, tests/test_rowlog.py) followed by the chunk's buffer itself."""
+    n = chunk.nbytes
+    head = struct.pack("<BBBBIII", 2, 1, 0x93, chunk.dtype.itemsize, n, min(BLOCKSIZE, n), n + 16)
+    return [head, memoryview(chunk).cast("B")]
+
+
+def _nbytes(data) -> int:
+    """Size of an encoded chunk: bytes, or the parts of a raw frame."""
+    return sum(len(p) for p in data) if isinstance(data, list) else len(data)
 
 
 def configure(threads: int = 0, raw_when_behind: bool = False) -> None:
@@ -139,10 +209,15 @@ class _Shard:
         self.pos = 0
         self.done = 0  # inner chunks in the file
 
-    def add(self, data: bytes) -> None:
-        self.f.write(data)
-        self.index[self.done] = (self.pos, len(data))
-        self.pos += len(data)
+    def add(self, data) -> None:
+        """Append an encoded chunk (bytes, or the parts of a raw frame)."""
+        n = _nbytes(data)
+        if isinstance(data, list):
+            self.f.writelines(data)
+        else:
+            self.f.write(data)
+        self.index[self.done] = (self.pos, n)
+        self.pos += n
         self.done += 1
 
     def finish(self) -> None:
@@ -308,20 +383,21 @@ class RowLog:
             chunk_no, fut, buf = self._inflight[0]
             if not block and not fut.done():
                 return
-            data = fut.result()
+            data = fut.result()  # a raw frame still points into buf: free it once written
             self._inflight.popleft()
-            self._free.append(buf)
             done += 1
             per_unit = self.unit // self.chunk_rows
             unit_no, inner = divmod(chunk_no, per_unit)
             if not self.sharded:
-                _write_file(self._key_path(unit_no), [data])
+                _write_file(self._key_path(unit_no), data if isinstance(data, list) else [data])
+                self._free.append(buf)
             else:
                 if self._shard is None or self._shard_no != unit_no:
                     self._shard = _Shard(self._key_path(unit_no), per_unit)
                     self._shard_no = unit_no
                 assert self._shard.done == inner
                 self._shard.add(data)
+                self._free.append(buf)
                 if inner < per_unit - 1:
                     continue
                 self._shard.finish()
