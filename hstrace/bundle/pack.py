@@ -224,13 +224,7 @@ def make_bundle(
     if opts.max_size:
         budget = opts.max_size - 64 * 1024 - sum(len(v) for v in drafter_members.values())
         for r, steps in wanted.items():
-            total, n = 0, 0
-            for s in steps:
-                total += costs[r][s]
-                if total > budget:
-                    break
-                n += 1
-            keep[r] = max(1, n)
+            keep[r] = _prefix_that_fits(steps, costs[r], budget)
     best: BundleResult | None = None
     work_root = Path(tempfile.mkdtemp(prefix=".hstrace-bundle-", dir=out.parent))
     try:
@@ -289,6 +283,17 @@ def make_bundle(
     return best
 
 
+def _prefix_that_fits(steps, cost, budget: float) -> int:
+    """How many leading steps fit in `budget` raw bytes (at least one: a bundle is never empty)."""
+    total, n = 0, 0
+    for s in steps:
+        total += cost[s]
+        if total > budget:
+            break
+        n += 1
+    return max(1, n)
+
+
 def _rescale(keep, wanted, costs, limit, size, chosen_steps, grow: bool) -> dict[int, int]:
     """New prefix lengths so that the estimated packed size lands just under `limit`."""
     raw = sum(costs[r][s] for r, steps in chosen_steps.items() for s in steps) or 1
@@ -296,13 +301,7 @@ def _rescale(keep, wanted, costs, limit, size, chosen_steps, grow: bool) -> dict
     out = {}
     for r, steps in wanted.items():
         target = 0.97 * limit / per_raw * (sum(costs[r][s] for s in chosen_steps[r]) / raw)
-        total, n = 0, 0
-        for s in steps:
-            total += costs[r][s]
-            if total > target:
-                break
-            n += 1
-        n = max(1, n)
+        n = _prefix_that_fits(steps, costs[r], target)
         out[r] = max(n, keep[r]) if grow else min(n, max(1, keep[r] - 1))
     return out
 

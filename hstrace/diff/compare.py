@@ -12,7 +12,7 @@ round across requests), since everything after it may only be its consequence.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -61,13 +61,7 @@ class StreamStats:
     max_rel_err: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "stream": self.stream,
-            "stage": self.stage,
-            "compared_rows": self.compared_rows,
-            "differing_rows": self.differing_rows,
-            "max_rel_err": self.max_rel_err,
-        }
+        return asdict(self)
 
 
 @dataclass

@@ -92,3 +92,14 @@ class TrainingData(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} format={self.format!r} n={len(self)} root={self.root}>"
+
+
+class FileListData(TrainingData):
+    """A dataset of one file per sample, listed in sample-index order at open."""
+
+    def __init__(self, root: Path, files: list[Path]) -> None:
+        super().__init__(root)
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)

@@ -19,7 +19,7 @@ from hstrace.errors import TrainingDataError
 from hstrace.training._build import checked_sample
 from hstrace.training.conventions import OUTPUT_OF_LAYER
 from hstrace.training.safe_load import load_torch, require_dict, require_tensor
-from hstrace.training.sample import TrainingData, TrainingSample
+from hstrace.training.sample import FileListData, TrainingSample
 
 _ROWS = re.compile(r"^rows_(\d+)-(\d+)$")
 _FILE = re.compile(r"^data_(\d+)\.ckpt(\.gz)?$")
@@ -40,15 +40,8 @@ def find_files(root: Path) -> list[Path]:
     return [f for _, _, f in found]
 
 
-class SpecForgeData(TrainingData):
+class SpecForgeData(FileListData):
     format = "specforge"
-
-    def __init__(self, root: Path, files: list[Path]) -> None:
-        super().__init__(root)
-        self.files = files
-
-    def __len__(self) -> int:
-        return len(self.files)
 
     def _load(self, i: int) -> TrainingSample:
         path = self.files[i]

@@ -27,7 +27,7 @@ from hstrace.training.safe_load import (
     require_dict,
     require_tensor,
 )
-from hstrace.training.sample import TrainingData, TrainingSample
+from hstrace.training.sample import FileListData, TrainingSample
 
 _FILE = re.compile(r"^data_(\d+)\.pt$")
 KEYS = ("input_ids", "hidden_states", "loss_mask")
@@ -53,16 +53,12 @@ def read_layer_ids(root: Path) -> list[int] | None:
     return ids
 
 
-class SpeculatorsLegacyData(TrainingData):
+class SpeculatorsLegacyData(FileListData):
     format = "speculators-legacy"
 
     def __init__(self, root: Path, files: list[Path]) -> None:
-        super().__init__(root)
-        self.files = files
+        super().__init__(root, files)
         self.layer_ids = read_layer_ids(root)
-
-    def __len__(self) -> int:
-        return len(self.files)
 
     def _load(self, i: int) -> TrainingSample:
         path = self.files[i]
