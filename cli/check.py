@@ -32,8 +32,8 @@ def _embedding(model: Any, report: Any, target: str | None) -> tuple[Any, str | 
     """(embedding to compare stored slots with, its source, whether the drafter has a real one).
     A drafter saved without an embedding gets the target's; without a target it has none, and
     nothing computed with its random init is reported."""
-    from hstrace.check import load_target_embedding
     from hstrace.errors import CheckpointError
+    from hstrace.target_io import load_target_embedding
 
     missing = "embed_tokens.weight" in report.missing
     if target is None:
@@ -117,15 +117,11 @@ def check(
     all_versions: bool,
 ) -> int:
     """Load a drafter checkpoint and report static wiring problems (exit 0 clean, 1 faults, 2 bad input)."""
-    from hstrace.check import (
-        applies,
-        norm_output_flags,
-        resolve_norm_output,
-        static_findings,
-        training_findings,
-    )
     from hstrace.drafter import load_drafter
+    from hstrace.drafter.norm_output import norm_output_flags
+    from hstrace.evaluation import resolve_norm_output, training_findings
     from hstrace.metrics import TargetHead
+    from hstrace.rules import run_static
     from hstrace.training import open_training
 
     model, report = load_drafter(drafter, dialect=dialect)
@@ -145,7 +141,20 @@ def check(
         if resolution["reading"] is not None:
             for name, v in norm_output_flags(value, resolution["reading"]).items():
                 setattr(model.cfg, name, v)
-    findings, metrics = static_findings(report, model, n_layers, resolution, advisory=True)
+    if not all_versions:
+        sglang_version = sglang_version or _installed_sglang() or DEFAULT_SGLANG
+    # A rule for another engine version (e.g. "sglang<0.5.12") is not a fault of this
+    # deployment; its findings are counted and named, not reported, unless --all-versions.
+    run, metrics = run_static(
+        report,
+        model,
+        n_layers,
+        resolution,
+        advisory=True,
+        engine=None if all_versions else "sglang",
+        version=sglang_version,
+    )
+    findings, hidden = run.findings, len(run.other_versions)
     if resolution is not None:
         metrics["norm_output_resolution"] = resolution
     if td is not None:
@@ -161,14 +170,6 @@ def check(
             embedding_loaded=emb_ok,
         )
         findings += more
-    hidden = 0
-    if not all_versions:
-        # A finding for another engine version (e.g. "sglang<0.5.12") is not a fault of this
-        # deployment; it is counted and named, not reported, unless --all-versions.
-        sglang_version = sglang_version or _installed_sglang() or DEFAULT_SGLANG
-        kept = [f for f in findings if applies(f, "sglang", sglang_version)]
-        hidden = len(findings) - len(kept)
-        findings = kept
     findings = in_dataflow_order(findings)
     faults = sum(f.severity == "fault" for f in findings)
     if as_json:
@@ -258,7 +259,7 @@ def _print_header(con: Any, report: Any, metrics: dict[str, Any]) -> None:
         )
     ids = report.flags.get("aux_layer_ids", (None, ""))[0]
     if ids:
-        from hstrace.check import DIALECT_CONVENTION
+        from hstrace.drafter.dialects import DIALECT_CONVENTION
         from hstrace.training.conventions import hf_index
 
         conv = DIALECT_CONVENTION[report.dialect]
@@ -292,7 +293,7 @@ def _print_training(con: Any, train: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from hstrace.check import SHORT_CONVENTIONS
+    from hstrace.evaluation import SHORT_CONVENTIONS
 
     con.print(
         f"[bold]training data[/] ({train.get('format')}): first {train.get('samples')} samples, "

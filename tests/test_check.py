@@ -3,43 +3,18 @@ bad input exits 2 with one line."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from hstrace.cli.main import main
-from safetensors.torch import load_file, save_file
-from test_drafter_checkpoint import _model
+from helpers.check import codes, run_check
+from helpers.check import edit_config as _edit_config
+from helpers.check import edit_weights as _edit_weights
+from helpers.drafters import tiny_model as _model
 
-from hstrace.check import applies
 from hstrace.drafter import save_drafter
 from hstrace.findings import Finding
-
-
-def run_check(capsys, *args: str) -> tuple[int, dict | str, str]:
-    with pytest.raises(SystemExit) as exc:
-        main(["check", *args])
-    out, err = capsys.readouterr()
-    doc = json.loads(out) if "--json" in args and exc.value.code != 2 else out
-    return exc.value.code, doc, err
-
-
-def codes(doc: dict) -> list[str]:
-    return [f["code"] for f in doc["findings"]]
-
-
-def _edit_config(ck, fn):
-    p = ck / "config.json"
-    cfg = json.loads(p.read_text())
-    fn(cfg)
-    p.write_text(json.dumps(cfg))
-
-
-def _edit_weights(ck, fn):
-    f = ck / "model.safetensors"
-    sd = load_file(str(f))
-    save_file(fn(sd), str(f))
+from hstrace.rules import applies
 
 
 def test_clean_specforge_checkpoint_exits_0(tmp_path, capsys):

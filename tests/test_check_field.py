@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.check import codes, run_check
+from helpers.drafters import load_module
 from safetensors.torch import load_file, save_file
-from test_check import codes, run_check
 
 from hstrace.drafter import load_drafter, save_drafter
 
@@ -173,11 +173,7 @@ def _incident_data(root: Path) -> Path:
     """speculators v0.5 layout from HF forwards of the tiny-world target, storing HF
     hidden_states [0 (the embedding), 3, 5] + the pre-norm final stream: the seed incident's
     [embed, L3, L31, L59] at 8 layers. The drafter's config serves HF [2, 4, 5]."""
-    sys.path.insert(0, str(WORLD))
-    try:
-        import dumps
-    finally:
-        sys.path.remove(str(WORLD))
+    dumps = load_module(WORLD / "dumps.py")
     from transformers import LlamaForCausalLM
 
     from hstrace.training import open_training

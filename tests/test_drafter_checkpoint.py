@@ -7,20 +7,11 @@ import json
 
 import pytest
 import torch
+from helpers.drafters import tiny_model
 from safetensors.torch import load_file, save_file
-from test_drafter_forward import randomized, tiny_cfg
 
 from hstrace.drafter import Eagle3Drafter, load_drafter, save_drafter
 from hstrace.errors import CheckpointError
-
-
-def _model(seed: int = 0, **flags) -> Eagle3Drafter:
-    m = randomized(Eagle3Drafter(tiny_cfg(**flags)), seed=seed)
-    used = torch.sort(torch.randperm(97, generator=torch.Generator().manual_seed(seed))[:61]).values
-    m.d2t.copy_(used - torch.arange(61))
-    m.t2d.zero_()
-    m.t2d[used] = True
-    return m
 
 
 def _logits(m: Eagle3Drafter) -> list[torch.Tensor]:
@@ -52,7 +43,7 @@ def _logits(m: Eagle3Drafter) -> list[torch.Tensor]:
     ],
 )
 def test_round_trip_gives_identical_logits(tmp_path, dialect, flags):
-    m = _model(**flags)
+    m = tiny_model(**flags)
     save_drafter(m, tmp_path / "ck", dialect=dialect)
     embed = None if dialect == "speculators" else m.embed_tokens.weight.detach()
     m2, rep = load_drafter(tmp_path / "ck", target_embed=embed)
@@ -67,7 +58,7 @@ def test_round_trip_gives_identical_logits(tmp_path, dialect, flags):
 
 
 def test_key_layouts_and_flag_sources(tmp_path):
-    m = _model(norm_before_fc=True)
+    m = tiny_model(norm_before_fc=True)
     save_drafter(m, tmp_path / "s", dialect="speculators", dtype=torch.bfloat16)
     keys = set(load_file(str(tmp_path / "s" / "model.safetensors")))
     assert {
@@ -83,7 +74,7 @@ def test_key_layouts_and_flag_sources(tmp_path):
     assert rep.key_dtypes["fc.weight"] == "bfloat16" and rep.key_dtypes["d2t"] == "int64"
     assert rep.flags["norm_before_fc"] == (True, "config:norm_before_fc")
 
-    save_drafter(_model(), tmp_path / "f", dialect="specforge")
+    save_drafter(tiny_model(), tmp_path / "f", dialect="specforge")
     keys = set(load_file(str(tmp_path / "f" / "model.safetensors")))
     assert "midlayer.self_attn.q_proj.weight" in keys and "embed_tokens.weight" not in keys
     _, rep = load_drafter(tmp_path / "f")
@@ -94,7 +85,7 @@ def test_key_layouts_and_flag_sources(tmp_path):
 
 
 def test_speculators_missing_flag_reports_library_default(tmp_path):
-    save_drafter(_model(), tmp_path / "s", dialect="speculators")
+    save_drafter(tiny_model(), tmp_path / "s", dialect="speculators")
     p = tmp_path / "s" / "config.json"
     cfg = json.loads(p.read_text())
     del cfg["norm_before_residual"]
@@ -105,7 +96,7 @@ def test_speculators_missing_flag_reports_library_default(tmp_path):
 
 
 def test_eagle_ignores_config_rope_theta(tmp_path):
-    save_drafter(_model(), tmp_path / "e", dialect="eagle")
+    save_drafter(tiny_model(), tmp_path / "e", dialect="eagle")
     p = tmp_path / "e" / "config.json"
     cfg = json.loads(p.read_text())
     cfg["rope_theta"] = 500000.0
@@ -116,7 +107,7 @@ def test_eagle_ignores_config_rope_theta(tmp_path):
 
 
 def test_unmapped_key_is_reported_and_weights_fall_back(tmp_path):
-    save_drafter(_model(), tmp_path / "s", dialect="speculators")
+    save_drafter(tiny_model(), tmp_path / "s", dialect="speculators")
     f = tmp_path / "s" / "model.safetensors"
     sd = load_file(str(f))
     sd = {
@@ -140,19 +131,19 @@ def test_bad_checkpoints_raise_checkpoint_error(tmp_path):
         load_drafter(tmp_path / "nope")
     assert "nope" in _one_line(e)
 
-    save_drafter(_model(), tmp_path / "s", dialect="speculators")
+    save_drafter(tiny_model(), tmp_path / "s", dialect="speculators")
     (tmp_path / "s" / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError) as e:
         load_drafter(tmp_path / "s")
     assert "config.json" in _one_line(e)
 
-    save_drafter(_model(), tmp_path / "t", dialect="speculators")
+    save_drafter(tiny_model(), tmp_path / "t", dialect="speculators")
     (tmp_path / "t" / "model.safetensors").write_bytes(b"\x00" * 20)
     with pytest.raises(CheckpointError) as e:
         load_drafter(tmp_path / "t")
     assert "model.safetensors" in _one_line(e)
 
-    save_drafter(_model(), tmp_path / "w", dialect="speculators")
+    save_drafter(tiny_model(), tmp_path / "w", dialect="speculators")
     p = tmp_path / "w" / "config.json"
     cfg = json.loads(p.read_text())
     cfg["transformer_layer_config"]["intermediate_size"] = 50
@@ -174,7 +165,7 @@ def test_pickled_code_is_refused(tmp_path):
         def __reduce__(self):
             return (print, ("pwned",))
 
-    save_drafter(_model(), tmp_path / "e", dialect="eagle")
+    save_drafter(tiny_model(), tmp_path / "e", dialect="eagle")
     torch.save({"fc.weight": Evil()}, tmp_path / "e" / "pytorch_model.bin")
     with pytest.raises(CheckpointError):
         load_drafter(tmp_path / "e")
@@ -182,4 +173,4 @@ def test_pickled_code_is_refused(tmp_path):
 
 def test_lossy_dialect_refused(tmp_path):
     with pytest.raises(CheckpointError, match="norm_before_residual"):
-        save_drafter(_model(norm_before_residual=True), tmp_path / "f", dialect="specforge")
+        save_drafter(tiny_model(norm_before_residual=True), tmp_path / "f", dialect="specforge")

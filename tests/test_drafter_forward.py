@@ -9,8 +9,9 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.drafters import randomized, tiny_cfg
 
-from hstrace.drafter import DrafterConfig, Eagle3Drafter
+from hstrace.drafter import Eagle3Drafter
 
 
 def _rms(x, w, eps):
@@ -64,33 +65,6 @@ def appendix_a(sd, aux, ids, pos0, K, nh, nkv, hd, eps, theta, nbr, nbf, norm_ou
         out_logits.append(hn @ sd["lm_head.weight"].T)
         h = hn if norm_output else h2
     return out_logits
-
-
-def tiny_cfg(**flags) -> DrafterConfig:
-    base = dict(
-        hidden_size=32,
-        vocab_size=97,
-        draft_vocab_size=61,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-    )
-    base.update(flags)
-    return DrafterConfig(**base)
-
-
-def randomized(model: Eagle3Drafter, seed: int) -> Eagle3Drafter:
-    """Random norm weights too, so that a skipped or misplaced norm changes the logits."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name or "fc_norm" in name:
-                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
-    return model
 
 
 @pytest.mark.parametrize("nbr,nbf,norm_output", list(itertools.product([False, True], repeat=3)))

@@ -26,8 +26,8 @@ import types
 
 import pytest
 import torch
+from helpers.drafters import randomized, tiny_cfg
 from safetensors.torch import save_file
-from test_drafter_forward import randomized, tiny_cfg
 
 from hstrace import metrics
 from hstrace.drafter import Eagle3Drafter, load_drafter, save_drafter

@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
+from helpers.drafters import randomized, tiny_cfg
 from safetensors.torch import load_file
-from test_drafter_forward import randomized, tiny_cfg
 
 from hstrace.drafter import Eagle3Drafter, load_drafter, save_drafter
 

@@ -218,3 +218,25 @@ def test_a_drafter_saved_without_embedding_gets_the_targets(prompts, tmp_path):
         verify = tr.rank(0).table("verify")
         # the SpecForge-dialect copy of the tiny world's drafter drafts as well as the original
         assert float(verify.column("req", "accept_len").astype(float).mean()) > 1.0
+
+
+@pytest.mark.parametrize(
+    "knobs,reading",
+    [
+        ({}, "offsets"),
+        ({"d2t_as_table": True}, "direct table"),
+        ({"no_vocab_map": True}, "no mapping"),
+    ],
+)
+def test_faults_are_config_not_patches(knobs, reading):
+    """The reference engine's faults set drafter options and the one d2t reading
+    (`hstrace.drafter.vocab.map_draft_ids`); nothing on the drafter is monkeypatched."""
+    from hstrace.drafter.vocab import map_draft_ids
+    from hstrace.engines.reference import ReferenceChain, ReferenceKnobs
+
+    chain = ReferenceChain(TARGET, DRAFTER, ReferenceKnobs(skip_fc=True, **knobs))
+    assert chain.engine_drafter.cfg.skip_fc is True and chain.trained.cfg.skip_fc is False
+    assert "combine" not in vars(chain.engine_drafter)
+    assert chain.d2t_reading == reading
+    ids = torch.arange(chain.trained.cfg.draft_vocab_size)
+    assert torch.equal(chain._map(ids), map_draft_ids(ids, chain.d2t, reading, chain.vocab_size))

@@ -52,6 +52,12 @@ class DrafterConfig:
     # speculators draft_arch qwen3: per-head RMSNorm on q and k before RoPE.
     qk_norm: bool = False
 
+    # --- serving faults (never read from a checkpoint; set by the reference engine's fault
+    # table and replay's what-if search, so a fault is a config, not a patched method) ---------
+    # The engine handed the drafter one H-wide state and skipped fc (a target serving EAGLE, not
+    # EAGLE3: the aux concat never built); `combine` passes that state through.
+    skip_fc: bool = False
+
     # --- provenance (not used by the math; carried for checks and round trips) -------------
     aux_layer_ids: list[int] | None = None  # as written in the checkpoint, in its convention
     extra: dict[str, Any] = field(default_factory=dict)

@@ -16,8 +16,17 @@ from typing import Any
 
 from hstrace.drafter.config import DrafterConfig
 from hstrace.errors import CheckpointError
+from hstrace.training.conventions import BEFORE_LAYER, OUTPUT_OF_LAYER
 
 DIALECTS = ("speculators", "specforge", "eagle")
+
+# Each dialect's own layer-id convention for `aux_layer_ids` (training-formats.md §1): what the
+# ids in its config.json count, before HF `hidden_states` indexing (`training.conventions`).
+DIALECT_CONVENTION = {
+    "speculators": BEFORE_LAYER,
+    "specforge": OUTPUT_OF_LAYER,
+    "eagle": BEFORE_LAYER,
+}
 
 # flag -> (value, source); source is "config:<key>" or "default:<library> ..."
 Flags = dict[str, tuple[Any, str]]

@@ -18,7 +18,8 @@ TTT step k > 0 (teacher forcing in training = a greedy chain in serving when acc
     Query t attends the step-0 keys at j <= t (same document, inside the sliding window) and
     the key of its own position t from every step 1..k (the TTT "diagonal").
 
-Draft ids map to target ids by offsets: target = i + d2t[i] (`draft_to_target`).
+Draft ids map to target ids by offsets: target = i + d2t[i] (`draft_to_target`,
+`hstrace.drafter.vocab`). `cfg.skip_fc` is a serving fault (no fc: one H-wide state in).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hstrace.drafter.config import DrafterConfig
+from hstrace.drafter.vocab import DIRECT_TABLE, OFFSETS, draft_vocab_targets, map_draft_ids
 
 
 class RMSNorm(nn.Module):
@@ -229,6 +231,12 @@ class Eagle3Drafter(nn.Module):
     def combine(self, aux: Tensor) -> Tensor:
         """Project the target's aux concat [.., n*Ht] to the drafter's width [.., H]."""
         cfg = self.cfg
+        if cfg.skip_fc:  # the serving fault: one H-wide state taken as fc's output
+            if aux.shape[-1] != cfg.hidden_size:
+                raise ValueError(
+                    f"skip_fc: aux width {aux.shape[-1]} != hidden_size {cfg.hidden_size}"
+                )
+            return aux
         if aux.shape[-1] != cfg.num_aux * cfg.aux_width:
             raise ValueError(
                 f"aux width {aux.shape[-1]} != num_aux*target_hidden = {cfg.num_aux * cfg.aux_width}"
@@ -372,13 +380,12 @@ class Eagle3Drafter(nn.Module):
         return d, self.draft_to_target(d, direct=direct_d2t), logits
 
     # -- vocab ----------------------------------------------------------------------------------
-    def draft_to_target(self, ids: Tensor, direct: bool = False) -> Tensor:
-        """Offsets (every library): target = i + d2t[i]. `direct=True` is the misreading
-        target = d2t[i], for what-if replays."""
-        return self.d2t[ids] if direct else ids + self.d2t[ids]
+    def draft_to_target(self, ids: Tensor, direct: bool = False, reading: str = OFFSETS) -> Tensor:
+        """Offsets (every library): target = i + d2t[i]. `direct=True` (= `reading=DIRECT_TABLE`)
+        is the misreading target = d2t[i], for what-if replays (`hstrace.drafter.vocab`)."""
+        return map_draft_ids(ids, self.d2t, DIRECT_TABLE if direct else reading)
 
     def full_vocab_logits(self, logits: Tensor) -> Tensor:
         """Scatter draft-vocab logits into the target vocab; ids outside the draft vocab = -inf."""
         out = logits.new_full((*logits.shape[:-1], self.cfg.vocab_size), float("-inf"))
-        idx = torch.arange(self.cfg.draft_vocab_size, device=logits.device) + self.d2t
-        return out.index_copy(-1, idx, logits)
+        return out.index_copy(-1, draft_vocab_targets(self.d2t.to(logits.device)), logits)

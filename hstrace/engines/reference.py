@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from hstrace import __version__
+from hstrace.drafter.vocab import DIRECT_TABLE, NO_MAP, OFFSETS, map_draft_ids
 from hstrace.engines.base import Engine, EngineConfig, Prompt, RecordOptions, RecordResult
 from hstrace.errors import CheckpointError, EngineError, HstraceError
 from hstrace.reference.step0 import threads_for
@@ -278,6 +279,10 @@ class ReferenceChain:
             self.layers = [self.layers[j] for j in knobs.aux_order]
         self.engine_drafter, self.weights_audit = self._engine_drafter(drafter)
         self.d2t = drafter.d2t.clone()
+        # How this engine reads d2t (`hstrace.drafter.vocab`): offsets unless a knob misreads it.
+        self.d2t_reading = (
+            NO_MAP if knobs.no_vocab_map else DIRECT_TABLE if knobs.d2t_as_table else OFFSETS
+        )
         self.prev_aux: torch.Tensor | None = None
         self.noise = torch.Generator().manual_seed(1234)
         self.cached: list[list[int]] = []  # committed sequences of earlier requests (the cache)
@@ -292,6 +297,8 @@ class ReferenceChain:
             changes["rope_theta"] = float(k.rope_theta)
         if k.sliding_window is not None:
             changes["sliding_window"] = int(k.sliding_window)
+        if k.skip_fc:  # the drafter's fault option: the one state delivered passes fc by
+            changes["skip_fc"] = True
         cfg = dataclasses.replace(drafter.cfg, **changes)
         torch.manual_seed(0)  # parameters the engine never loads keep a fixed "init"
         model = Eagle3Drafter(cfg)
@@ -313,8 +320,6 @@ class ReferenceChain:
             "unloaded_parameters": [p for p in params if p in missing],
             "shared_from_target": ["embed_tokens.weight"] if from_target else [],
         }
-        if k.skip_fc:
-            model.combine = lambda aux: aux  # type: ignore[method-assign]  # the width check "passed"
         return model.eval(), audit
 
     def static_audit(self) -> dict[str, Any]:
@@ -386,11 +391,7 @@ class ReferenceChain:
 
     # -- pieces --------------------------------------------------------------------------------
     def _map(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        if self.knobs.no_vocab_map:
-            return draft_ids.clone()
-        if self.knobs.d2t_as_table:
-            return self.d2t[draft_ids].clamp(0, self.vocab_size - 1)
-        return draft_ids + self.d2t[draft_ids]
+        return map_draft_ids(draft_ids, self.d2t, self.d2t_reading, self.vocab_size)
 
     def _capture(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(aux [T, K*H] as the drafter receives it, target greedy next ids [T])."""
@@ -611,7 +612,7 @@ class ReferenceChain:
 
 
 def _dialect_convention(report: Any) -> str:
-    from hstrace.check import DIALECT_CONVENTION
+    from hstrace.drafter.dialects import DIALECT_CONVENTION
     from hstrace.training.conventions import BEFORE_LAYER
 
     return DIALECT_CONVENTION.get(str(getattr(report, "dialect", "")), BEFORE_LAYER)

@@ -481,9 +481,10 @@ def heldout_metrics(out: Path) -> dict:
     """Each drafter on the held-out samples, by hstrace (`hstrace check`'s evaluation: loaded by
     its dialect detection, teacher from the target's head, conventions as `hstrace check
     --json` states them)."""
-    from hstrace.check import load_target_embedding, resolve_norm_output, training_findings
     from hstrace.drafter import load_drafter
+    from hstrace.evaluation import resolve_norm_output, training_findings
     from hstrace.metrics import TargetHead
+    from hstrace.target_io import load_target_embedding
     from hstrace.training import open_training
 
     class Heldout:
