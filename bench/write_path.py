@@ -5,7 +5,8 @@ rows of top-64 ids/log-probs + lse + full 32000-vocab bf16 logits, ids and posit
 1.4 MB per step) is recorded in one process, method after method, in rounds:
 
   hstrace      TraceWriter as shipped (writer process, shared-memory staging, blosc zstd-1 on
-               two encoding threads, chunks stored uncompressed while more than half a ring behind)
+               two encoding threads; while more than half a ring behind, chunks stored
+               uncompressed as long as the trace stays within 0.8x its raw size)
   hstrace_1t   the same, one encoding thread, never uncompressed (the lossless rate)
   hstrace_2t   the same, two encoding threads, never uncompressed
   copy_only    the same bytes memmoved into a preallocated staging buffer (the producer's floor)
@@ -111,8 +112,8 @@ def bf16_bytes(step: dict) -> int:
 
 
 class Hstrace:
-    """TraceWriter as shipped: two encoding threads, chunks stored uncompressed while the
-    writer is more than half a ring behind (the commit record counts them)."""
+    """TraceWriter as shipped: two encoding threads; while the writer is more than half a ring
+    behind, chunks stored uncompressed within rowlog.DISK_BUDGET (the commit record counts them)."""
 
     name = "hstrace"
     threads, raw_when_behind = 2, True
@@ -323,6 +324,7 @@ def run_one(
         "disk_bytes": size,
         "files": files,
         "metadata_files": meta,
+        "load_1min": os.getloadavg()[0],  # the host's load next to every number (2 shared vCPUs)
     }
     if issubclass(cls, Hstrace):
         if read:  # right after the write, like the raw file's read: both in the page cache
@@ -552,6 +554,46 @@ def run_large(pool: list[dict], steps: int, workdir: Path, window: int, step_ms:
     return res
 
 
+def codec_chunks(pool: list[dict]) -> list[np.ndarray]:
+    """The pool's columns cut into the writer's own chunks (rows per chunk as the writer picks
+    them, bf16 as its uint16 bits): what the codec-alone baseline encodes."""
+    from hstrace.trace.schema import unit_rows
+
+    chunks = []
+    for part in STEP_PARTS:
+        for col in pool[0][part]:
+            rows = torch.cat([step[part][col] for step in pool])
+            if rows.dtype == torch.bfloat16:
+                rows = rows.view(torch.int16)
+            a = rows.numpy().view(np.uint16) if rows.dtype == torch.int16 else rows.numpy()
+            cr, _ = unit_rows(a.itemsize * math.prod(a.shape[1:]))
+            chunks += [np.ascontiguousarray(a[i : i + cr]) for i in range(0, len(a) - cr + 1, cr)]
+    return chunks
+
+
+def codec_alone(chunks: list[np.ndarray], total_bytes: int, threads: int) -> dict:
+    """The writer's codec alone (Blosc zstd-1, byte shuffle, as rowlog encodes a chunk) on
+    `total_bytes` of the workload's chunks, on `threads` threads: no ring, no gather copy, no
+    file, no Python per step. The bound the writer's lossless rate is measured against."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hstrace.trace import rowlog
+
+    rowlog.configure(0, False)  # one Blosc thread per call, as in the writer process
+    codec = {c.itemsize: rowlog.ENCODER.codec(c.itemsize, False) for c in chunks}
+    work, n, i = [], 0, 0
+    while n < total_bytes:
+        work.append(chunks[i % len(chunks)])
+        n += work[-1].nbytes
+        i += 1
+    c0 = _cpu_s()[0]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        out = sum(ex.map(lambda c: len(codec[c.itemsize].encode(c)), work))
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "cpu_s": _cpu_s()[0] - c0, "bytes": n, "out_bytes": out}
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
@@ -614,6 +656,8 @@ def main(argv: list[str] | None = None) -> dict:
     sb, bb = step_bytes(pool[0]), bf16_bytes(pool[0])
     workdir = Path(tempfile.mkdtemp(prefix="hstrace-bench-", dir=args.workdir))
     raw: dict[str, dict[str, list[dict]]] = {m.name: {"paced": [], "firehose": []} for m in methods}
+    chunks = codec_chunks(pool)
+    codec_runs: dict[int, list[dict]] = {1: [], 2: []}
     try:
         for r in range(args.rounds):
             order = methods if r % 2 == 0 else methods[::-1]  # alternate order against drift
@@ -624,6 +668,10 @@ def main(argv: list[str] | None = None) -> dict:
                 )
                 if not args.json:
                     print(f"round {r + 1}/{args.rounds} {cls.name} done", file=sys.stderr)
+            if methods:  # the codec alone on the same bytes, in the same round
+                total = args.firehose_steps * sb
+                for k in (1, 2):
+                    codec_runs[k].append(codec_alone(chunks, total, k))
         large = None
         if args.large_steps:
             large = run_large(
@@ -692,6 +740,7 @@ def main(argv: list[str] | None = None) -> dict:
                 * 1000
                 / (args.growth_steps - args.firehose_steps)
             )
+        entry["load_1min_median"] = med(f["load_1min"] for f in fire)
         entry["producer_share_of_10ms_step"] = entry["producer_ms_median"] / STEP_MS
         if name.startswith("hstrace"):
             entry["lossless_bit_exact"] = all(
@@ -716,6 +765,24 @@ def main(argv: list[str] | None = None) -> dict:
             )
         results[name] = entry
     base = results.get("raw_write")
+    codec = {}
+    for k, runs in codec_runs.items():
+        if runs:
+            med = statistics.median
+            codec[f"codec_{k}t"] = {
+                "mb_s": med(x["bytes"] / 1e6 / x["wall_s"] for x in runs),
+                "mb_per_cpu_s": med(x["bytes"] / 1e6 / max(1e-9, x["cpu_s"]) for x in runs),
+                "ratio": med(x["out_bytes"] / x["bytes"] for x in runs),
+            }
+            if base:
+                codec[f"codec_{k}t"]["mb_s_vs_raw"] = (
+                    codec[f"codec_{k}t"]["mb_s"] / base["sustained_mb_s"]
+                )
+    for name, e in results.items():
+        # The writer against the codec alone with as many threads (1 for hstrace_1t, else 2).
+        c = codec.get("codec_1t" if name == "hstrace_1t" else "codec_2t")
+        if name.startswith("hstrace") and c:
+            e["mb_s_vs_codec_alone"] = e["sustained_mb_s"] / c["mb_s"]
     copy = results.get("copy_only")
     for e in results.values():
         e["producer_vs_raw"] = (
@@ -750,6 +817,10 @@ def main(argv: list[str] | None = None) -> dict:
             "torch": torch.__version__,
         },
         "results": results,
+        # The codec alone on the firehose's bytes, in the writer's chunks, 1 and 2 threads,
+        # measured in every round next to the methods: the bound of a lossless writer.
+        "codec_alone": codec,
+        "load_average": os.getloadavg(),
     }
     if large is not None:
         report["large"] = large
@@ -787,6 +858,12 @@ def main(argv: list[str] | None = None) -> dict:
                     f"own {w['writer_rss_anon_mb'] or 0:.0f}, ring {w['writer_rss_shmem_mb'] or 0:.0f})  "
                     f"files {w['files']}"
                 )
+        for k, c in codec.items():
+            print(
+                f"{k}: the codec alone on the same bytes {c['mb_s']:.0f} MB/s "
+                f"({c.get('mb_s_vs_raw') or math.nan:.2f}x raw_write), {c['mb_per_cpu_s']:.0f} MB "
+                f"per CPU s, stored/raw {c['ratio']:.3f}"
+            )
         h = results.get("hstrace")
         if h is None:
             return report
