@@ -38,6 +38,36 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "hstrace.engines": ("hstrace.replay", "hstrace.diagnose", "hstrace.pipelines", "cli"),
     "hstrace.report": ("hstrace.pipelines", "hstrace.bundle", "cli"),
     "hstrace.html": ("hstrace.pipelines", "hstrace.bundle", "cli"),
+    # the judge's low rooms, split out of hstrace/check.py (issue 13 items 1 and 4)
+    "hstrace.drafter": (
+        "hstrace.rules",
+        "hstrace.evaluation",
+        "hstrace.reference",
+        "hstrace.engines",
+        "hstrace.replay",
+        "hstrace.diagnose",
+        "hstrace.pipelines",
+        "cli",
+    ),
+    "hstrace.target_io": ("hstrace.replay", "hstrace.diagnose", "hstrace.pipelines", "cli"),
+    "hstrace.evaluation": (
+        "hstrace.rules",
+        "hstrace.engines",
+        "hstrace.replay",
+        "hstrace.diagnose",
+        "hstrace.bundle",
+        "hstrace.pipelines",
+        "cli",
+    ),
+    "hstrace.rules": (
+        "hstrace.evaluation",
+        "hstrace.replay",
+        "hstrace.diagnose",
+        "hstrace.bundle",
+        "hstrace.report",
+        "hstrace.pipelines",
+        "cli",
+    ),
     "hstrace": ("cli",),
 }
 # The one sanctioned upward edge: `hstrace.replay(...)`, the public facade over the pipeline.
