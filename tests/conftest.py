@@ -24,3 +24,8 @@ def demo_trace(tmp_path_factory) -> Any:
         return made[key]
 
     return make
+
+
+# `pytester`: tests/conformance/test_stores.py runs a producer's StoreConformance subclass
+# the way an out-of-tree project would.
+pytest_plugins = ["pytester"]

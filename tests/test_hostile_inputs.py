@@ -386,6 +386,25 @@ def build_zip_cases(d: Path) -> list[Case]:
     zf.close()
     cases.append(Case("zip_duplicate_member", z, "zip", ("twice",), TRACE_COMMANDS))
 
+    # One member cut to half its bytes inside a well-formed zip (its CRC matches): the Blosc
+    # frame's header promises bytes past the end, which numcodecs read out of bounds (a crash
+    # before the guard compared the header with the member's size).
+    z, zf = base_zip("zip_member_cut_short")
+    zf.close()
+    aux = next(
+        f.relative_to(CLEAN).as_posix()
+        for f in members
+        if "/target/tok.aux_hidden/c/" in f.as_posix()
+    )
+    with zipfile.ZipFile(z) as src:
+        keep = [(i.filename, src.read(i)) for i in src.infolist()]
+    with zipfile.ZipFile(z, "w", compression=zipfile.ZIP_STORED) as zf:
+        for n, data in keep:
+            zf.writestr(n, data[: len(data) // 2] if n == aux else data)
+    cases.append(
+        Case("zip_member_cut_short", z, "zip", ("aux_hidden", "truncated"), ("replay", "diff"))
+    )
+
     z, zf = base_zip("zip_truncated")
     zf.close()
     data = z.read_bytes()

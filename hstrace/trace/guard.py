@@ -235,6 +235,16 @@ class GuardedStore(WrapperStore):
                         f"{self._where}: chunk {key} declares {nbytes} decoded bytes, more than "
                         f"the {rule.decoded_bytes} of a chunk of {rule.label} (corrupt)"
                     )
+                # A frame cut short (a truncated zip member): numcodecs' Blosc decoder reads
+                # the header's cbytes past the buffer's end and crashes the process.
+                cbytes = int.from_bytes(bytes(raw[12:16]), "little")
+                if cbytes > len(raw):
+                    raise TraceError(
+                        f"{self._where}: chunk {key} is {len(raw)} bytes, its Blosc header "
+                        f"says {cbytes} (truncated or corrupt)"
+                    )
+            elif rule.blosc and raw is not None and 0 < len(raw):
+                raise TraceError(f"{self._where}: chunk {key} is {len(raw)} bytes (truncated)")
             return
         if byte_range is not None and not isinstance(byte_range, SuffixByteRequest):
             return  # an inner chunk read; the index was checked when it was read
