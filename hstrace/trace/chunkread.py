@@ -143,6 +143,45 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     return data
 
 
+class _Buffer:
+    """A read buffer reused from call to call (one per thread): encoded bytes land in memory
+    that is already mapped. A fresh `pread` result per shard is new memory every time, and
+    the kernel zeroing those pages cost more than the Blosc decode (bench/README.md)."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def view(self, n: int) -> memoryview:
+        if len(self.buf) < n:
+            self.buf = bytearray(max(n, GROUP_BYTES))
+        return memoryview(self.buf)[:n]
+
+    def release(self) -> None:
+        if len(self.buf) > GROUP_BYTES:  # a one-off huge chunk: do not keep its memory
+            self.buf = bytearray()
+
+
+# Encoded bytes read (and then decoded) at a time: a few chunks, so the buffer stays small.
+GROUP_BYTES = 32 << 20
+_local = threading.local()
+
+
+def _buffer() -> _Buffer:
+    b = getattr(_local, "buffer", None)
+    if b is None:
+        b = _local.buffer = _Buffer()
+    return b
+
+
+def _read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            raise ValueError(f"chunk file {path} is truncated")
+        got += n
+
+
 def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
     """Rows [start, stop) of `arr`, or None where this module does not handle the array."""
     lay = layout_of(arr)
@@ -154,30 +193,11 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
     if stop <= start:
         return out
     cr = lay.chunk_rows
-    # jobs: (encoded bytes-like, first row of the chunk) for every chunk that holds wanted rows
-    jobs: list[tuple[Any, int]] = []
     first, last = start // cr, (stop - 1) // cr
     row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
     # Blosc stores at most 16 header bytes plus 4 per block beyond the data: no chunk file can
     # be bigger than this (a sparse 8 GiB "chunk" is refused before it is read).
     max_chunk = cr * row_bytes + 16 + 4 * (cr * row_bytes // (1 << 16) + 1) + 1024
-    if lay.shard_rows is None:
-        for c in range(first, last + 1):
-            path = lay.key_path(c)
-            fd = _open(lay, path)
-            try:
-                size = os.fstat(fd).st_size
-                if size > max_chunk:
-                    raise ValueError(f"chunk file {path} is {size} bytes, more than a chunk can be")
-                jobs.append((_pread_exact(fd, size, 0, path), c * cr))
-            finally:
-                os.close(fd)
-    else:
-        per = lay.shard_rows // cr
-        for shard in range(first // per, last // per + 1):
-            lo = max(first, shard * per) - shard * per
-            hi = min(last, shard * per + per - 1) - shard * per
-            jobs += _shard_jobs(lay, shard, per, cr, lo, hi, max_chunk)
 
     def decode(job: tuple[Any, int]) -> None:
         data, row0 = job
@@ -195,44 +215,90 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
         raw = np.frombuffer(_BLOSC.decode(data), dtype=dtype)
         out[a - start : b - start] = raw.reshape(cr, *row_shape)[a - row0 : b - row0]
 
-    if len(jobs) >= PARALLEL_MIN_CHUNKS:
-        list(_executor().map(decode, jobs))
-    else:
-        for job in jobs:
-            decode(job)
+    buf = _buffer()
+    # One group of encoded chunks at a time: read into the buffer, then decoded by the pool
+    # straight into `out` (Blosc releases the GIL), then the next group reuses the buffer.
+    group: list[tuple[int, int, int, int, str]] = []  # (fd, file offset, nbytes, row0, path)
+
+    def run_group() -> None:
+        if not group:
+            return
+        view = buf.view(sum(g[2] for g in group))
+        jobs, pos = [], 0
+        for fd, off, n, row0, path in group:
+            _read_into(fd, view[pos : pos + n], off, path)
+            jobs.append((view[pos : pos + n], row0))
+            pos += n
+        if len(jobs) >= PARALLEL_MIN_CHUNKS:
+            list(_executor().map(decode, jobs))
+        else:
+            for job in jobs:
+                decode(job)
+        group.clear()
+
+    def add(fd: int, off: int, n: int, row0: int, path: str) -> None:
+        if group and sum(g[2] for g in group) + n > GROUP_BYTES:
+            run_group()
+        group.append((fd, off, n, row0, path))
+
+    fds: list[int] = []
+    try:
+        if lay.shard_rows is None:
+            for c in range(first, last + 1):
+                path = lay.key_path(c)
+                fd = _open(lay, path)
+                fds.append(fd)
+                size = os.fstat(fd).st_size
+                if size > max_chunk:
+                    raise ValueError(f"chunk file {path} is {size} bytes, more than a chunk can be")
+                add(fd, 0, size, c * cr, path)
+                if len(fds) > 64:  # do not hold too many files open: decode what is read
+                    run_group()
+                    _close(fds)
+        else:
+            per = lay.shard_rows // cr
+            for shard in range(first // per, last // per + 1):
+                lo = max(first, shard * per) - shard * per
+                hi = min(last, shard * per + per - 1) - shard * per
+                path = lay.key_path(shard)
+                fd = _open(lay, path)
+                fds.append(fd)
+                row0 = shard * per * cr
+                for j, (off, n) in enumerate(_shard_index(fd, path, per, lo, hi, max_chunk)):
+                    add(fd, off, n, row0 + (lo + j) * cr, path)
+                run_group()  # before the shard's file is closed
+                _close(fds)
+        run_group()
+    finally:
+        _close(fds)
+        buf.release()
     return out
 
 
-def _shard_jobs(
-    lay: _Layout, shard: int, per: int, cr: int, lo: int, hi: int, max_chunk: int
-) -> list[tuple[Any, int]]:
-    """Inner chunks lo..hi of a shard: one read of the index, one read of their bytes."""
-    path = lay.key_path(shard)
-    row0 = shard * per * cr
-    fd = _open(lay, path)
-    try:
-        size = os.fstat(fd).st_size
-        n_index = per * 16 + 4
-        if size < n_index:
-            raise ValueError(f"shard file {path} is truncated")
-        tail = _pread_exact(fd, n_index, size - n_index, path)
-        if np.uint32(google_crc32c.value(tail[:-4])).astype("<u4").tobytes() != tail[-4:]:
-            raise ValueError(f"shard file {path}: index checksum mismatch (corrupt)")
-        index = np.frombuffer(tail[:-4], dtype="<u8").reshape(per, 2)
-        want = index[lo : hi + 1]
-        if np.any(want[:, 0] == _EMPTY):
-            missing = lo + int(np.argmax(want[:, 0] == _EMPTY))
-            raise ValueError(f"shard file {path}: inner chunk {missing} is missing")
-        if np.any(want[:, 1] > max_chunk):
-            raise ValueError(f"shard file {path}: an inner chunk is bigger than a chunk can be")
-        begin = int(want[:, 0].min())
-        end = int((want[:, 0] + want[:, 1]).max())
-        if end > size - n_index:
-            raise ValueError(f"shard file {path}: index points past the data (corrupt)")
-        blob = memoryview(_pread_exact(fd, end - begin, begin, path))
-    finally:
-        os.close(fd)
-    return [
-        (blob[off - begin : off - begin + n], row0 + (lo + j) * cr)
-        for j, (off, n) in enumerate(want.tolist())
-    ]
+def _close(fds: list[int]) -> None:
+    while fds:
+        os.close(fds.pop())
+
+
+def _shard_index(
+    fd: int, path: str, per: int, lo: int, hi: int, max_chunk: int
+) -> list[tuple[int, int]]:
+    """(offset, nbytes) of inner chunks lo..hi of a shard, from its checked index."""
+    size = os.fstat(fd).st_size
+    n_index = per * 16 + 4
+    if size < n_index:
+        raise ValueError(f"shard file {path} is truncated")
+    tail = _pread_exact(fd, n_index, size - n_index, path)
+    if np.uint32(google_crc32c.value(tail[:-4])).astype("<u4").tobytes() != tail[-4:]:
+        raise ValueError(f"shard file {path}: index checksum mismatch (corrupt)")
+    index = np.frombuffer(tail[:-4], dtype="<u8").reshape(per, 2)
+    want = index[lo : hi + 1]
+    if np.any(want[:, 0] == _EMPTY):
+        missing = lo + int(np.argmax(want[:, 0] == _EMPTY))
+        raise ValueError(f"shard file {path}: inner chunk {missing} is missing")
+    if np.any(want[:, 1] > max_chunk):
+        raise ValueError(f"shard file {path}: an inner chunk is bigger than a chunk can be")
+    end = int((want[:, 0] + want[:, 1]).max())
+    if end > size - n_index:
+        raise ValueError(f"shard file {path}: index points past the data (corrupt)")
+    return [(int(off), int(n)) for off, n in want.tolist()]
