@@ -1,15 +1,16 @@
-"""One small check per mismatch class, run in dataflow order over a replay context.
+"""One small check per mismatch class, over the evidence of a replay.
 
 config → weights → vocab map → target capture → draft input → draft logits → acceptance.
-Each check takes a `hstrace.replay.context.ReplayContext` and returns findings (code, evidence,
-fix). `diagnose` runs them all, merges findings that two checks reached for the same code
-(e.g. the static audit and the what-if search), and ends with `no-wiring-fault` when nothing
-diverges.
+Each check takes the built `hstrace.replay.evidence.Evidence` (read-only) and returns findings
+(code, evidence, fix); it computes nothing another check needs and writes nothing, so the
+order of `CHECKS` changes no result (the findings are put in dataflow order at the end).
+`diagnose` runs them all, merges findings that two checks reached for the same code (e.g. the
+static audit and the what-if search), and ends with `no-wiring-fault` when nothing diverges.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hstrace.diagnose import (
     acceptance,
@@ -24,11 +25,13 @@ from hstrace.diagnose import (
 )
 from hstrace.errors import HstraceError
 from hstrace.findings import Finding, in_dataflow_order
+from hstrace.replay.evidence import Evidence
+from hstrace.replay.result import Judgement
 
 Check = Callable[..., list[Finding]]
 
-# In dataflow order; the what-if search (config/weights codes confirmed from draft logits)
-# lives in `config.whatif_findings` and runs where its earliest code belongs.
+# In dataflow order (for reading; the result does not depend on it). The what-if search is
+# evidence (`Evidence.agreement.whatif`); `config.whatif_findings` reports what it found.
 CHECKS: tuple[Check, ...] = (
     measurement.acceptance_simulated,
     config.spec_params,
@@ -64,27 +67,40 @@ def merge(findings: list[Finding]) -> list[Finding]:
     return list(by_code.values())
 
 
-def no_wiring_fault(ctx) -> list[Finding]:
-    return [acceptance.no_wiring_fault(ctx)]
+def no_wiring_fault(ev: Evidence) -> list[Finding]:
+    return [acceptance.no_wiring_fault(ev)]
 
 
-def run_check(ctx, check: Check) -> list[Finding]:
-    """One check; if it fails internally, `skipped` says so and the replay goes on. Bad input
+def run_check(ev: Evidence, check: Check, failed: dict[str, str]) -> list[Finding]:
+    """One check; if it fails internally, `failed` says so and the replay goes on. Bad input
     (`HstraceError`) still ends the replay with its one-line message."""
     try:
-        return list(check(ctx))
+        return list(check(ev))
     except HstraceError:
         raise
     except Exception as exc:  # a bug in one check must not hide what the others found
-        ctx.skip(f"check {check.__name__}", f"failed internally: {type(exc).__name__}: {exc}")
+        failed.setdefault(
+            f"check {check.__name__}", f"failed internally: {type(exc).__name__}: {exc}"
+        )
         return []
 
 
-def diagnose(ctx) -> list[Finding]:  # ctx: hstrace.replay.context.ReplayContext
-    found: list[Finding] = []
-    for check in CHECKS:
-        found.extend(run_check(ctx, check))
-    found = merge(found)
+_RANK = {check: i for i, check in enumerate(CHECKS)}
+
+
+def _rank(check: Check) -> tuple[int, str]:
+    return _RANK.get(check, len(_RANK)), getattr(check, "__qualname__", repr(check))
+
+
+def diagnose(ev: Evidence, checks: Sequence[Check] | None = None) -> Judgement:
+    """`checks` (default `CHECKS`, read when called) on the evidence, in the order given."""
+    by_check: list[tuple[tuple[int, str], list[Finding]]] = []
+    failed: dict[str, str] = {}
+    for check in CHECKS if checks is None else checks:
+        by_check.append((_rank(check), run_check(ev, check, failed)))
+    # Merged in the fixed order of the checks: which finding of a code keeps its summary and
+    # fix is a rule (the earliest check in dataflow order), not the order they ran in.
+    found = merge([f for _, fs in sorted(by_check, key=lambda x: x[0]) for f in fs])
     if not any(f.severity in ("fault", "warning") for f in found):
-        found.extend(run_check(ctx, no_wiring_fault))
-    return in_dataflow_order(found)
+        found.extend(run_check(ev, no_wiring_fault, failed))
+    return Judgement(in_dataflow_order(found), dict(sorted(failed.items())))

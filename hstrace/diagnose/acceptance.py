@@ -12,10 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from hstrace.findings import Finding
-from hstrace.replay.compare import agreement
+from hstrace.replay.evidence import Evidence
 
 # Relative-norm tolerance for "the same state" (bf16 storage, a slightly different kernel).
 NORM_TOLERANCE = 0.05
@@ -23,31 +21,12 @@ NORM_TOLERANCE = 0.05
 OVERSTATE_MARGIN = 0.1
 
 
-def teacher_norm(ctx) -> list[Finding]:
-    if ctx.target is None:
-        ctx.skip("teacher test", "no target model (give --target DIR)")
+def teacher_norm(ev: Evidence) -> list[Finding]:
+    state = ev.accuracy.teacher_state  # None: no target (skipped says so) or no final state
+    if state is None:
         return []
-    pairs = [(a, a.sample.last) for a in ctx.aligned if a.sample.last is not None]
-    if not pairs:
-        return []
-    claimed = pairs[0][0].sample.last_norm
-    stored, pre, post = [], [], []
-    for a, last in pairs:
-        fwd = ctx.target.forward(torch.as_tensor(a.sample.input_ids[: a.n]).long())
-        stored.append(last[: a.n].float())
-        pre.append(fwd.layers[:, -1])
-        post.append(fwd.post_norm)
-    stored_t, pre_t, post_t = torch.cat(stored), torch.cat(pre), torch.cat(post)
-    norm = stored_t.norm(dim=-1).mean()
-    rel_pre = float(norm / pre_t.norm(dim=-1).mean())
-    rel_post = float(norm / post_t.norm(dim=-1).mean())
-    actual = "pre" if abs(rel_pre - 1) < abs(rel_post - 1) else "post"
-    ctx.metrics["teacher_state"] = {
-        "claimed": claimed,
-        "measured": actual,
-        "rel_norm_to_pre_norm_final": round(rel_pre, 4),
-        "rel_norm_to_post_norm_final": round(rel_post, 4),
-    }
+    claimed, actual = state["claimed"], state["measured"]
+    rel_pre, rel_post = ev.accuracy.teacher_rel_norms
     if claimed is None or actual == claimed:
         return []
     if min(abs(rel_pre - 1), abs(rel_post - 1)) > NORM_TOLERANCE:
@@ -58,7 +37,7 @@ def teacher_norm(ctx) -> list[Finding]:
             f"the training data's final state is {actual}-norm but the library reads it as "
             f"{claimed}-norm, so its teacher applies the final norm "
             f"{'twice' if actual == 'post' else 'never'}",
-            evidence=dict(ctx.metrics["teacher_state"]),
+            evidence=dict(state),
             fix=(
                 "store the final state as the library expects: speculators wants the pre-norm "
                 "final stream (vLLM capture id N, before model.norm), SpecForge the post-norm "
@@ -68,32 +47,12 @@ def teacher_norm(ctx) -> list[Finding]:
     ]
 
 
-def metric_overstates(ctx) -> list[Finding]:
-    ts = ctx.training_step0
-    if ts is None or ctx.target is None:
+def metric_overstates(ev: Evidence) -> list[Finding]:
+    fv = ev.accuracy.full_vocab  # on the loss-masked training rows (`replay.accuracy`)
+    if fv is None:
         return []
-    teacher = []
-    for a, n in ts["rows"]:
-        logits = ctx.target.forward(torch.as_tensor(a.sample.input_ids[: a.n]).long()).logits
-        teacher.append(logits[1 : n + 1])
-    teacher_full = torch.cat(teacher)
-    d2t = ctx.drafter.d2t.long()
-    in_vocab = torch.arange(len(d2t)) + d2t
-    # Same rows as `acc0_training`: the loss-masked ones the library trains and reports on.
-    m = ts["mask"] if ts["mask"].any() else torch.ones_like(ts["mask"])
-    teacher_full = teacher_full[m]
-    draft_pred = ts["logits"].argmax(-1)[m]
-    library = agreement(draft_pred, teacher_full[:, in_vocab].argmax(-1))  # speculators acc_0
-    target_argmax = teacher_full.argmax(-1)
-    served = agreement(draft_pred + d2t[draft_pred], target_argmax)  # what greedy accepts
-    coverage = float(torch.isin(target_argmax, in_vocab).float().mean())
-    ctx.metrics.update(
-        {
-            "acc0_training_teacher": round(library, 6),
-            "acc0_training_full_vocab": round(served, 6),
-            "draft_vocab_coverage_of_target_argmax": round(coverage, 6),
-        }
-    )
+    library, served = fv["acc0_training_teacher"], fv["acc0_training_full_vocab"]
+    coverage = fv["draft_vocab_coverage_of_target_argmax"]
     if library - served <= OVERSTATE_MARGIN:
         return []
     return [
@@ -106,7 +65,7 @@ def metric_overstates(ctx) -> list[Finding]:
                 "acc0_draft_vocab_teacher": round(library, 4),
                 "acc0_full_vocab_target": round(served, 4),
                 "draft_vocab_coverage": round(coverage, 4),
-                "draft_vocab_size": int(ctx.cfg.draft_vocab_size),
+                "draft_vocab_size": int(ev.cfg.draft_vocab_size),
             },
             fix="judge the drafter by accuracy against the full-vocab target argmax; rebuild "
             "d2t/t2d from the serving traffic's token frequencies or raise draft_vocab_size",
@@ -120,29 +79,30 @@ def metric_overstates(ctx) -> list[Finding]:
 HEALTHY_ACC0 = 0.55
 
 
-def no_wiring_fault(ctx) -> Finding:
+def no_wiring_fault(ev: Evidence) -> Finding:
     """Nothing diverges. Whether the drafter is weak is judged only from the number that
     matters for greedy serving: step-0 accuracy in target space against the target's own
-    argmax (`acc0_training_full_vocab`, from `metric_overstates`); accuracies against the
+    argmax (`acc0_training_full_vocab`, `Accuracy.full_vocab`); accuracies against the
     dataset's or the committed tokens (sampled text, prompt tokens) are context, not a
     judgement."""
     evidence: dict[str, Any] = {}
     context = []
-    for name, label in (
-        ("acc0_training", "training tensors"),
-        ("acc0_serving_aligned", "serving tensors (aligned tokens)"),
-        ("acc0_serving", "serving tensors"),
+    acc = ev.accuracy
+    for name, value, label in (
+        ("acc0_training", acc.training, "training tensors"),
+        ("acc0_serving_aligned", acc.serving_aligned, "serving tensors (aligned tokens)"),
+        ("acc0_serving", acc.serving, "serving tensors"),
     ):
-        value = getattr(ctx, name)
         if value is not None:
             evidence[name] = round(float(value), 4)
             context.append(f"{value:.0%} on {label}")
-    if ctx.agreement is not None:
-        evidence["engine_vs_reference_top1"] = round(ctx.agreement.top1, 4)
-        context.append(f"engine = reference on {ctx.agreement.top1:.0%} of draft rows")
-    judged = ctx.metrics.get("acc0_training_full_vocab")
-    if judged is not None:
-        judged = float(judged)
+    evr = ev.agreement.engine_vs_reference
+    if evr is not None:
+        evidence["engine_vs_reference_top1"] = round(evr.top1, 4)
+        context.append(f"engine = reference on {evr.top1:.0%} of draft rows")
+    judged = None
+    if acc.full_vocab is not None:  # the number as the metrics report it
+        judged = round(float(acc.full_vocab["acc0_training_full_vocab"]), 6)
         evidence["judged_by"] = {
             "metric": "acc0_training_full_vocab",
             "value": round(judged, 4),

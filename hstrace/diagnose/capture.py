@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hstrace.findings import Finding
+from hstrace.replay.evidence import Evidence
 from hstrace.replay.fingerprint import SAME_COS, UNRELATED_COS
 from hstrace.training.conventions import default_hf_indices
 
@@ -60,20 +61,20 @@ def _spans(positions: list[int]) -> list[list[int]]:
     return out
 
 
-def dead_rows(ctx) -> list[dict[str, Any]]:
+def dead_rows(ev: Evidence) -> list[dict[str, Any]]:
     """Per request, the captured rows that cannot be hidden states: a slot exactly zero or
     not finite (a real residual stream is never exactly zero, so even a few such rows, e.g.
     the cached prompt part zero-filled, are named row by row), and the positions that have no
     target row although they should (`ServingRequest.missing`: a gap, or cached rows beyond
     the declared `n_cached`)."""
-    ht = ctx.slot_width
-    if ht is None or ctx.serving_width is None or ctx.serving_width % ht:
+    ht = ev.slot_width
+    if ht is None or ev.serving_width is None or ev.serving_width % ht:
         return []
     out = []
-    for r in ctx.serving.requests:
+    for r in ev.serving.requests:
         if not r.aux_rows:
             continue
-        x = ctx.serving_slots_of(r)
+        x = ev.alignment.serving_slots_of(r)
         zero = (x == 0).all(-1)  # [rows, K]
         bad = ~torch.isfinite(x).all(-1)
         dead = (zero | bad).any(-1)
@@ -94,7 +95,7 @@ def dead_rows(ctx) -> list[dict[str, Any]]:
             item["n_cached"] = r.n_cached
             item["within_cached_prefix"] = bool(max(positions) < r.n_cached)
         out.append(item)
-    for r in ctx.serving.requests:
+    for r in ev.serving.requests:
         if r.missing:
             out.append(
                 {
@@ -109,8 +110,8 @@ def dead_rows(ctx) -> list[dict[str, Any]]:
     return out
 
 
-def _partly_dead(ctx) -> list[Finding]:
-    found = dead_rows(ctx)
+def _partly_dead(ev: Evidence) -> list[Finding]:
+    found = dead_rows(ev)
     if not found:
         return []
     total = sum(f["rows"] for f in found)
@@ -143,12 +144,12 @@ def _partly_dead(ctx) -> list[Finding]:
     )
 
 
-def capture_slots(ctx) -> list[Finding]:
-    cfg = ctx.cfg
-    width = ctx.serving_width
-    if cfg is not None and width == cfg.hidden_size and width != ctx.fc_in:
+def capture_slots(ev: Evidence) -> list[Finding]:
+    cfg = ev.cfg
+    width = ev.serving_width
+    if cfg is not None and width == cfg.hidden_size and width != ev.fc_in:
         return []  # one H-wide state instead of the concat: fc-skipped, a draft-input fault
-    health = ctx.serving_health
+    health = ev.slots.health
     if health is not None:
         bad = [i for i, h in enumerate(health) if h.corrupt]
         if bad:
@@ -166,22 +167,22 @@ def capture_slots(ctx) -> list[Finding]:
                 "before the layers were configured, sglang PR #22836; a hybrid model that "
                 "writes nothing): rerun with --disable-cuda-graph to confirm, then upgrade",
             )
-    partly = _partly_dead(ctx)
+    partly = _partly_dead(ev)
     if partly:  # never target-drift: dead rows drag every cosine down
         return partly
-    if ctx.slots is None:
-        return []
-    serving, training = ctx.slots
+    if ev.slots.serving is None:
+        return []  # `skipped` says why (slot fingerprints)
+    serving, training = ev.slots.serving, ev.slots.training
     ks, kt = serving.shape[1], training.shape[1]
-    m = ctx.slot_matrix
-    fps = ctx.layer_fingerprints
+    m = ev.slots.matrix
+    fps = ev.slots.fingerprints
     evidence: dict[str, Any] = {
         "serving_slots": ks,
         "training_slots": kt,
         "slot_cos": np.round(m.cos, 4).tolist(),
         "slot_rel_norm": np.round(m.rel_norm, 4).tolist(),
     }
-    if ctx.sketched:  # a `--redact hidden` bundle: cosines between seeded projections
+    if ev.sketched:  # a `--redact hidden` bundle: cosines between seeded projections
         evidence["fingerprinted_from"] = "per-slot sketches (hidden states redacted)"
     if fps is not None:
         evidence["serving_layers"] = fps[0].layer
@@ -198,8 +199,8 @@ def capture_slots(ctx) -> list[Finding]:
     diag = np.diag(m.cos)
     if (diag >= SAME_COS).all():
         return []
-    crossed = ctx.crossed_requests
-    if crossed and ctx.metrics.get("batch_coupling"):
+    crossed = ev.slots.crossed
+    if crossed and ev.batch.coupled:
         return []  # rows of a request of the same batch: batch-coupling says whose
     if crossed:
         i, j, c = crossed[0]
@@ -221,7 +222,7 @@ def capture_slots(ctx) -> list[Finding]:
             "inside the layer loop; the training pipeline must not follow the id list's order), "
             f"or permute fc.weight's input blocks by {best.tolist()}",
         )
-    train_hf = ctx.training_layers
+    train_hf = ev.slots.training_layers
     if fps is not None:
         s_layers, t_layers = fps[0].layer, fps[1].layer
         unmatched = [i for i, c in enumerate(fps[0].cos) if c < LAYER_MATCH_COS]
@@ -246,7 +247,7 @@ def capture_slots(ctx) -> list[Finding]:
                 "serving (SGLang id -1, 0.5.22+)",
             )
         if s_layers == t_layers:
-            return _judged_drift(ctx, evidence, diag, fps)
+            return _judged_drift(ev, evidence, diag, fps)
         d = np.array(s_layers) - np.array(t_layers)
         if len(set(d.tolist())) == 1 and abs(int(d[0])) == 1:
             return _finding(
@@ -256,7 +257,7 @@ def capture_slots(ctx) -> list[Finding]:
                 {**evidence, "shift": int(d[0])},
                 _layers_fix(t_layers),
             )
-        if ctx.target is not None and s_layers == default_hf_indices(ctx.target.num_layers):
+        if ev.target is not None and s_layers == default_hf_indices(ev.target.num_layers):
             return _finding(
                 "aux-layers-default",
                 f"serving captured the default layers {s_layers}; the drafter was trained on "
@@ -273,7 +274,7 @@ def capture_slots(ctx) -> list[Finding]:
     # Without a target: only the slot matrix and the static audit's labels remain.
     if (diag >= 0.95).all() and np.allclose(np.diag(m.rel_norm), 1.0, atol=0.1):
         return _drift(evidence, diag)
-    captured = (ctx.static.get("capture") or {}).get("layers_to_capture")
+    captured = (ev.static.get("capture") or {}).get("layers_to_capture")
     if captured and train_hf and len(captured) == len(train_hf):
         d = np.array(sorted(captured)) - np.array(train_hf)
         evidence.update({"static_layers_to_capture": captured, "training_layers": train_hf})
@@ -294,7 +295,7 @@ def capture_slots(ctx) -> list[Finding]:
     )
 
 
-def _judged_drift(ctx, evidence: dict[str, Any], diag: np.ndarray, fps) -> list[Finding]:
+def _judged_drift(ev: Evidence, evidence: dict[str, Any], diag: np.ndarray, fps) -> list[Finding]:
     """Same layers, not the same numbers: drift, or only the target's own precision gap?
 
     Both sides are measured against the fp32 reference forward at the layer each slot holds
@@ -303,7 +304,7 @@ def _judged_drift(ctx, evidence: dict[str, Any], diag: np.ndarray, fps) -> list[
     the fixed bf16 storage floor SAME_COS). A DeepSeek-V3/Kimi MoE served in bf16 sits at cos
     0.995-0.998 from fp32 through routing flips alone, and its training data, generated in
     fp32 or by another bf16 engine, is as far: not drift."""
-    own = ctx.target_own_cos
+    own = ev.slots.target_own_cos
     if own is None:
         return _drift(evidence, diag)
     serving_cos, training_cos = list(fps[0].cos), list(fps[1].cos)
@@ -314,7 +315,7 @@ def _judged_drift(ctx, evidence: dict[str, Any], diag: np.ndarray, fps) -> list[
     lim = [limit(c) for c in own]
     s_bad = [i for i, c in enumerate(serving_cos) if c < lim[i]]
     t_bad = [i for i, c in enumerate(training_cos) if c < lim[i]]
-    dtype = str(ctx.serving_dtype).removeprefix("torch.")
+    dtype = str(ev.alignment.serving_dtype).removeprefix("torch.")
     judged = {
         "serving_dtype": dtype,
         "serving_vs_fp32_cos": [round(c, 6) for c in serving_cos],

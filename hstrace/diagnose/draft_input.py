@@ -8,16 +8,16 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from hstrace.findings import Finding
-from hstrace.replay.compare import AGREE_TOP1, agreement
+from hstrace.replay.compare import AGREE_TOP1
+from hstrace.replay.evidence import Evidence
 
 
-def fc_skipped(ctx) -> list[Finding]:
-    cfg = ctx.cfg
-    rows = ctx.engine_rows
+def fc_skipped(ev: Evidence) -> list[Finding]:
+    cfg = ev.cfg
+    rows = ev.agreement.rows
     if cfg is None:
         return []
     widths = (
@@ -25,52 +25,38 @@ def fc_skipped(ctx) -> list[Finding]:
         if rows is not None
         else set()
     )
-    if not widths and ctx.serving_width is not None:
-        widths = {ctx.serving_width}
-    if widths != {int(cfg.hidden_size)} or cfg.hidden_size == ctx.fc_in:
+    if not widths and ev.serving_width is not None:
+        widths = {ev.serving_width}
+    if widths != {int(cfg.hidden_size)} or cfg.hidden_size == ev.fc_in:
         return []
     evidence = {
         "recorded_hidden_width": int(cfg.hidden_size),
-        "fc_input_width": int(ctx.fc_in),
+        "fc_input_width": int(ev.fc_in),
         "aux_slots_expected": int(cfg.num_aux),
     }
     if rows is not None and all(it.aux is not None for it in rows.items):
         h = torch.cat([it.aux.float() for it in rows.items])
         evidence["hidden_in_rms"] = round(float(h.pow(2).mean().sqrt()), 4)
-    whatif = ctx.metrics.get("whatif") or {}
-    if whatif.get("reproduced_by") == "fc skipped":
+    search = ev.agreement.whatif
+    if search is not None and search.best is not None and search.best.name == "fc skipped":
         evidence["reproduced_by_reference_without_fc"] = True
     return [
         Finding(
             "fc-skipped",
             f"the drafter received one {cfg.hidden_size}-wide state instead of the "
-            f"{ctx.fc_in}-wide aux concat, so fc was skipped (the width check passed)",
+            f"{ev.fc_in}-wide aux concat, so fc was skipped (the width check passed)",
             evidence=evidence,
             fix="serve with --speculative-algorithm EAGLE3 (not EAGLE) so the target captures "
-            f"the {cfg.num_aux} aux layers and delivers {ctx.fc_in} values per token",
+            f"the {cfg.num_aux} aux layers and delivers {ev.fc_in} values per token",
         )
     ]
 
 
-def token_shift(ctx) -> list[Finding]:
-    rows = ctx.engine_rows
-    if rows is None:
+def token_shift(ev: Evidence) -> list[Finding]:
+    rows = ev.agreement.rows
+    scores = ev.draft_inputs.token_agreement_by_shift  # `replay.draft_inputs`
+    if rows is None or scores is None:
         return []
-    fed = torch.cat([torch.as_tensor(it.input_ids).long() for it in rows.items])
-    scores = {}
-    for shift in (-1, 0, 1):
-        expected = []
-        for req in ctx.engine_requests:
-            tok = torch.as_tensor(req.tokens).long()
-            idx = torch.as_tensor(req.draft.index) + 1 + shift
-            exp = torch.full((len(idx),), -1, dtype=torch.long)
-            ok = (idx >= 0) & (idx < len(tok))
-            exp[ok] = tok[idx[ok]]
-            expected.append(exp)
-        exp = torch.cat(expected)
-        known = exp >= 0
-        scores[shift] = agreement(fed[known], exp[known]) if known.any() else 0.0
-    ctx.metrics["draft_input_token_agreement"] = {f"{k:+d}": round(v, 6) for k, v in scores.items()}
     found: list[Finding] = []
     if scores[0] < AGREE_TOP1:
         shift = max((-1, 1), key=lambda s: scores[s])
@@ -80,29 +66,25 @@ def token_shift(ctx) -> list[Finding]:
                     "token-shift",
                     f"the drafter was fed token t{1 + shift:+d} with aux row t instead of t+1 "
                     f"({scores[shift]:.0%} of rows; {scores[0]:.0%} have the right pairing)",
-                    evidence={
-                        "token_agreement_by_shift": ctx.metrics["draft_input_token_agreement"]
-                    },
+                    evidence={"token_agreement_by_shift": ev.draft_inputs.by_shift_json},
                     fix="pair the aux state of position t with the token at t+1 (shift the "
                     "input ids left by one before the draft extend, as EAGLE-3 trains)",
                 )
             )
-    offsets = (rows.positions - rows.index).numpy()
-    if len(offsets):
-        values = np.unique(offsets)
+    values = ev.draft_inputs.position_offsets
+    if values:
         if len(values) > 1:
             found.append(
                 Finding(
                     "token-shift",
-                    f"draft positions are not the token positions: offsets {values[:8].tolist()}",
-                    evidence={"position_offsets": values[:16].tolist()},
+                    f"draft positions are not the token positions: offsets {values[:8]}",
+                    evidence={"position_offsets": values[:16]},
                     fix="feed each draft row the position of its aux state",
                 )
             )
         elif values[0] != 0:
             # RoPE is relative: a constant offset changes no logit unless a window or an
             # absolute-position scaling is in play. Worth knowing, not a fault.
-            ctx.metrics["draft_position_base"] = int(values[0])
             found.append(
                 Finding(
                     "token-shift",
@@ -121,41 +103,14 @@ def token_shift(ctx) -> list[Finding]:
 SEAM_CONTEXT_AGREE = 0.99
 
 
-def chunk_boundary_token(ctx) -> list[Finding]:
+def chunk_boundary_token(ev: Evidence) -> list[Finding]:
     """Chunked prefill: at the last row of every non-final chunk the drafter must get the next
     chunk's first prompt token; an engine that hands it the target's prediction there
     (sglang PR #26329, fixed by #26800) is wrong on one row per seam, which a global shift test
     cannot see. The seams come from the trace: one target step per prefill chunk."""
-    seams_seen, wrong, other_ok, other_total = 0, [], 0, 0
-    for r in ctx.serving.requests:
-        d = r.draft
-        if d is None or len(r.prefill_chunks) < 2:
-            continue
-        seams = set(r.seams)
-        idx = np.asarray(d.index)
-        fed = np.asarray(d.input_ids)
-        ok = idx + 1 < len(r.tokens)
-        expected = np.full(len(idx), -1, dtype=np.int64)
-        expected[ok] = np.asarray(r.tokens)[idx[ok] + 1]
-        at_seam = np.array([int(i) in seams for i in idx], dtype=bool) & ok
-        rest = ok & ~at_seam
-        other_ok += int((fed[rest] == expected[rest]).sum())
-        other_total += int(rest.sum())
-        seams_seen += int(at_seam.sum())
-        for row in np.flatnonzero(at_seam & (fed != expected)):
-            item = {
-                "request": r.name,
-                "position": int(idx[row]),
-                "fed_token": int(fed[row]),
-                "next_prompt_token": int(expected[row]),
-                "chunk": next(list(c) for c in r.prefill_chunks if c[1] - 1 == int(idx[row])),
-            }
-            if ctx.target is not None:
-                pred = ctx.target.forward(torch.as_tensor(r.tokens[: idx[row] + 1]).long())
-                item["fed_is_target_prediction"] = int(pred.logits[-1].argmax()) == int(fed[row])
-            wrong.append(item)
-    if seams_seen:
-        ctx.metrics["chunk_seams"] = {"rows": seams_seen, "wrong": len(wrong)}
+    seams = ev.draft_inputs.seams  # the seam rows as measured (`replay.draft_inputs`)
+    seams_seen, wrong = seams.rows, seams.wrong
+    other_ok, other_total = seams.other_ok, seams.other_total
     if not wrong or not other_total or other_ok / other_total < SEAM_CONTEXT_AGREE:
         return []  # no seam is wrong, or everything is: token-shift speaks for that
     first = wrong[0]

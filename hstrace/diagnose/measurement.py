@@ -19,6 +19,7 @@ import shlex
 from typing import Any
 
 from hstrace.findings import Finding
+from hstrace.replay.evidence import Evidence
 
 # Environment variables that simulate acceptance (any non-empty value other than 0/false).
 ENV_SWITCHES = (
@@ -94,13 +95,13 @@ def simulation_switches(meta: dict[str, Any]) -> dict[str, Any]:
     return found
 
 
-def acceptance_simulated(ctx) -> list[Finding]:
-    switches = simulation_switches(ctx.serving.meta)
+def acceptance_simulated(ev: Evidence) -> list[Finding]:
+    switches = simulation_switches(ev.serving.meta)
     if not switches:
         return []
     evidence: dict[str, Any] = {"switches": {k: str(v) for k, v in switches.items()}}
-    if ctx.serving.accept_lens:
-        lens = ctx.serving.accept_lens
+    if ev.serving.accept_lens:
+        lens = ev.serving.accept_lens
         evidence["recorded_accept_lens"] = {
             "verify_rows": len(lens),
             "mean_accept_len": round(sum(lens) / len(lens), 4),

@@ -7,51 +7,29 @@ reading of `d2t` to the engine's own draft ids shows which one it used: offsets
 
 from __future__ import annotations
 
-import torch
-
+from hstrace.drafter.vocab import map_draft_ids
 from hstrace.findings import Finding
-from hstrace.replay.compare import AGREE_TOP1, agreement, with_topk
+from hstrace.replay.compare import AGREE_TOP1
+from hstrace.replay.evidence import Evidence
 
 
-def _readings(d2t: torch.Tensor, vocab: int) -> dict[str, callable]:
-    return {
-        "offsets": lambda i: i + d2t[i],
-        "direct table": lambda i: d2t[i].clamp(0, vocab - 1),
-        "no mapping": lambda i: i,
-    }
-
-
-def vocab_mapping(ctx) -> list[Finding]:
-    rows = ctx.engine_rows
-    if ctx.drafter is None or rows is None or rows.topk_target_ids is None:
-        ctx.skip("vocab map", "no recorded target-space draft ids")
-        return []
-    # Only rows where the engine drafted: SGLang writes id -1 on the rest (no draft logits).
-    keep = with_topk(rows.topk_draft_ids) & (rows.topk_target_ids[:, 0].long() >= 0)
-    if not keep.any():
-        ctx.skip("vocab map", "no draft row with a recorded top-k")
-        return []
-    d2t = ctx.drafter.d2t.long()
-    vocab = int(ctx.cfg.vocab_size)
-    draft = rows.topk_draft_ids[keep].long().clamp(0, len(d2t) - 1)
-    served = rows.topk_target_ids[keep].long()
-    real = (rows.topk_draft_ids[keep].long() >= 0) & (served >= 0)  # padded entries: none
-    scores = {
-        name: agreement(f(draft)[real], served[real]) for name, f in _readings(d2t, vocab).items()
-    }
-    ctx.metrics["target_space_top1"] = round(scores["offsets"], 6)
-    ctx.metrics["vocab_readings"] = {k: round(v, 6) for k, v in scores.items()}
+def vocab_mapping(ev: Evidence) -> list[Finding]:
+    v = ev.vocab  # the readings scored on the engine's own ids (`replay.vocab`)
+    if v.scores is None:
+        return []  # `skipped` says why (vocab map)
+    scores, draft, served, d2t = v.scores, v.draft, v.served, v.d2t
+    vocab = int(ev.cfg.vocab_size)
     if scores["offsets"] >= AGREE_TOP1:
         return []
     best = max(scores, key=scores.get)
     evidence = {
         "agreement_by_reading": {k: round(v, 4) for k, v in scores.items()},
-        "draft_vocab_size": int(ctx.cfg.draft_vocab_size),
+        "draft_vocab_size": int(ev.cfg.draft_vocab_size),
         "target_vocab_size": vocab,
         "d2t_head": d2t[:8].tolist(),
         "example_draft_ids": draft[:4, 0].tolist(),
         "example_served_target_ids": served[:4, 0].tolist(),
-        "example_expected_target_ids": (draft[:4, 0] + d2t[draft[:4, 0]]).tolist(),
+        "example_expected_target_ids": map_draft_ids(draft[:4, 0], d2t).tolist(),
     }
     if best == "direct table" and scores[best] >= AGREE_TOP1:
         return [
@@ -72,10 +50,10 @@ def vocab_mapping(ctx) -> list[Finding]:
                 "vocab-map-missing",
                 "the engine proposes draft ids as target ids without applying d2t: "
                 f"{scores[best]:.0%} of proposed target ids equal the draft ids "
-                f"(draft vocab {ctx.cfg.draft_vocab_size} < target vocab {vocab})",
+                f"(draft vocab {ev.cfg.draft_vocab_size} < target vocab {vocab})",
                 evidence=evidence,
                 fix="ship the vocab mapping in the checkpoint (key `d2t`, int64 offsets, "
-                f"{ctx.cfg.draft_vocab_size} entries) and make sure the engine loads it",
+                f"{ev.cfg.draft_vocab_size} entries) and make sure the engine loads it",
             )
         ]
     return [

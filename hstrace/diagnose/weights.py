@@ -8,6 +8,7 @@ reference and no single what-if explains it (random or uninitialised weights loo
 from __future__ import annotations
 
 from hstrace.findings import Finding
+from hstrace.replay.evidence import Evidence
 
 FIX = (
     "rename the checkpoint keys to the names the engine maps (SGLang: fc.*, midlayer.* or "
@@ -16,11 +17,11 @@ FIX = (
 )
 
 
-def weights_dropped(ctx) -> list[Finding]:
-    audit = ctx.static.get("weights") or {}
+def weights_dropped(ev: Evidence) -> list[Finding]:
+    audit = ev.static.get("weights") or {}
     dropped = list(audit.get("dropped_keys") or [])
     unloaded = list(audit.get("unloaded_parameters") or [])
-    agreement = ctx.agreement
+    agreement = ev.agreement.engine_vs_reference
     runtime = {}
     if agreement is not None:
         runtime = {
@@ -41,12 +42,13 @@ def weights_dropped(ctx) -> list[Finding]:
                 fix=FIX,
             )
         ]
-    whatif = ctx.metrics.get("whatif") or {}
+    search = ev.agreement.whatif  # the what-if search, as evidence (`replay.hypotheses`)
     if (
         agreement is not None
         and not (agreement.agrees and agreement.within_noise)
-        and whatif.get("ran")
-        and not whatif.get("reproduced_by")
+        and search is not None
+        and search.ran
+        and search.best is None
     ):
         return [
             Finding(
@@ -54,7 +56,10 @@ def weights_dropped(ctx) -> list[Finding]:
                 "on identical recorded inputs the engine's draft logits disagree with the "
                 f"reference ({agreement.top1:.0%} top-1 agreement) and no single misreading "
                 "reproduces them; weights the engine did not load are the usual cause",
-                evidence={**runtime, "whatif_best": (whatif.get("results") or [None])[0]},
+                evidence={
+                    **runtime,
+                    "whatif_best": search.results[0].to_json() if search.results else None,
+                },
                 fix=FIX,
                 severity="warning",
             )

@@ -2,8 +2,11 @@
 
 Pure parts (tensors in, numbers out): `align` (serving requests to training samples by token
 ids), `fingerprint` (which slot holds which hidden state), `compare` (engine vs reference
-draft outputs, judged against fp32), `whatif` (which misreading reproduces the engine),
-`step0` (batched reference forwards). I/O: `serving` (reads a trace), `run` (`replay_with`,
+draft outputs, judged against fp32), `whatif` (which misreading reproduces the engine); the
+batched reference forwards live below, in `hstrace.reference`. The evidence, built once
+(`evidence.build_evidence`) and read-only after: `sides` (the alignment), `slots`,
+`accuracy`, `agreement` (with the what-if search of `hypotheses`), `draft_inputs`, `vocab`,
+`batch`. I/O: `serving` (reads a trace), `run` (`replay_with` = `open_evidence` + `judge`,
 which runs the checks it is given).
 
 `hstrace.replay(...)` is the public entry point: a facade over `hstrace.pipelines.replay`

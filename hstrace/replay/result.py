@@ -14,6 +14,15 @@ from hstrace.findings import CODES, Finding, in_dataflow_order
 JSON_SCHEMA_VERSION = 1
 
 
+@dataclass(frozen=True)
+class Judgement:
+    """What the checks made of the evidence: the findings, and the checks that failed
+    internally (name -> reason), which the result lists as not checked."""
+
+    findings: list[Finding]
+    failed: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class ReplayResult:
     findings: list[Finding]

@@ -1,5 +1,6 @@
-"""`replay_with(checks, ...)`: open everything, align, build the context, run the given checks,
-assemble the result.
+"""`replay_with(checks, ...)`: open everything, align, build the evidence
+(`replay.evidence.build_evidence`), judge it with the given checks, assemble the result.
+`open_evidence` and `judge` are the two halves (a test judges one evidence several times).
 
 This is the only module of the replay that touches files (trace, training dir, checkpoints,
 target); everything it calls is pure and testable on tensors. The checks come from above
@@ -17,7 +18,6 @@ from typing import Any
 import torch
 
 from hstrace.errors import CheckpointError, HstraceError, TrainingDataError
-from hstrace.findings import Finding
 from hstrace.redaction import (
     RedactedIdsError,
     find_salt,
@@ -28,13 +28,14 @@ from hstrace.redaction import (
 from hstrace.reference.step0 import threads_for
 from hstrace.reference.target import ReferenceTarget
 from hstrace.replay.align import align
-from hstrace.replay.context import ReplayContext
+from hstrace.replay.evidence import Evidence, build_evidence
 from hstrace.replay.redaction import (
     IdRecovery,
     recover_serving_ids,
 )
-from hstrace.replay.result import ReplayResult
+from hstrace.replay.result import Judgement, ReplayResult
 from hstrace.replay.serving import ServingData, accept_len_by_rank, read_serving
+from hstrace.replay.unavailable import merged
 
 Progress = Callable[[str, int], None]
 
@@ -141,11 +142,12 @@ def _resolve_norm_output(
 ) -> dict[str, Any] | None:
     """SpecForge PR #879 changed what `norm_output` means and `load_drafter` reads it as before
     the PR. With training tensors at hand, the reading the weights were trained with is the one
-    they score better under (`hstrace.check.resolve_norm_output`, as `hstrace check` does): the
+    they score better under (`hstrace.evaluation.resolve_norm_output`, as `hstrace check` does): the
     reference drafter runs under it, and replay's `inputs` says which and why."""
     if getattr(report, "dialect", None) != "specforge" or "norm_output" not in report.config:
         return None
-    from hstrace.check import PRE_879, norm_output_flags, resolve_norm_output
+    from hstrace.drafter.norm_output import PRE_879, norm_output_flags
+    from hstrace.evaluation import resolve_norm_output
     from hstrace.metrics import TargetHead
 
     value = bool(report.config["norm_output"])
@@ -179,7 +181,7 @@ def _embed_from_target(
     """The checkpoint carries no embedding (SpecForge, EAGLE save none): give the drafter the
     target's, as SGLang does (`set_embed`). Returns (where the embedding came from, why the
     drafter cannot run); a drafter is never run with its random initial embedding."""
-    from hstrace.check import load_target_embedding
+    from hstrace.target_io import load_target_embedding
 
     dialect = getattr(report, "dialect", "this")
     emb, why = None, None
@@ -218,7 +220,9 @@ def _digest(salt: bytes) -> str:
     return salt_digest(salt)
 
 
-Checks = Callable[[ReplayContext], list[Finding]]
+# The judge handed in from above (`hstrace.pipelines.replay` passes `hstrace.diagnose.diagnose`):
+# it reads the evidence and returns its findings and the checks that failed internally.
+Checks = Callable[[Evidence], Judgement]
 
 
 def replay_with(
@@ -230,6 +234,20 @@ def replay_with(
     progress: Progress | None = None,
     salt_file: Path | None = None,
 ) -> ReplayResult:
+    """Open everything, build the evidence, judge it with `checks`."""
+    ev, inputs = open_evidence(trace_path, against, drafter_path, target_path, progress, salt_file)
+    return judge(ev, inputs, checks)
+
+
+def open_evidence(
+    trace_path: Path,
+    against: Path,
+    drafter_path: Path | None = None,
+    target_path: Path | None = None,
+    progress: Progress | None = None,
+    salt_file: Path | None = None,
+) -> tuple[Evidence, dict[str, Any]]:
+    """The evidence of one replay and what it was built from (the result's `inputs`)."""
     from hstrace.drafter import load_drafter
     from hstrace.trace import open_trace
     from hstrace.trace.validate import check_token_ids
@@ -290,57 +308,61 @@ def replay_with(
     matches, coverage = align(
         [r.tokens for r in serving.requests], [s.input_ids.numpy() for s in samples]
     )
-    ctx = ReplayContext(
-        serving,
-        samples,
-        matches,
-        coverage,
-        drafter,
-        load_report=report,
-        target=target,
-        training_kind=kind,
-        progress=progress,
-        no_forward=no_forward,
-    )
-    for what, why in serving.missing.items():
-        ctx.skip(what, why)
-    if len(by_rank) > 1:  # replay compares rank 0's rows; the others' acceptance beside it
-        ctx.metrics["accept_len_by_rank"] = by_rank
+    notes = dict(serving.missing)
     if target_note:
-        ctx.skip("target model", target_note)
+        notes.setdefault("target model", target_note)
     if not matches:
-        ctx.skip("alignment", "no serving request shares its leading tokens with a training sample")
+        notes.setdefault(
+            "alignment", "no serving request shares its leading tokens with a training sample"
+        )
+    with torch.inference_mode(), threads_for(drafter.cfg.hidden_size):
+        ev = build_evidence(
+            serving,
+            samples,
+            matches,
+            coverage,
+            drafter,
+            load_report=report,
+            target=target,
+            training_kind=kind,
+            progress=progress,
+            no_forward=no_forward,
+            notes=notes,
+            # replay compares rank 0's rows; the others' acceptance beside it
+            accept_len_by_rank=by_rank if len(by_rank) > 1 else None,
+        )
     if "hidden" in modes:
         redaction["hidden"] = (
             "slot and layer fingerprints from the kept per-slot sketches"
-            if ctx.sketched
+            if ev.sketched
             else "no hidden states and no sketches: no slot checks"
         )
-    with torch.inference_mode(), threads_for(drafter.cfg.hidden_size):
-        findings: list[Finding] = checks(ctx)
-    fingerprints: dict[str, Any] = {}
-    if ctx.slot_matrix is not None:
-        fingerprints["serving_x_training"] = ctx.slot_matrix.to_json()
-    if ctx.layer_fingerprints is not None:
-        fingerprints["serving_layers"] = ctx.layer_fingerprints[0].to_json()
-        fingerprints["training_layers"] = ctx.layer_fingerprints[1].to_json()
+    inputs = {
+        "trace": str(trace_path),
+        "engine": serving.meta.get("engine"),
+        "against": str(against),
+        "against_kind": kind,
+        "training": training_info,
+        "drafter": str(drafter_path),
+        "drafter_dialect": getattr(report, "dialect", None),
+        "drafter_embedding": embed_source,
+        "target": str(target_path) if target is not None else None,
+        **({"specforge_norm_output": norm_output} if norm_output else {}),
+        **({"redaction": redaction} if redaction else {}),
+    }
+    return ev, inputs
+
+
+def judge(ev: Evidence, inputs: dict[str, Any], checks: Checks) -> ReplayResult:
+    """The result of `checks` on built evidence. The evidence is read-only: judging the same
+    evidence twice, or with the checks in another order, gives the same result."""
+    with torch.inference_mode(), threads_for(ev.drafter.cfg.hidden_size):
+        judged: Judgement = checks(ev)
     return ReplayResult(
-        findings=findings,
-        metrics=ctx.metrics_json(),
-        coverage=coverage.to_json(),
-        fingerprints=fingerprints,
-        inputs={
-            "trace": str(trace_path),
-            "engine": serving.meta.get("engine"),
-            "against": str(against),
-            "against_kind": kind,
-            "training": training_info,
-            "drafter": str(drafter_path),
-            "drafter_dialect": getattr(report, "dialect", None),
-            "drafter_embedding": embed_source,
-            "target": str(target_path) if target is not None else None,
-            **({"specforge_norm_output": norm_output} if norm_output else {}),
-            **({"redaction": redaction} if redaction else {}),
-        },
-        skipped=dict(ctx.skipped),
+        findings=list(judged.findings),
+        metrics=ev.metrics_json(),
+        coverage=ev.alignment.coverage.to_json(),
+        fingerprints=ev.fingerprints_json(),
+        inputs=dict(inputs),
+        skipped=merged(ev.unavailable, judged.failed),
     )

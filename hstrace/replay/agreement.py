@@ -1,0 +1,388 @@
+"""Evidence `Agreement`: the reference drafter on exactly the inputs the engine recorded.
+
+Engine vs reference on the draft-extend rows (judged against fp32 with the bf16 spread as the
+noise floor), by recorded step, on the recorded chains (steps k >= 1, and the same chains with
+`feed_normed` flipped when they disagree), split by prefix-cache hit / fresh request, and the
+what-if search (`hstrace.replay.hypotheses`): computed once here, read by any check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hstrace.reference.step0 import Step0Input
+from hstrace.reference.target import ReferenceTarget
+from hstrace.replay.compare import (
+    AGREE_TOP1,
+    LogitAgreement,
+    agreement,
+    agreement_by_step,
+    compare_topk,
+    gathered_logprobs,
+    logprob_gap,
+    with_topk,
+)
+from hstrace.replay.runner import DrafterRunner
+from hstrace.replay.serving import ServingRequest
+from hstrace.replay.unavailable import Unavailable
+from hstrace.replay.whatif import WhatIfResult
+
+
+@dataclass(frozen=True)
+class EngineRows:
+    """Every recorded draft-extend row that the reference can replay, concatenated."""
+
+    items: list[Step0Input]  # per request, as recorded
+    expected_ids: list[torch.Tensor]  # per request: committed token t+1 for row t (-1: unknown)
+    topk_draft_ids: torch.Tensor  # [R, k]
+    topk_target_ids: torch.Tensor | None
+    topk_logprobs: torch.Tensor | None
+    positions: torch.Tensor  # [R] recorded positions
+    index: torch.Tensor  # [R] the row's sequence index
+    steps: torch.Tensor | None = None  # [R] the draft_extend step each row was recorded in
+    request: torch.Tensor | None = None  # [R] the row's request (index into requests)
+
+
+@dataclass(frozen=True)
+class CacheSplit:
+    """Engine vs reference on cache-hit requests and on fresh ones, apart (`draft-kv-stale`)."""
+
+    split: dict[
+        str, Any
+    ]  # {cache_hit, fresh, tolerance}: the metrics' engine_vs_reference_by_cache
+    # Per cache-hit request and the zeroed-cached-span what-if: only when the hits disagree.
+    per_request: list[dict[str, Any]] | None = None
+    zeroed_span_top1: float | None = None
+
+    @property
+    def confined_to_cache_hits(self) -> bool:
+        """Fresh requests agree with the reference and cache hits do not (the what-if search and
+        the weights fallback then stand aside: no single misreading explains one group only)."""
+        hit, fresh = self.split["cache_hit"], self.split["fresh"]
+        return hit is not None and fresh is not None and fresh["agrees"] and not hit["agrees"]
+
+
+@dataclass(frozen=True)
+class WhatIfSearch:
+    ran: bool
+    reason: str | None = None  # why it did not run
+    baseline: float = 0.0  # reference top-1 agreement with the engine, without any what-if
+    results: list[WhatIfResult] = field(default_factory=list)  # best first
+    best: WhatIfResult | None = None  # the one that reproduces the engine, if any
+    tolerance: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.ran:
+            return {"ran": False, "reason": self.reason}
+        return {
+            "ran": True,
+            "baseline_top1": round(self.baseline, 6),
+            "results": [r.to_json() for r in self.results[:10]],
+            "reproduced_by": self.best.name if self.best else None,
+        }
+
+
+@dataclass(frozen=True)
+class Agreement:
+    requests: list[ServingRequest]  # requests whose draft rows are replayed (`rows.request`)
+    rows: EngineRows | None
+    fc_inputs_fit: bool  # every recorded draft hidden input is fc's input width
+    reference_logits: torch.Tensor | None  # fp32 reference on exactly the recorded inputs
+    engine_vs_reference: LogitAgreement | None
+    by_step: list[dict[str, Any]] | None  # per recorded draft_extend step
+    chains: list[dict[str, Any]]  # engine vs reference at chain steps k >= 1 (`replay.chain`)
+    # The same chains with `feed_normed` flipped, when the chains as trained disagree.
+    chains_feed_flipped: list[dict[str, Any]] | None
+    cache: CacheSplit | None
+    whatif: WhatIfSearch | None
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def engine_top1(self) -> torch.Tensor | None:
+        return self.rows.topk_draft_ids[:, 0].long() if self.rows is not None else None
+
+    def chains_match(self, by_step: list[dict[str, Any]]) -> bool:
+        """Pooled top-1 agrees and every step's log-probs are within the step-0 tolerance
+        (the bf16-vs-fp32 spread measured on the same rows)."""
+        from hstrace.replay.chain import pooled
+
+        top1 = pooled(by_step)
+        tol = self.engine_vs_reference.tolerance
+        return (
+            top1 is not None
+            and top1 >= AGREE_TOP1
+            and all(p["max_logit_diff"] <= tol for p in by_step)
+        )
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The metrics' `engine_vs_reference` block."""
+        if self.engine_vs_reference is None:
+            return None
+        a = self.engine_vs_reference.to_json()
+        if self.by_step is not None:
+            a["by_step"] = self.by_step
+        if self.chains:
+            a["by_draft_step"] = self.chains
+        return a
+
+
+def build_agreement(
+    runner: DrafterRunner,
+    target: ReferenceTarget | None,
+    training_layers: list[int] | None,
+    training_step0: Any,
+) -> Agreement:
+    u = Unavailable()
+    requests = _engine_requests(runner, u)
+    rows = _engine_rows(runner, requests) if requests else None
+    if rows is None:
+        u.note("engine vs reference", "the trace has no draft_extend rows with top-k")
+    fc_in = runner.alignment.fc_in
+    fits = (
+        rows is not None
+        and fc_in is not None
+        and all(it.aux is not None and it.aux.shape[-1] == fc_in for it in rows.items)
+    )
+    ref, evr, by_step = None, None, None
+    if runner.can_run and rows is not None and all(it.aux is not None for it in rows.items):
+        # (hidden_in not recorded: serving.missing says so)
+        if not fits:
+            u.note("engine vs reference", f"recorded draft hidden input is not {fc_in} wide "
+                   "(fc's input)")  # fmt: skip
+        else:
+            ref = runner.run(runner.drafter, rows.items)
+            evr = u.guarded("engine vs reference", lambda: _compare(runner, rows, ref))
+            if evr is None:
+                ref = None
+    if evr is not None and rows.steps is not None and len(rows.steps) == len(rows.topk_draft_ids):
+        by_step = u.guarded(
+            "engine vs reference",
+            lambda: agreement_by_step(rows.steps, rows.topk_draft_ids, rows.topk_logprobs, ref),
+        )
+    chains: list[dict[str, Any]] = []
+    if evr is not None:
+        chained = [r for r in requests if r.chains]
+        if not chained:
+            u.note("draft steps k >= 1", "the trace has no draft_step rows to replay")
+        else:
+            chains = u.guarded("draft steps k >= 1", lambda: _chains(runner, chained)) or []
+    a = Agreement(requests, rows, fits, ref, evr, by_step, chains, None, None, None)
+    flipped = None
+    if chains and not a.chains_match(chains):
+        trained = bool(runner.cfg.feed_normed)
+        flipped = u.guarded(
+            "draft steps k >= 1 (feed_normed flipped)",
+            lambda: _chains(runner, [r for r in requests if r.chains], feed_normed=not trained),
+        )
+    cache = None
+    if evr is not None:
+        cache = u.guarded("cache hit / miss split", lambda: _cache_split(runner, a, u))
+    a = Agreement(requests, rows, fits, ref, evr, by_step, chains, flipped, cache, None)
+    whatif = None
+    if runner.can_run and rows is not None and all(it.aux is not None for it in rows.items):
+        from hstrace.replay.hypotheses import search_whatifs
+
+        whatif = u.guarded(
+            "what-if search",
+            lambda: search_whatifs(runner, a, target, training_layers, training_step0),
+        )
+    return Agreement(
+        requests, rows, fits, ref, evr, by_step, chains, flipped, cache, whatif, u.frozen()
+    )
+
+
+def _compare(runner: DrafterRunner, rows: EngineRows, ref: torch.Tensor) -> LogitAgreement:
+    lowp = runner.run(runner.bf16, rows.items, dtype=torch.bfloat16)
+    return compare_topk(rows.topk_draft_ids, rows.topk_logprobs, ref, lowp)
+
+
+def _chains(
+    runner: DrafterRunner, requests: list[ServingRequest], **variant: Any
+) -> list[dict[str, Any]]:
+    from hstrace.replay.chain import chain_agreement
+
+    model = runner.variant(**variant) if variant else runner.drafter
+    return chain_agreement(model, requests, runner.prefix_of)
+
+
+def _unreplayable_hits(runner: DrafterRunner) -> list[ServingRequest]:
+    """Cache hits whose cached span no recorded capture covers: left out of the
+    engine-vs-reference comparison (their drafter attended over KV we cannot rebuild)."""
+    return [
+        r
+        for r in runner.alignment.serving.requests
+        if r.draft is not None
+        and r.draft.topk_draft_ids is not None
+        and r.draft.hidden_in is not None  # else nothing is replayed (missing says why)
+        and r.aux_start > 0
+        and runner.cached_aux(r) is None
+    ]
+
+
+def _engine_requests(runner: DrafterRunner, u: Unavailable) -> list[ServingRequest]:
+    reqs = [
+        r
+        for r in runner.alignment.serving.requests
+        if r.draft is not None and r.draft.topk_draft_ids is not None
+    ]
+    left = {r.key for r in _unreplayable_hits(runner)}
+    if left:
+        u.note(
+            "engine vs reference (cache hits)",
+            f"{len(left)} prefix-cache hit(s) left out: no recorded capture covers their "
+            "cached span (no earlier request of the trace, no aligned training sample)",
+        )
+    holes = {r.key for r in reqs if r.missing}
+    if holes:
+        u.note(
+            "engine vs reference (missing rows)",
+            f"{len(holes)} request(s) left out: target rows missing inside the request "
+            "(hidden-corrupt names them), so their draft rows cannot be placed",
+        )
+    return [r for r in reqs if r.key not in left | holes]
+
+
+def _engine_rows(runner: DrafterRunner, reqs: list[ServingRequest]) -> EngineRows:
+    items, expected = [], []
+    for r in reqs:
+        d = r.draft
+        items.append(
+            Step0Input(
+                torch.as_tensor(d.input_ids),
+                d.hidden_in,
+                torch.as_tensor(d.positions),
+                prefix=runner.prefix_of(r) if d.hidden_in is not None else None,
+            )
+        )
+        nxt = torch.full((len(d.input_ids),), -1, dtype=torch.long)
+        idx = d.index + 1
+        ok = idx < len(r.tokens)
+        nxt[torch.as_tensor(ok)] = torch.as_tensor(r.tokens[idx[ok]]).long()
+        expected.append(nxt)
+
+    def cat(name: str) -> torch.Tensor | None:
+        parts = [getattr(r.draft, name) for r in reqs]
+        return torch.cat(parts) if all(p is not None for p in parts) else None
+
+    return EngineRows(
+        items=items,
+        expected_ids=expected,
+        topk_draft_ids=cat("topk_draft_ids"),
+        topk_target_ids=cat("topk_target_ids"),
+        topk_logprobs=cat("topk_logprobs"),
+        positions=torch.cat([torch.as_tensor(r.draft.positions) for r in reqs]),
+        index=torch.cat([torch.as_tensor(r.draft.index) for r in reqs]),
+        steps=torch.cat([torch.as_tensor(r.draft.steps) for r in reqs]),
+        request=torch.cat(
+            [torch.full((len(r.draft.input_ids),), i, dtype=torch.long) for i, r in enumerate(reqs)]
+        ),
+    )
+
+
+# -- prefix-cache hits vs fresh requests --------------------------------------------------------
+def _cache_split(runner: DrafterRunner, a: Agreement, u: Unavailable) -> CacheSplit | None:
+    rows = a.rows
+    if a.reference_logits is None or rows is None or rows.request is None:
+        return None
+    reqs = a.requests
+    hit = torch.tensor([reqs[int(i)].cache_hit for i in rows.request], dtype=torch.bool)
+    if not hit.any():
+        return None
+    keep = with_topk(rows.topk_draft_ids)
+    tol = a.engine_vs_reference.tolerance
+    accept_by_key = runner.alignment.serving.accept_by_key
+
+    def part(mask: torch.Tensor) -> dict[str, Any] | None:
+        m = mask & keep
+        if not m.any():
+            return None
+        lps = rows.topk_logprobs[m] if rows.topk_logprobs is not None else None
+        c = compare_topk(rows.topk_draft_ids[m], lps, a.reference_logits[m])
+        known = c.max_logprob_diff == c.max_logprob_diff
+        members = {int(i) for i in rows.request[m]}
+        accepts = [x for i in members for x in accept_by_key.get(reqs[i].key, [])]
+        return {
+            "requests": len(members),
+            "mean_accept_len": round(sum(accepts) / len(accepts), 4) if accepts else None,
+            "rows": c.rows,
+            "top1_agreement": round(c.top1, 4),
+            "max_logprob_diff": round(c.max_logprob_diff, 4) if known else None,
+            "agrees": c.agrees and (not known or c.max_logprob_diff <= tol),
+        }
+
+    split = {"cache_hit": part(hit), "fresh": part(~hit), "tolerance": round(tol, 6)}
+    if split["cache_hit"] is None or split["cache_hit"]["agrees"]:
+        return CacheSplit(split)
+    per_request = u.guarded("draft-kv-stale per request", lambda: _per_request(runner, a))
+    zeroed = u.guarded("draft-kv-stale what-if", lambda: _zeroed_span_agreement(runner, a))
+    return CacheSplit(split, per_request, zeroed)
+
+
+def _per_request(runner: DrafterRunner, a: Agreement) -> list[dict[str, Any]]:
+    rows, ref_logits = a.rows, a.reference_logits
+    keep = with_topk(rows.topk_draft_ids)
+    ref = ref_logits.argmax(-1)
+    tol = a.engine_vs_reference.tolerance
+    out = []
+    for i, r in enumerate(a.requests):
+        if not r.cache_hit:
+            continue
+        m = (rows.request == i) & keep
+        if not m.any():
+            continue
+        same = ref[m] == rows.topk_draft_ids[m][:, 0].long()
+        pos = rows.index[m]
+        # The first row the engine's top-1 differs on, or else its log-probs do.
+        off = same.clone()
+        if rows.topk_logprobs is not None:
+            lp = gathered_logprobs(ref_logits[m], rows.topk_draft_ids[m])
+            diff = (lp - rows.topk_logprobs[m].float()).abs().nan_to_num(0.0).amax(-1)
+            off = same & (diff <= tol)
+        first = pos[~off][0].item() if (~off).any() else None
+        accepts = runner.alignment.serving.accept_by_key.get(r.key) or []
+        got = runner.cached_aux(r)
+        lps = rows.topk_logprobs[m] if rows.topk_logprobs is not None else None
+        gap = logprob_gap(ref_logits[m], rows.topk_draft_ids[m], lps)
+        out.append(
+            {
+                "request": r.name,
+                "n_cached": r.aux_start,
+                "n_cached_recorded": r.n_cached,
+                "rows": int(m.sum()),
+                "top1_agreement": round(float(same.float().mean()), 4),
+                "max_logprob_diff": round(gap, 4) if gap == gap else None,
+                "first_disagreeing_position": first,
+                "mean_accept_len": round(sum(accepts) / len(accepts), 4) if accepts else None,
+                "cached_span_rebuilt_from": got[1] if got is not None else None,
+            }
+        )
+    return out
+
+
+def _zeroed_span_agreement(runner: DrafterRunner, a: Agreement) -> float | None:
+    """Top-1 agreement with the engine on cache-hit rows when the reference's cached span is
+    fed zero states (a cache that never held the drafter's KV)."""
+    rows = a.rows
+    items, masks, engine = [], [], []
+    for i, (it, r) in enumerate(zip(rows.items, a.requests, strict=True)):
+        if not r.cache_hit or it.prefix is None:
+            continue
+        p = it.prefix
+        items.append(
+            Step0Input(
+                it.input_ids,
+                it.aux,
+                it.positions,
+                prefix=Step0Input(p.input_ids, torch.zeros_like(p.aux), p.positions),
+            )
+        )
+        masks.append(with_topk(rows.topk_draft_ids[rows.request == i]))
+        engine.append(rows.topk_draft_ids[rows.request == i][:, 0])
+    if not items:
+        return None
+    logits = runner.run(runner.drafter, items)
+    m = torch.cat(masks)
+    return agreement(logits.argmax(-1)[m], torch.cat(engine).long()[m])

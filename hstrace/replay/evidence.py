@@ -1,0 +1,170 @@
+"""The evidence a replay hands to the checks: built once, in dataflow order, then read-only.
+
+`build_evidence` computes every piece (the alignment, `Slots`, `Accuracy`, `Agreement` with
+its what-if search, `DraftInputs`, `VocabReadings`, `BatchCoupling`) before any check runs.
+What could not be computed, and why, is decided while a piece is built and kept in it
+(`unavailable`); the replay's `skipped` is their union in build order, so it never depends on
+which check looked first, and a check only reads evidence and returns findings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from hstrace.reference.target import ReferenceTarget
+from hstrace.replay.accuracy import Accuracy, build_accuracy
+from hstrace.replay.agreement import Agreement, build_agreement
+from hstrace.replay.align import Coverage, Match
+from hstrace.replay.batch import BatchCoupling, build_batch_coupling
+from hstrace.replay.draft_inputs import DraftInputs, build_draft_inputs
+from hstrace.replay.runner import DrafterRunner
+from hstrace.replay.serving import ServingData
+from hstrace.replay.sides import Aligned, Alignment
+from hstrace.replay.slots import Slots, build_slots
+from hstrace.replay.unavailable import merged
+from hstrace.replay.vocab import VocabReadings, build_vocab_readings
+
+
+@dataclass(frozen=True)
+class Evidence:
+    alignment: Alignment
+    runner: DrafterRunner  # the reference drafter (and the cached-span rebuild) it came from
+    target: ReferenceTarget | None
+    slots: Slots
+    accuracy: Accuracy
+    agreement: Agreement
+    draft_inputs: DraftInputs
+    vocab: VocabReadings
+    batch: BatchCoupling
+    # Accept lengths per DP rank beside rank 0's replay (only with more than one rank).
+    accept_len_by_rank: dict[str, Any] = field(default_factory=dict)
+    # Everything that could not be checked, and why: the replay's `skipped`.
+    unavailable: dict[str, str] = field(default_factory=dict)
+
+    # -- the inputs, as checks read them ---------------------------------------------------------
+    @property
+    def serving(self) -> ServingData:
+        return self.alignment.serving
+
+    @property
+    def static(self) -> dict[str, Any]:
+        return self.serving.static
+
+    @property
+    def drafter(self) -> torch.nn.Module | None:
+        return self.runner.drafter
+
+    @property
+    def cfg(self) -> Any:
+        return self.runner.cfg
+
+    @property
+    def load_report(self) -> Any:
+        return self.runner.load_report
+
+    @property
+    def no_forward(self) -> str | None:
+        return self.runner.no_forward
+
+    @property
+    def aligned(self) -> list[Aligned]:
+        return self.alignment.aligned
+
+    @property
+    def sketched(self) -> bool:
+        return self.alignment.sketched
+
+    @property
+    def slot_width(self) -> int | None:
+        return self.alignment.slot_width
+
+    @property
+    def serving_width(self) -> int | None:
+        return self.alignment.serving_width
+
+    @property
+    def fc_in(self) -> int | None:
+        return self.alignment.fc_in
+
+    def metrics_json(self) -> dict[str, Any]:
+        """The replay's metrics, from the evidence alone (in a fixed order)."""
+        out: dict[str, Any] = {}
+        if self.accept_len_by_rank:
+            out["accept_len_by_rank"] = self.accept_len_by_rank
+        out.update(self.draft_inputs.to_json())
+        out.update(self.vocab.to_json())
+        out.update(self.batch.to_json())
+        if self.agreement.whatif is not None:
+            out["whatif"] = self.agreement.whatif.to_json()
+        if self.agreement.cache is not None:
+            out["engine_vs_reference_by_cache"] = self.agreement.cache.split
+        out.update(self.accuracy.to_json())
+        a = self.agreement.to_json()
+        if a is not None:
+            out["engine_vs_reference_top1"] = a["top1_agreement"]
+            out["engine_vs_reference_topk"] = a["topk_agreement"]
+            out["engine_vs_reference_max_logprob_diff"] = a["max_logprob_diff"]
+            out["engine_vs_reference"] = a
+        if self.serving.accept_lens:
+            out["mean_accept_len"] = round(float(np.mean(self.serving.accept_lens)), 6)
+            out["accept_len_convention"] = (
+                "accepted draft tokens per verify, excluding the bonus token"
+            )
+        return out
+
+    def fingerprints_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.slots.matrix is not None:
+            out["serving_x_training"] = self.slots.matrix.to_json()
+        if self.slots.fingerprints is not None:
+            out["serving_layers"] = self.slots.fingerprints[0].to_json()
+            out["training_layers"] = self.slots.fingerprints[1].to_json()
+        return out
+
+
+def build_evidence(
+    serving: ServingData,
+    samples: list[Any],
+    matches: list[Match],
+    coverage: Coverage,
+    drafter: torch.nn.Module | None,
+    load_report: Any = None,
+    target: ReferenceTarget | None = None,
+    training_kind: str = "training",
+    progress: Callable[[str, int], None] | None = None,
+    no_forward: str | None = None,
+    notes: dict[str, str] | None = None,
+    accept_len_by_rank: dict[str, Any] | None = None,
+) -> Evidence:
+    """Every piece of evidence, in dataflow order. `notes`: what the caller already knows
+    cannot be checked (a stream missing from the trace, a target that failed to load)."""
+    cfg = drafter.cfg if drafter is not None else None
+    alignment = Alignment.build(serving, samples, matches, coverage, cfg, training_kind)
+    runner = DrafterRunner(drafter, alignment, load_report, no_forward, progress)
+    slots = build_slots(alignment, cfg, load_report, target, runner.tick)
+    accuracy = build_accuracy(runner, target)
+    agreement = build_agreement(runner, target, slots.training_layers, accuracy.training_step0)
+    draft_inputs = build_draft_inputs(serving, agreement.rows, agreement.requests, target)
+    vocab = build_vocab_readings(drafter, agreement.rows)
+    batch = build_batch_coupling(alignment)
+    first = {"drafter forward": no_forward} if no_forward else {}
+    return Evidence(
+        alignment=alignment,
+        runner=runner,
+        target=target,
+        slots=slots,
+        accuracy=accuracy,
+        agreement=agreement,
+        draft_inputs=draft_inputs,
+        vocab=vocab,
+        batch=batch,
+        accept_len_by_rank=dict(accept_len_by_rank or {}),
+        unavailable=merged(
+            first, notes or {}, slots, accuracy, agreement, draft_inputs, vocab, batch
+        ),
+    )
