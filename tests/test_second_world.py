@@ -19,11 +19,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_check import codes, run_check
+from helpers.check import codes
+from helpers.cli import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = ROOT / "traces" / "second-world"
 SERVED = [16, 17, 18, 19]  # held-out samples, sent as prompts
+
+
+def run_check(*args: str) -> tuple[int, dict | str, str]:
+    """`hstrace check ARGS` in-process through main(): (exit code, the --json document or the
+    text, stderr)."""
+    out = run_main("check", *args)
+    doc = json.loads(out.stdout) if "--json" in args and out.returncode != 2 else out.stdout
+    return out.returncode, doc, out.stderr
 
 
 def _finding(doc: dict, code: str) -> dict:
@@ -52,9 +61,8 @@ def test_world_is_what_its_manifest_says():
     assert not (WORLD / "drafter-speculators" / "config.py").exists()
 
 
-def _check(capsys, drafter: str, data: str, *extra: str) -> tuple[int, dict]:
+def _check(drafter: str, data: str, *extra: str) -> tuple[int, dict]:
     rc, doc, _ = run_check(
-        capsys,
         str(WORLD / f"drafter-{drafter}"),
         "--json",
         "--against",
@@ -66,12 +74,12 @@ def _check(capsys, drafter: str, data: str, *extra: str) -> tuple[int, dict]:
     return rc, doc
 
 
-def test_the_libraries_artifacts_load_and_agree(capsys):
+def test_the_libraries_artifacts_load_and_agree():
     target = ("--target", str(WORLD / "target"))
     got = {}
     for drafter in ("speculators", "specforge"):
         for data in ("speculators", "specforge"):
-            rc, doc = _check(capsys, drafter, data, *target)
+            rc, doc = _check(drafter, data, *target)
             train = doc["metrics"]["training"]
             assert doc["dialect"] == drafter and train["format"] == data
             assert doc["load_report"]["unmapped"] == []
@@ -94,11 +102,11 @@ def test_the_libraries_artifacts_load_and_agree(capsys):
         assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 0.01, (drafter, a, b)
 
 
-def test_speculators_layer_set_with_an_embedding_slot(capsys):
+def test_speculators_layer_set_with_an_embedding_slot():
     """Data written by speculators' own code with ids [0, 3, 4] + 7: [:-1] is the aux, so fc
     would train on the embedding in slot 0, which the drafter's config ([2, 3, 4]) never asks
     the engine for. Found without the target, from the drafter's own saved embedding."""
-    rc, doc = _check(capsys, "speculators", "speculators-embed")
+    rc, doc = _check("speculators", "speculators-embed")
     f = _finding(doc, "slot-layout")
     assert rc == 1 and f["severity"] == "fault"
     ev = f["evidence"]
@@ -108,28 +116,28 @@ def test_speculators_layer_set_with_an_embedding_slot(capsys):
     assert ev["slot_rel_errors"]["0"] < 1e-2 < ev["slot_rel_errors"]["1"]
     # a SpecForge drafter carries no embedding and no target is given: slot 0 is still found,
     # as the one slot that is the same row wherever a token repeats
-    rc, doc = _check(capsys, "specforge", "speculators-embed")
+    rc, doc = _check("specforge", "speculators-embed")
     ev = _finding(doc, "slot-layout")["evidence"]
     assert rc == 1 and ev["embedding_slots"] == [0] and ev["embedding_source"].startswith("none")
     assert ev["slot_rel_errors"]["0"] == 0.0 and min(ev["slot_rel_errors"][k] for k in "12") > 0.1
     assert ev["config_layer_ids"] == [1, 2, 3] and ev["config_hf_indices"] == [2, 3, 4]
     # the correctly captured data has no embedding slot
-    rc, doc = _check(capsys, "speculators", "speculators")
+    rc, doc = _check("speculators", "speculators")
     slots = doc["metrics"]["training"]["embedding_slot_test"]["slots"]
     assert [s["is_embedding"] for s in slots] == [False, False, False, False]
 
 
-def test_eagle31_drafter_in_specforge_layout_is_read_after_pr_879(capsys):
+def test_eagle31_drafter_in_specforge_layout_is_read_after_pr_879():
     """An EAGLE-3.1 drafter (speculators' code trained it feeding norm(h) back) saved by
     SpecForge's save_pretrained with `norm_output: true`, as a SpecForge export after PR #879
     writes it. Without data hstrace asks; with the training tensors it names the reading, and
     the accuracy it reports is the drafter's under that reading."""
     ck = str(WORLD / "drafter-specforge-eagle31")
-    rc, doc, _ = run_check(capsys, ck, "--json")
+    rc, doc, _ = run_check(ck, "--json")
     f = _finding(doc, "norm-flag-mismatch")
     assert rc == 0 and f["severity"] == "warning" and f["evidence"]["reading"] == "unknown"
     target = ("--target", str(WORLD / "target"))
-    rc, doc = _check(capsys, "specforge-eagle31", "specforge", *target, "--all-versions")
+    rc, doc = _check("specforge-eagle31", "specforge", *target, "--all-versions")
     res = doc["metrics"]["norm_output_resolution"]
     assert res["reading"] == "after-specforge-pr-879"
     assert res["only_right_after_pr_879"] > 10 * max(res["only_right_before_pr_879"], 1)
@@ -145,7 +153,7 @@ def test_eagle31_drafter_in_specforge_layout_is_read_after_pr_879(capsys):
     full = doc["metrics"]["training"]["per_position"]["full"]
     assert full[1] >= 0.9, full  # scored as trained (feed norm(h)), not as SpecForge 0.2.0 reads it
     # judged for SGLang 0.5.23 (reads norm_output as feed norm(h)): served as trained
-    rc, doc = _check(capsys, "specforge-eagle31", "specforge", *target)
+    rc, doc = _check("specforge-eagle31", "specforge", *target)
     assert rc == 0 and doc["findings"] == []
 
 
@@ -160,9 +168,10 @@ def test_specforge_exports_load_as_specforge_runs_them(monkeypatch, name):
 
     sf = pytest.importorskip("test_drafter_vs_specforge", reason="specforge 0.2.0 not importable")
     monkeypatch.setattr(sf.sf_model, "LogSoftmaxLoss", sf.FakeCudaLogSoftmaxLoss)
-    from hstrace.check import POST_879, PRE_879, load_target_embedding, norm_output_flags
     from hstrace.drafter import load_drafter
+    from hstrace.drafter.norm_output import POST_879, PRE_879, norm_output_flags
     from hstrace.metrics import TargetHead
+    from hstrace.target_io import load_target_embedding
     from hstrace.training import open_training
 
     ck, target_dir = WORLD / name, WORLD / "target"
