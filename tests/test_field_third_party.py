@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from hstrace.replay.serving import accept_len_by_rank, read_serving
+from hstrace.testing import ProducedTrace, StoreConformance, record_writes
 from hstrace.trace import TraceWriter, open_trace, request_key, summarize
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "trace-format.md"
@@ -19,6 +20,17 @@ def _example() -> str:
     text = DOC.read_text(encoding="utf-8")
     section = text.split("### A writer call for every table", 1)[1]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+class TestDocExampleStore(StoreConformance):
+    """The doc's producer passes the store conformance suite (hstrace.testing), the way the
+    doc tells a third party to check its own."""
+
+    def make_trace(self, tmp_path):
+        path = tmp_path / "third-party.zarr"
+        with record_writes() as log:
+            exec(compile(_example(), str(DOC), "exec"), {"path": path})  # noqa: S102
+        return ProducedTrace(path, written=log.only())
 
 
 def test_doc_example_writes_a_trace_replay_reads(tmp_path):
