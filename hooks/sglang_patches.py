@@ -11,7 +11,6 @@ fire when the model runs inside CUDA graphs.
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,11 +66,6 @@ REC: Recorder | None = None
 
 
 # ---- the wrappers, one per patch point ------------------------------------------------------
-
-
-def _bind(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
-    bound = inspect.signature(original).bind(*args, **kwargs)
-    return bound.arguments
 
 
 def wrap_load_weights(original: Callable) -> Callable:
@@ -238,7 +232,7 @@ def wrap_prefill(original: Callable) -> Callable:
         if rec is not None:
 
             def tap():
-                a = _bind(original, (self, *args), kwargs)
+                a = hooks_common.bind_args(original, (self, *args), kwargs)
                 if batch.forward_mode.is_idle() or rec.internal(r.rid for r in batch.reqs):
                     return
                 writes: list[taps.TableWrite] = []

@@ -15,7 +15,6 @@ written when it returns.
 from __future__ import annotations
 
 import functools
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 from hstrace.engines import load_audit
 from hstrace.engines import vllm_audit as audit
 from hstrace.engines import vllm_taps as taps
-from hstrace.engines.hooks_common import Recorder, Version, install_points
+from hstrace.engines.hooks_common import Recorder, Version, bind_args, install_points
 from hstrace.engines.vllm_versions import patch_points_for
 
 
@@ -38,10 +37,6 @@ class VLLMRecorder(Recorder):
 
 
 REC: VLLMRecorder | None = None
-
-
-def _bind(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
-    return inspect.signature(original).bind(*args, **kwargs).arguments
 
 
 def _tolist(x: Any) -> list:
@@ -98,7 +93,7 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
         if rec is None or "step" in rec.disabled:
             return original(self, *args, **kwargs)
         rec.current = rec.run_tap(
-            "step", lambda: _begin_step(rec, self, _bind(original, (self, *args), kwargs))
+            "step", lambda: _begin_step(rec, self, bind_args(original, (self, *args), kwargs))
         )
         try:
             result = original(self, *args, **kwargs)
@@ -133,7 +128,7 @@ def wrap_propose(original: Callable) -> Callable:
         if step is None or getattr(self, "method", None) != "eagle3":
             return original(self, *args, **kwargs)
         rec.run_tap(
-            "step", lambda: _fill_from_proposer(step, _bind(original, (self, *args), kwargs))
+            "step", lambda: _fill_from_proposer(step, bind_args(original, (self, *args), kwargs))
         )
         rec.collecting = "step" not in rec.disabled
         try:

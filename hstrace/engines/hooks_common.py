@@ -60,6 +60,11 @@ class PatchPoint:
         return self.target.split(":")[1]
 
 
+def bind_args(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A wrapped call's arguments by parameter name (patch points bind by name)."""
+    return inspect.signature(original).bind(*args, **kwargs).arguments
+
+
 def choose_points(table: tuple[PatchPoint, ...], version: Version) -> tuple[PatchPoint, ...]:
     chosen = tuple(p for p in table if p.applies_to(version))
     targets = [p.target for p in chosen]
