@@ -88,17 +88,22 @@ class _StandInModule(types.ModuleType):
 class TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """CPU stand-in for torchvision, which SGLang imports unconditionally for multimodal configs
     (`srt/configs/__init__.py` -> internvl_utils) and a text-only server never calls; the released
-    wheel fails to import next to CPU torch. Serves only when torchvision cannot be imported."""
+    wheel fails to import next to CPU torch. Installed only when torchvision cannot be imported.
+    Any attribute of a stand-in module is a MagicMock (enough for import-time use); `PREFIXES`
+    names the top-level packages it serves (the tests' fakes reuse it for another package)."""
+
+    PREFIXES: tuple[str, ...] = ("torchvision",)
+    VERSION = "0.0.0+hstrace-cpu-stand-in"
 
     def find_spec(self, fullname, path, target=None):
-        if fullname.split(".")[0] != "torchvision":
+        if fullname.split(".")[0] not in self.PREFIXES:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
 
     def create_module(self, spec):
         module = _StandInModule(spec.name)
         module.__path__ = []
-        module.__version__ = "0.0.0+hstrace-cpu-stand-in"
+        module.__version__ = self.VERSION
         return module
 
     def exec_module(self, module):

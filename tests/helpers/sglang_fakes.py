@@ -12,42 +12,20 @@ test through `tests/sglang_fakes_site/sitecustomize.py`), never by hstrace itsel
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
-import types
-from unittest.mock import MagicMock
+
+# The import-time stand-in of the CPU shim (hooks/sglang_cpu_shim.py), installed here without
+# the shim's environment switch; importing the shim module imports no SGLang.
+from hstrace.hooks.sglang_cpu_shim import TorchvisionStandIn
 
 
-class _FakeModule(types.ModuleType):
-    def __getattr__(self, name: str):  # any attribute: a MagicMock (enough for import-time use)
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = MagicMock(name=f"{self.__name__}.{name}")
-        setattr(self, name, value)
-        return value
+class FakeTorchvisionFinder(TorchvisionStandIn):
+    VERSION = "0.0.0+hstrace-fake"
 
 
-class FakeTorchvisionFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    PREFIXES = ("torchvision",)
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname.split(".")[0] in self.PREFIXES:
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _FakeModule(spec.name)
-        module.__path__ = []
-        module.__version__ = "0.0.0+hstrace-fake"
-        return module
-
-    def exec_module(self, module):
-        return None
-
-
-class FakeVllmCustomOps(FakeTorchvisionFinder):
+class FakeVllmCustomOps(TorchvisionStandIn):
     PREFIXES = ("vllm",)
+    VERSION = "0.0.0+hstrace-fake"
 
 
 def install() -> None:
