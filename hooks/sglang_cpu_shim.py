@@ -55,8 +55,10 @@ def _sglang_version() -> str | None:
 
 
 def refuse(message: str) -> None:
-    print(f"hstrace: error: {message}", file=sys.stderr, flush=True)
-    raise SystemExit(2)  # not an Exception: SGLang's plugin loader does not swallow it
+    """One line and exit 2 before SGLang serves (hooks_common.refuse, without a status file)."""
+    from hstrace.engines.hooks_common import refuse as refuse_with_status
+
+    refuse_with_status({}, message)
 
 
 def install_from_env() -> bool:
