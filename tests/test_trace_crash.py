@@ -11,55 +11,12 @@ import sys
 import threading
 import time
 
-import numpy as np
 import pytest
-import torch
+from helpers.trace_steps import script_env, step_data, verify_prefix
 
 from hstrace.errors import TraceError
 from hstrace.trace import TraceWriter, create_trace, open_trace
 from hstrace.trace.recorder import BACKLOG_AGE_FACTOR
-
-WIDTH = 96
-
-
-def step_data(s: int) -> dict:
-    """Step s of a deterministic ragged run: decodes of 1-16 tokens, a 3000-token prefill every 40."""
-    n = 3000 if s % 40 == 7 else 1 + (s * 7) % 16
-    g = torch.Generator().manual_seed(s)
-    return dict(
-        step={"mode": int(n > 16)},
-        req={"req_key": torch.tensor([s, s + 1]), "n_tok": torch.tensor([n // 2, n - n // 2])},
-        tok={
-            "input_ids": torch.arange(s, s + n, dtype=torch.int32),
-            "positions": torch.arange(n, dtype=torch.int32),
-            "aux_hidden": torch.randn(n, WIDTH, generator=g).to(torch.bfloat16),
-        },
-    )
-
-
-def verify_prefix(path, rank: int = 0) -> int:
-    """Every committed step equals what was written for it; returns the committed step count."""
-    with open_trace(path) as tr:
-        t = tr.rank(rank).table("target")
-        if t is None:
-            return 0
-        seq = t.column("step", "seq")
-        assert list(seq) == list(range(t.num_steps)), "committed steps have holes"
-        mode = t.column("step", "mode")
-        aux = t.column("tok", "aux_hidden").view(torch.int16).numpy()
-        ids = t.column("tok", "input_ids")
-        keys = t.column("req", "req_key")
-        off_tok, off_req = t.offsets("tok"), t.offsets("req")
-        for s in range(t.num_steps):
-            want = step_data(s)
-            a, b = off_tok[s], off_tok[s + 1]
-            assert mode[s] == want["step"]["mode"]
-            assert np.array_equal(keys[off_req[s] : off_req[s + 1]], want["req"]["req_key"].numpy())
-            assert np.array_equal(ids[a:b], want["tok"]["input_ids"].numpy()), f"step {s} ids"
-            assert np.array_equal(aux[a:b], want["tok"]["aux_hidden"].view(torch.int16).numpy()), (
-                f"step {s} aux"
-            )
-        return t.num_steps
 
 
 def _produce(w: TraceWriter, stop: threading.Event, written: list[int]) -> None:
@@ -123,9 +80,7 @@ def test_sigkill_after_a_tail_flush_loses_nothing_older(tmp_path):
 
 
 RANK_SCRIPT = """
-import sys
-sys.path.insert(0, {tests!r})
-from test_trace_crash import step_data
+from helpers.trace_steps import step_data
 from hstrace.trace import TraceWriter
 with TraceWriter({path!r}, rank={rank}) as w:
     for s in range({steps}):
@@ -136,14 +91,10 @@ with TraceWriter({path!r}, rank={rank}) as w:
 def test_two_rank_processes_write_one_store(tmp_path):
     path = tmp_path / "two.zarr"
     create_trace(path, engine={"name": "test"})
-    tests = os.path.dirname(os.path.abspath(__file__))
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                RANK_SCRIPT.format(tests=tests, path=str(path), rank=r, steps=120),
-            ]
+            [sys.executable, "-c", RANK_SCRIPT.format(path=str(path), rank=r, steps=120)],
+            env=script_env(),
         )
         for r in (0, 1)
     ]
@@ -198,9 +149,8 @@ def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
 # Writes steps until killed; prints "<step>" after each write returned (the step is handed over).
 STEADY_PRODUCER = """
 import os, sys, time
-sys.path.insert(0, {tests!r})
 {prelude}
-from test_trace_crash import step_data
+from helpers.trace_steps import step_data
 from hstrace.trace import TraceWriter
 w = TraceWriter({path!r}, rank=0, tail_flush_s=0.2, staging_bytes=8 << 20,
                 max_part_bytes=1 << 20)
@@ -223,13 +173,9 @@ def _shared_maps(pid: int) -> list[str]:
 def _start_steady(tmp_path, prelude: str = "") -> tuple[subprocess.Popen, int, int, object]:
     path = tmp_path / "steady.zarr"
     create_trace(path, engine={"name": "test"})
-    tests = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            STEADY_PRODUCER.format(tests=tests, path=str(path), prelude=prelude),
-        ],
+        [sys.executable, "-c", STEADY_PRODUCER.format(path=str(path), prelude=prelude)],
+        env=script_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -9,7 +9,6 @@ ENOSPC and EROFS are real: a small tmpfs mounted in a private user + mount names
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -17,17 +16,14 @@ import sys
 import time
 
 import pytest
-from test_trace_crash import step_data
+from helpers.trace_steps import script_env, step_data
 
 from hstrace.errors import TraceError
 from hstrace.trace import TraceWriter, create_trace, open_trace
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-
 FAULT_SCRIPT = """
 import json, os, subprocess, sys, time
-sys.path.insert(0, {tests!r})
-from test_trace_crash import step_data, verify_prefix
+from helpers.trace_steps import step_data, verify_prefix
 from hstrace.errors import TraceError
 from hstrace.trace import TraceWriter, create_trace
 root, mode = sys.argv[1], sys.argv[2]
@@ -76,7 +72,7 @@ needs_namespace = pytest.mark.skipif(
 def _run_fault(tmp_path, mode: str, size: str) -> tuple[dict, str]:
     root = tmp_path / "mnt"
     root.mkdir()
-    script = FAULT_SCRIPT.format(tests=TESTS)
+    script = FAULT_SCRIPT.format()  # (the script doubles its braces)
     out = subprocess.run(
         [
             "unshare",
@@ -92,6 +88,7 @@ def _run_fault(tmp_path, mode: str, size: str) -> tuple[dict, str]:
         capture_output=True,
         text=True,
         timeout=300,
+        env=script_env(),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr

@@ -19,6 +19,7 @@ import numpy as np
 import zarr
 
 from hstrace.errors import TraceError
+from hstrace.trace.columns import ColumnSpec, describe, row_counts, spec_of
 from hstrace.trace.rowlog import RowLog
 from hstrace.trace.schema import (
     OFFSETS_ARRAY,
@@ -29,9 +30,6 @@ from hstrace.trace.schema import (
     check_name,
     column_array,
 )
-
-# Columns spec as it travels: {axis: {column: (storage dtype str, logical dtype, row_shape)}}
-ColumnSpec = dict[str, dict[str, tuple[str, str, tuple[int, ...]]]]
 
 # Commit at most this often when only whole units were written (tail flushes always commit).
 COMMIT_INTERVAL_S = 0.25
@@ -222,7 +220,8 @@ class RankRecorder:
             t = self.tables[name] = TableLog(self.group, name, spec, column_attrs)
         elif spec != t.spec:
             raise TraceError(
-                f"table {name!r}: columns {_describe(spec)} differ from the first write's {_describe(t.spec)}"
+                f"table {name!r}: columns {describe(spec)} differ from the first write's "
+                f"{describe(t.spec)}"
             )
         return t
 
@@ -236,7 +235,7 @@ class RankRecorder:
         """Write one whole step (in-process mode and tests). `logical` maps "axis/column" to
         its logical dtype where it differs from the storage dtype (bf16 as uint16)."""
         spec = spec_of(axis_rows, logical)
-        counts = check_counts(table, axis_rows)
+        counts = row_counts(table, axis_rows)
         now = time.monotonic()
         t = self.table(table, spec, column_attrs)
         t.append(axis_rows, now)
@@ -302,49 +301,6 @@ class RankRecorder:
             log.close()
         self.commit(clean_close=True)
         self.closed = True
-
-
-def spec_of(
-    axis_rows: dict[str, dict[str, np.ndarray]], logical: dict[str, str] | None = None
-) -> ColumnSpec:
-    logical = logical or {}
-    return {
-        axis: {
-            c: (
-                str(a.dtype),
-                logical.get(f"{axis}/{c}", str(a.dtype)),
-                tuple(int(x) for x in a.shape[1:]),
-            )
-            for c, a in cols.items()
-        }
-        for axis, cols in axis_rows.items()
-    }
-
-
-def check_counts(table: str, axis_rows: dict[str, dict[str, np.ndarray]]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for axis, cols in axis_rows.items():
-        lens = {c: a.shape[0] for c, a in cols.items()}
-        if len(set(lens.values())) > 1:
-            raise TraceError(
-                f"table {table!r}: columns on axis {axis!r} have different row counts {lens}"
-            )
-        counts[axis] = next(iter(lens.values()), 0)
-    if counts.get(STEP_AXIS) != 1:
-        raise TraceError(
-            f"table {table!r}: a step has exactly one row on the '{STEP_AXIS}' axis, got {counts.get(STEP_AXIS)}"
-        )
-    return counts
-
-
-def _describe(spec: ColumnSpec) -> str:
-    return (
-        "{"
-        + ", ".join(
-            f"{a}/{c}:{ld}{list(rs)}" for a, cols in spec.items() for c, (_, ld, rs) in cols.items()
-        )
-        + "}"
-    )
 
 
 def _deep_merge(base: dict, new: dict) -> dict:

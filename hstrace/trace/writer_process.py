@@ -1,17 +1,7 @@
 """The writer process of one rank: drains the staging ring into a RankRecorder.
 
-Imports no torch: it only needs numpy and zarr, so it starts fast and stays small. Protocol
-(all over two one-way pipes, in order):
-  producer -> writer  ("part", table, offset, end, layout, counts|None, spec|None, column_attrs|None, dropped)
-                      ("static", dict) | ("error", tap, message) | ("flush",) | ("close",)
-  writer -> producer  ("ready",) | ("failed", message) once at start; then, for each part
-                      consumed, its `end` (int: the producer's ring counter after that part, so
-                      the bytes before it are free again); ("flushed",) / ("closed",) answering
-                      flush / close; ("fault", message) once, when the trace cannot be written
-                      any more (disk full, read-only, directory removed), before exiting.
-A part occupies ring bytes [offset, offset + size); `layout` lists (axis, column, byte offset
-within the part, rows); dtype and row shape come from the table's spec, sent with the first
-step of each table.
+Imports no torch: it only needs numpy and zarr, so it starts fast and stays small. The
+messages it reads and answers are in hstrace/trace/protocol.py.
 """
 
 from __future__ import annotations
@@ -19,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import math
-import mmap
 import os
 import sys
 import time
@@ -29,10 +18,11 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from hstrace.errors import HstraceError
+from hstrace.trace import protocol as P
 from hstrace.trace import rowlog
+from hstrace.trace.protocol import ALIGN
+from hstrace.trace.ring import RingView
 
-# Part and column alignment in the ring (hstrace.trace.writer.ALIGN; that module imports torch).
-ALIGN = 64
 # Sleep between polls of an idle pipe: starts short, doubles while idle, up to the max.
 IDLE_POLL_MIN_S = 0.001
 IDLE_POLL_MAX_S = 0.002
@@ -56,36 +46,6 @@ def main(argv: list[str]) -> None:
         int(threads),
         raw_when_behind == "1",
     )
-
-
-class _Ring:
-    """The producer's staging ring: a memfd passed down (it has no name, so no kill leaves it
-    behind), or a /dev/shm segment mapped directly (not through SharedMemory: its resource
-    tracker would unlink the producer's segment when we exit). Its last ALIGN bytes hold the
-    producer's head counter, from which the writer knows how far behind it is."""
-
-    def __init__(self, ring: str) -> None:
-        if ring.startswith("fd:"):
-            fd = int(ring[3:])
-        else:
-            fd = os.open(os.path.join("/dev/shm", ring.lstrip("/")), os.O_RDWR)
-        try:
-            self.buf = mmap.mmap(fd, 0)
-        finally:
-            os.close(fd)
-        self.size = len(self.buf) - ALIGN
-        self._head = np.frombuffer(self.buf, dtype=np.int64, count=1, offset=self.size)
-
-    def behind(self, end: int) -> bool:
-        """Whether the bytes staged after `end` fill more than half the ring."""
-        return int(self._head[0]) - end > self.size // 2
-
-    def close(self) -> None:
-        del self._head
-        try:
-            self.buf.close()
-        except BufferError:  # a numpy view still alive at exit; the OS unmaps it
-            pass
 
 
 class _Replies:
@@ -172,21 +132,21 @@ def writer_main(
 
     replies = _Replies(free_w, ends_fd)
     try:
-        shm = _Ring(ring)
+        shm = RingView(ring)
         rowlog.configure(threads, raw_when_behind)
         rec = RankRecorder(path, rank, tail_flush_s=tail_flush_s)
         guard = _Guard(path, rank)
     except (HstraceError, OSError) as exc:
-        replies.send(("failed", str(exc)))
+        replies.send(P.Failed(str(exc)))
         return
     try:
-        replies.send(("ready",))
+        replies.send(P.Ready())
         _loop(rec, shm, guard, data_r, replies)
     finally:
         shm.close()
 
 
-def _loop(rec, shm: _Ring, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
+def _loop(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
     try:
         _serve(rec, shm, guard, data_r, replies)
     except _Fatal as exc:  # the trace itself is gone: nothing of it is ours to report as kept
@@ -195,6 +155,9 @@ def _loop(rec, shm: _Ring, guard: _Guard, data_r: Connection, replies: _Replies)
         _fault(rec, guard, replies, _describe_os_error(exc), commit=True)
     except Exception as exc:  # noqa: BLE001 - never a traceback into the server's log
         _fault(rec, guard, replies, f"unexpected {type(exc).__name__}: {exc}", commit=True)
+    else:
+        return
+    shm.faulted()
 
 
 def _describe_os_error(exc: OSError) -> str:
@@ -222,7 +185,7 @@ def _fault(
         except Exception:  # noqa: BLE001 - the last commit on disk stands
             pass
     kept = kept or _kept(guard.path, rec.rank)
-    replies.send(("fault", f"{guard.path}: rank {rec.rank} stopped recording: {why}; kept: {kept}"))
+    replies.send(P.Fault(f"{guard.path}: rank {rec.rank} stopped recording: {why}; kept: {kept}"))
 
 
 def _kept(path: str, rank: int) -> str:
@@ -247,7 +210,7 @@ def _abandon(rec) -> None:
     rec.commit(clean_close=False)
 
 
-def _consume(rec, shm: _Ring, data_r: Connection, replies: _Replies, end, dropped, write) -> None:
+def _consume(rec, shm: RingView, data_r: Connection, replies: _Replies, end: int, write) -> None:
     """Write one staged part, hand its ring space back whatever happened, then book-keep."""
     try:
         write()
@@ -255,18 +218,18 @@ def _consume(rec, shm: _Ring, data_r: Connection, replies: _Replies, end, droppe
         rec.note_error("writer", str(exc))
     finally:
         replies.end(end)
-    if dropped is not None:
-        rec.set_dropped(dropped)
+        shm.consumed(end)
     behind = shm.behind(end)
     rowlog.set_behind(behind)
     rec.tick(backlog=behind or data_r.poll(0))
 
 
-def _serve(rec, shm: _Ring, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
+def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
     # The writer sleeps between polls rather than blocking on the pipe: a pipe write that
     # wakes a blocked reader costs the serving thread tens of microseconds (and, on a busy
     # host, often a preemption); a write to a pipe nobody waits on is a plain copy.
     pause = IDLE_POLL_MIN_S
+    names: dict[int, str] = {}  # table id -> name (protocol.Table)
     while True:
         if not data_r.poll(0):
             replies.flush_end()
@@ -284,49 +247,57 @@ def _serve(rec, shm: _Ring, guard: _Guard, data_r: Connection, replies: _Replies
             continue
         pause = IDLE_POLL_MIN_S
         try:
-            msg = data_r.recv()
+            msg = P.decode(data_r.recv_bytes())
         except (EOFError, OSError):
             # The producer is gone without closing: keep what we have, but not as a clean close.
             guard.check()
             _abandon(rec)
             return
-        kind = msg[0]
         guard.check()
-        if kind == "step":  # a whole step in one part, laid out in spec order (the fast path)
-            _, table, offset, end, counts, dropped = msg
-            write = partial(_write_step, rec, shm, offset, table, counts)
-            _consume(rec, shm, data_r, replies, end, dropped, write)
-        elif kind == "part":
-            _, table, offset, end, layout, counts, spec, column_attrs, dropped = msg
-            write = partial(
-                _write_part, rec, shm, offset, table, layout, counts, spec, column_attrs
-            )
-            _consume(rec, shm, data_r, replies, end, dropped, write)
-        elif kind == "static":
-            rec.update_static(msg[1])
-        elif kind == "error":
-            rec.note_error(msg[1], msg[2])
-        elif kind == "dropped":
-            rec.set_dropped(msg[1])
-        elif kind == "flush":
+        if isinstance(msg, P.Step):  # a whole step in one part, laid out in spec order
+            write = partial(_write_step, rec, shm, msg.offset, names.get(msg.table_id), msg.counts)
+            _consume(rec, shm, data_r, replies, msg.end, write)
+        elif isinstance(msg, P.Part):
+            write = partial(_write_part, rec, shm, names.get(msg.table_id), msg)
+            _consume(rec, shm, data_r, replies, msg.end, write)
+        elif isinstance(msg, P.Table):
+            names[msg.table_id] = msg.name
+            try:
+                rec.table(msg.name, msg.spec, msg.column_attrs)
+            except HstraceError as exc:  # its rows are refused (and noted) as they arrive
+                rec.note_error("writer", str(exc))
+        elif isinstance(msg, P.Static):
+            rec.update_static(msg.items)
+        elif isinstance(msg, P.Error):
+            rec.note_error(msg.tap, msg.message)
+        elif isinstance(msg, P.Dropped):
+            rec.set_dropped(msg.counts)
+        elif isinstance(msg, P.Flush):
+            rec.set_dropped(msg.dropped)
             for log in rec._all_logs():
                 log.flush_tail()
             rec.commit()
-            replies.send(("flushed",))
-        elif kind == "close":
-            if msg[1:] and msg[1] is not None:
-                rec.set_dropped(msg[1])
+            replies.send(P.Flushed())
+        elif isinstance(msg, P.Close):
+            rec.set_dropped(msg.dropped)
             rec.close()
-            replies.send(("closed",))
+            replies.send(P.Closed())
             return
+        else:
+            raise HstraceError(f"unknown message {type(msg).__name__}")
 
 
-def _write_step(rec, shm: _Ring, base: int, table: str, counts: tuple[int, ...]) -> None:
-    """A fast-path step: every column of every axis, in spec order, each at a 64-byte
-    aligned offset after the previous one (the producer's `_fast_write` layout)."""
-    t = rec.tables.get(table)
+def _table(rec, name: str | None):
+    t = rec.tables.get(name) if name is not None else None
     if t is None:
-        raise HstraceError(f"table {table!r}: rows arrived before its columns were announced")
+        raise HstraceError(f"table {name!r}: rows arrived before its columns were announced")
+    return t
+
+
+def _write_step(rec, shm: RingView, base: int, table: str | None, counts: tuple[int, ...]) -> None:
+    """A one-part step: every column of every axis, in spec order, each at a 64-byte aligned
+    offset after the previous one (ProcessSink.write_step's layout)."""
+    t = _table(rec, table)
     rows: dict[str, dict[str, np.ndarray]] = {}
     offset = base
     for (axis, cols), n in zip(t.cols.items(), counts, strict=True):
@@ -342,22 +313,18 @@ def _write_step(rec, shm: _Ring, base: int, table: str, counts: tuple[int, ...])
     t.end_step(dict(zip(t.cols, counts, strict=True)), now)
 
 
-def _write_part(rec, shm: _Ring, base: int, table: str, layout, counts, spec, column_attrs) -> None:
-    if spec is not None and table not in rec.tables:
-        rec.table(table, spec, column_attrs)
-    t = rec.tables.get(table)
-    if t is None:
-        raise HstraceError(f"table {table!r}: rows arrived before its columns were announced")
+def _write_part(rec, shm: RingView, table: str | None, part: P.Part) -> None:
+    t = _table(rec, table)
     rows: dict[str, dict[str, np.ndarray]] = {}
-    for axis, col, offset, n in layout:
+    for axis, col, offset, n in part.layout:
         log = t.cols[axis][col]
         count = n * math.prod(log.row_shape)
-        view = np.frombuffer(shm.buf, dtype=log.dtype, count=count, offset=base + offset)
+        view = np.frombuffer(shm.buf, dtype=log.dtype, count=count, offset=part.offset + offset)
         rows.setdefault(axis, {})[col] = view.reshape(n, *log.row_shape)
     now = time.monotonic()
     t.append(rows, now)
-    if counts is not None:
-        t.end_step(counts, now)
+    if part.counts is not None:
+        t.end_step(part.counts, now)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,485 @@
+"""The serving path's sink: steps are copied into a shared-memory byte ring and a small message
+goes down a pipe to the rank's writer process (hstrace/trace/writer_process.py), which does all
+compression and I/O. The serving thread pays a memcpy (an async D2H copy on CUDA) and one pipe
+write. A step larger than `max_part_bytes` (a prefill of thousands of tokens) is split by rows
+into several parts. Also here: starting and supervising the writer process, and the CUDA
+completer that sends a step's message once its device copies are done.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+import torch
+
+from hstrace.errors import TraceError
+from hstrace.trace import protocol as P
+from hstrace.trace.protocol import ALIGN, align
+from hstrace.trace.ring import FAULT, HEAD, TAIL, Segment, release_segment, unexported_view
+from hstrace.trace.sink import Sink, TablePlan, new_stats
+
+# Where the hstrace package lives, so the writer process imports this very copy.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Seconds to wait for the writer process to start (it imports numpy and zarr).
+START_TIMEOUT_S = 120.0
+
+
+class _Table:
+    """Per table: its id on the wire and the packer of its Step messages."""
+
+    __slots__ = ("tid", "codec")
+
+    def __init__(self, tid: int, n_axes: int) -> None:
+        self.tid = tid
+        self.codec = P.StepCodec(tid, n_axes)
+
+
+class ProcessSink(Sink):
+    def __init__(
+        self,
+        path: str,
+        rank: int,
+        tail_flush_s: float = 2.0,
+        staging_bytes: int = 256 << 20,
+        max_part_bytes: int = 16 << 20,
+        compress_threads: int = 2,
+        raw_when_behind: bool = True,
+    ) -> None:
+        self.path, self.rank = path, rank
+        self.stats = new_stats()
+        self._tables: dict[str, _Table] = {}
+        self._fault: str | None = None  # set once the writer reports the trace is unwritable
+        self._ring_bytes = align(int(staging_bytes))
+        self._part_bytes = min(align(int(max_part_bytes)), self._ring_bytes // 2)
+        self._shm = Segment(self._ring_bytes + ALIGN)
+        # A sink dropped without close() (a crashed caller, a test) must still release its
+        # segment: its memory is not freed while the process lives on.
+        self._release = weakref.finalize(self, release_segment, self._shm)
+        whole = unexported_view(self._shm.mmap, self._shm.size)
+        self._ring_np = whole[: self._ring_bytes]
+        self._ring_i64 = self._ring_np.view(np.int64)
+        self._trailer = whole[self._ring_bytes :].view(np.int64)  # ring.HEAD / TAIL / FAULT
+        self._ring = torch.from_numpy(self._ring_np)
+        self._ring_addr = self._ring.data_ptr()
+        self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
+        # FIFO byte ring: bytes [tail, head) (monotonic counters) are in flight to the writer,
+        # which hands back the counter of each part it has consumed.
+        self._head = 0
+        self._tail = 0
+        self._pending: list[Any] = []  # replies read while waiting for something else
+        self._pinned = False
+        self._completer: _CudaCompleter | None = None
+        data_r, self._data_w = mp.Pipe(duplex=False)
+        self._data_fd = self._data_w.fileno()
+        self._free_r, free_w = mp.Pipe(duplex=False)
+        # select.poll on the raw fd: Connection.poll goes through selectors (tens of us a call).
+        self._free_poll = select.poll()
+        self._free_poll.register(self._free_r.fileno(), select.POLLIN)
+        # Ring space comes back as raw 8-byte counters on a pipe of their own: one
+        # non-blocking read takes all of them.
+        self._ends_r, ends_w = os.pipe()
+        os.set_blocking(self._ends_r, False)
+        self._wait_poll = select.poll()
+        self._wait_poll.register(self._free_r.fileno(), select.POLLIN)
+        self._wait_poll.register(self._ends_r, select.POLLIN)
+        args = [path, str(rank), str(float(tail_flush_s)), self._shm.arg]
+        args += [str(data_r.fileno()), str(free_w.fileno()), str(ends_w)]
+        args += [str(max(0, int(compress_threads))), "1" if raw_when_behind else "0"]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        # subprocess rather than multiprocessing's spawn, which would re-import the parent's
+        # __main__ (a server launcher, a test runner, a user script).
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "hstrace.trace.writer_process", *args],
+            pass_fds=(data_r.fileno(), free_w.fileno(), ends_w, *self._shm.pass_fds()),
+            env=env,
+        )
+        data_r.close()
+        free_w.close()
+        os.close(ends_w)
+        try:
+            reply = self._wait_reply((P.Ready, P.Failed), START_TIMEOUT_S)
+        except BaseException:
+            self._teardown()
+            raise
+        if isinstance(reply, P.Failed):
+            self._teardown()
+            raise TraceError(reply.message)
+        # Both sides have the ring mapped: drop its name / our descriptor now, so no kill of
+        # the producer, the writer or their whole process group can leak it (issue 12, item 6).
+        self._shm.mapped_by_both()
+
+    @property
+    def writer_pid(self) -> int | None:
+        return self._proc.pid
+
+    # --- steps ------------------------------------------------------------------------
+    def write_step(
+        self,
+        plan: TablePlan,
+        arrays: list[Any],
+        counts: tuple[int, ...],
+        host: bool,
+        may_drop: bool,
+    ) -> bool:
+        if self._fault is not None:
+            raise TraceError(self._fault)
+        t = self._tables.get(plan.name)
+        if t is None:
+            t = self._announce(plan)
+        if not host or self._completer is not None:
+            return self._write_parts(plan, t, arrays, counts, may_drop)
+        # One part, every column in spec order at an ALIGN-aligned offset after the previous
+        # one (the layout writer_process._write_step reads).
+        sizes = [counts[ai] * rb for ai, rb in zip(plan.col_axis, plan.row_bytes, strict=True)]
+        used = 0
+        for nb in sizes:
+            used += -(-nb // ALIGN) * ALIGN
+        if used > self._part_bytes:
+            return self._write_parts(plan, t, arrays, counts, may_drop)
+        base = self._allocate(used, may_drop)
+        if base is None:
+            return False
+        t0 = time.perf_counter()
+        addr = self._ring_addr + base
+        off = 0
+        for a, nb in zip(arrays, sizes, strict=True):
+            if nb:
+                ta = type(a)
+                if ta is torch.Tensor:
+                    ctypes.memmove(addr + off, a.data_ptr(), nb)  # a single-threaded memcpy
+                elif ta is int:
+                    # (an int64 view: struct.pack_into on the mmap costs ~15 us a call here)
+                    self._ring_i64[(base + off) >> 3] = a
+                else:
+                    lo = base + off
+                    self._ring_np[lo : lo + nb] = a.reshape(-1).view(np.uint8)
+            off += -(-nb // ALIGN) * ALIGN
+        self.stats["copy_s"] += time.perf_counter() - t0  # the copy itself (bench/README.md)
+        self._send(t.codec.frame(base, self._head, counts))
+        return True
+
+    def _announce(self, plan: TablePlan) -> _Table:
+        t = self._tables[plan.name] = _Table(len(self._tables), len(plan.axes))
+        self._send(P.frame_control(P.Table(t.tid, plan.name, plan.spec, plan.column_attrs)))
+        return t
+
+    def _write_parts(
+        self,
+        plan: TablePlan,
+        t: _Table,
+        arrays: list[Any],
+        counts: tuple[int, ...],
+        may_drop: bool,
+    ) -> bool:
+        """The general path: rows split into parts of at most max_part_bytes, CUDA tensors
+        copied asynchronously (their messages sent by the completer once the copy is done)."""
+        srcs = []
+        for (axis, col), dtype, rs, a in zip(
+            plan.columns, plan.dtypes, plan.row_shapes, arrays, strict=True
+        ):
+            if type(a) is int:
+                a = np.array([a], dtype)
+            elif isinstance(a, torch.Tensor) and not a.is_cuda:
+                a = a.view(torch.uint16) if a.dtype == torch.bfloat16 else a
+                a = a.numpy()
+            n = counts[plan.axes.index(axis)]
+            srcs.append((axis, col, a.reshape(n, *rs)))
+        by_axis = dict(zip(plan.axes, counts, strict=True))
+        parts = _pack(plan, srcs, by_axis, self._part_bytes)
+        for i, (layout, nbytes_part) in enumerate(parts):
+            # A step is dropped whole or not at all: only its first part may be refused.
+            base = self._allocate(nbytes_part, may_drop=(i == 0 and may_drop))
+            if base is None:
+                return False
+            cuda = False
+            msg_layout = []
+            t0 = time.perf_counter()
+            for j, offset, r0, r1 in layout:
+                axis, col, rows = srcs[j]
+                src = rows[r0:r1]
+                nbytes = (
+                    src.nbytes if isinstance(src, np.ndarray) else src.numel() * src.element_size()
+                )
+                lo, hi = base + offset, base + offset + nbytes
+                if isinstance(src, torch.Tensor):  # on CUDA
+                    cuda = True
+                    self._pin()
+                    self._ring[lo:hi].view(src.dtype).view(src.shape).copy_(src, non_blocking=True)
+                elif nbytes:
+                    # A plain single-threaded memcpy: torch's copy_ fans out to its intra-op
+                    # threads, which on a busy host stalls the serving thread for tens of ms.
+                    self._ring_np[lo:hi] = src.reshape(-1).view(np.uint8)
+                msg_layout.append((axis, col, offset, r1 - r0))
+            self.stats["copy_s"] += time.perf_counter() - t0
+            last = i == len(parts) - 1
+            msg = P.Part(t.tid, base, self._head, tuple(msg_layout), by_axis if last else None)
+            frame = P.frame_control(msg)
+            if cuda and self._completer is None:
+                self._completer = _CudaCompleter(self._write_frame)
+            if self._completer is not None:
+                self._completer.submit(torch.cuda.Event() if cuda else None, frame, record=cuda)
+            else:
+                self._write_frame(frame)
+        return True
+
+    def _pin(self) -> None:
+        # Page-lock the ring once so non_blocking D2H copies really are asynchronous.
+        if self._pinned:
+            return
+        self._pinned = True
+        try:
+            torch.cuda.cudart().cudaHostRegister(self._ring.data_ptr(), self._ring.numel(), 0)
+        except Exception:  # noqa: BLE001 - copies stay correct, only synchronous
+            pass
+
+    def _allocate(self, n: int, may_drop: bool) -> int | None:
+        """Offset of n contiguous free bytes in the ring (None: full and may_drop)."""
+        self._poll_free()
+        if self._fault is not None:
+            raise TraceError(self._fault)
+        head = self._head
+        if self._tail == head and head % self._ring_bytes:
+            # Nothing in flight: start over at the ring's start, whose pages the last steps
+            # touched and are likely still in cache (a FIFO walk copies into cold memory).
+            head = self._tail = -(-head // self._ring_bytes) * self._ring_bytes
+        pos = head % self._ring_bytes
+        pad = self._ring_bytes - pos if pos + n > self._ring_bytes else 0  # never wrap a part
+        need = pad + n
+        if head + need - self._tail > self._ring_bytes:
+            if may_drop:
+                self._head = head
+                return None
+            self.stats["blocked_parts"] += 1
+            t0 = time.perf_counter()
+            while head + need - self._tail > self._ring_bytes:
+                if self._wait_poll.poll(500):
+                    if not self._drain_ends():
+                        raise self._gone()  # end of file: the writer process is gone
+                    while self._fault is None and self._free_poll.poll(0):
+                        self._take(self._recv_reply())  # a fault report, or its end of file
+                    if self._fault is not None:
+                        raise TraceError(self._fault)
+                    self._poll_free()
+                elif self._proc.poll() is not None:
+                    raise self._gone()
+            self.stats["blocked_s"] += time.perf_counter() - t0
+        self.stats["parts"] += 1
+        self._head = head + need
+        self._trailer[HEAD] = self._head
+        return 0 if pad else pos
+
+    def _poll_free(self) -> None:
+        """Ring space handed back, and a fault report if there is one: two reads of shared
+        memory, no syscall (the pipes are read only while waiting for room or a reply)."""
+        tail = int(self._trailer[TAIL])
+        if tail > self._tail:
+            self._tail = tail
+        if self._trailer[FAULT]:
+            while self._fault is None and self._free_poll.poll(0):
+                self._take(self._recv_reply())
+
+    def _drain_ends(self) -> bool:
+        """Empty the ends pipe (the same counters as the trailer's TAIL: the pipe is what a
+        blocked producer waits on). False at its end of file: the writer process is gone."""
+        while True:
+            try:
+                ends = os.read(self._ends_r, 1 << 16)
+            except BlockingIOError:
+                return True
+            if not ends:
+                return False
+            # counters only grow: the last one read says it all
+            self._tail = max(self._tail, int.from_bytes(ends[-8:], "little"))
+
+    # --- control ----------------------------------------------------------------------
+    def control(self, msg: P.Static | P.Error | P.Dropped) -> None:
+        if self._fault is not None:
+            raise TraceError(self._fault)
+        self._send(P.frame_control(msg))
+
+    def flush(self, dropped: dict[str, int]) -> None:
+        self.control(P.Flush(dict(dropped)))
+        self._wait_reply((P.Flushed,), None)
+
+    def close(self, dropped: dict[str, int]) -> None:
+        try:
+            if self._fault is None:
+                self._poll_free()
+            if self._fault is not None:
+                raise TraceError(self._fault)
+            self._send(P.frame_control(P.Close(dict(dropped))))
+            self._wait_reply((P.Closed,), None)
+            self._proc.wait(timeout=60)
+        finally:
+            self._teardown()
+
+    # --- the pipes and the writer process ------------------------------------------------
+    def _send(self, frame: bytes) -> None:
+        if self._completer is not None:  # keep order behind in-flight CUDA copies
+            self._completer.submit(None, frame, record=False)
+            if frame[4] != P.STEP:
+                self._completer.drain()
+        else:
+            self._write_frame(frame)
+
+    def _write_frame(self, frame: bytes) -> None:
+        # One write of a framed message (Connection's framing, so the writer's recv_bytes
+        # reads it): Connection.send_bytes costs a few us of Python around the same write.
+        try:
+            view = memoryview(frame)
+            while view:
+                view = view[os.write(self._data_fd, view) :]
+        except OSError as exc:  # broken pipe: the writer process is gone
+            raise self._gone(exc) from exc
+
+    def _gone(self, exc: BaseException | None = None) -> TraceError:
+        """The error for a writer process that is gone: its fault report if it sent one."""
+        try:
+            while self._fault is None and self._free_r.poll(0):
+                self._take(self._free_r.recv())
+        except (EOFError, OSError):
+            pass
+        if self._fault is not None:
+            return TraceError(self._fault)
+        code = self._proc.poll()
+        why = f"code {code}" if exc is None else f"{exc}; code {code}"
+        return TraceError(f"{self.path}: the writer process of rank {self.rank} exited ({why})")
+
+    def _recv_reply(self) -> Any:
+        try:
+            return self._free_r.recv()
+        except (EOFError, OSError):
+            raise self._gone() from None
+
+    def _take(self, reply: Any) -> None:
+        if isinstance(reply, P.Fault):
+            self._fault = reply.message
+        else:
+            self._pending.append(reply)
+
+    def _wait_reply(self, kinds: tuple[type, ...], timeout: float | None) -> Any:
+        t_end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            for i, reply in enumerate(self._pending):
+                if isinstance(reply, kinds):
+                    return self._pending.pop(i)
+            if self._fault is not None:
+                raise TraceError(self._fault)
+            if self._free_r.poll(0.5):
+                self._take(self._recv_reply())
+                continue
+            if self._proc.poll() is not None and not self._free_r.poll(0):
+                raise self._gone()
+            if t_end is not None and time.monotonic() > t_end:
+                raise TraceError(
+                    f"{self.path}: the writer process of rank {self.rank} did not answer "
+                    f"within {timeout:.0f} s"
+                )
+
+    def _teardown(self) -> None:
+        if self._completer is not None:
+            self._completer.stop()
+        for conn in (self._data_w, self._free_r):
+            conn.close()
+        os.close(self._ends_r)
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()  # only after close or a failed start: nothing left to save
+            self._proc.wait()
+        if self._pinned:
+            try:
+                torch.cuda.cudart().cudaHostUnregister(self._ring.data_ptr())
+            except Exception:  # noqa: BLE001 - the mapping goes away with the segment anyway
+                pass
+        del self._ring, self._ring_np, self._ring_i64, self._trailer
+        self._release()
+
+
+def _pack(
+    plan: TablePlan, srcs: list[tuple[str, str, Any]], counts: dict[str, int], part_bytes: int
+) -> list[tuple[list[tuple[int, int, int, int]], int]]:
+    """Split a step's rows into parts of at most part_bytes: ([(source index, offset, r0, r1)],
+    bytes), axis by axis in spec order."""
+    parts: list[tuple[list[tuple[int, int, int, int]], int]] = []
+    cur: list[tuple[int, int, int, int]] = []
+    used = 0
+    for axis in plan.axes:
+        idx = [j for j, (a, _, _) in enumerate(srcs) if a == axis]
+        n = counts[axis]
+        row_bytes = {j: plan.row_bytes[j] for j in idx}
+        per_row = sum(row_bytes.values())
+        r = 0
+        while r < n:
+            room = part_bytes - used - ALIGN * len(idx)
+            k = min(n - r, room // per_row if per_row else n - r)
+            if k <= 0:
+                if not cur:
+                    raise TraceError(
+                        f"table {plan.name!r}: one row of axis {axis!r} ({per_row} B) is larger "
+                        f"than a staging part ({part_bytes} B)"
+                    )
+                parts.append((cur, used))
+                cur, used = [], 0
+                continue
+            for j, b in row_bytes.items():
+                cur.append((j, used, r, r + k))
+                used += align(k * b)
+            r += k
+    parts.append((cur, used))
+    return parts
+
+
+class _CudaCompleter:
+    """Sends messages once their async D2H copies are done, in order, off the serving thread."""
+
+    def __init__(self, write) -> None:
+        self._write = write
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name="hstrace-d2h", daemon=True)
+        self._thread.start()
+
+    def submit(self, event, frame: bytes, record: bool) -> None:
+        if record:
+            event.record()
+        self._idle.clear()
+        self._q.put((event, frame))
+
+    def drain(self) -> None:
+        self._q.put(None)
+        self._idle.wait()
+
+    def stop(self) -> None:
+        self._q.put(StopIteration)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is StopIteration:
+                return
+            if item is None:
+                if self._q.empty():
+                    self._idle.set()
+                continue
+            event, frame = item
+            if event is not None:
+                event.synchronize()
+            try:
+                self._write(frame)
+            except TraceError:
+                return  # the writer is gone: the next write or close says so

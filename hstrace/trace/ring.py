@@ -1,0 +1,149 @@
+"""The staging ring's shared memory, both sides of it.
+
+`Segment` is the producer's: on Linux a memfd (no name; the writer process inherits its
+descriptor, so no kill can leave anything behind), elsewhere a named /dev/shm segment unlinked
+as soon as both sides have mapped it. `RingView` is the writer process's mapping of it. The
+ring is followed by ALIGN bytes of counters (HEAD, TAIL, FAULT below). Imports no torch (the writer process uses it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from multiprocessing.shared_memory import SharedMemory
+
+import numpy as np
+
+from hstrace.errors import TraceError
+from hstrace.trace.protocol import ALIGN
+
+# The ALIGN bytes after the ring, as int64 words: the producer's head counter (how far the
+# writer is behind), the writer's consumed counter (ring space back to the producer without a
+# pipe read) and a fault flag (a Fault reply is waiting: the producer reads its pipe then).
+HEAD, TAIL, FAULT = 0, 1, 2
+TRAILER_WORDS = ALIGN // 8
+
+
+class Segment:
+    """The staging ring's shared memory. On Linux a memfd: it has no name, the writer process
+    inherits its descriptor, and the memory lives exactly as long as someone maps it, so no
+    kill can leave anything behind. Elsewhere a named /dev/shm segment, unlinked as soon as
+    both sides have mapped it (`mapped_by_both`)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.fd: int | None = None
+        self.shm: SharedMemory | None = None
+        if hasattr(os, "memfd_create"):
+            self.fd = os.memfd_create("hstrace-ring", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(self.fd, size)
+                self.mmap = mmap.mmap(self.fd, size)
+            except BaseException:
+                os.close(self.fd)
+                raise
+            self.arg = f"fd:{self.fd}"
+        else:
+            _check_shm_room(size)
+            self.shm = SharedMemory(create=True, size=size)
+            self.mmap = self.shm._mmap
+            self.arg = self.shm.name
+
+    def pass_fds(self) -> tuple[int, ...]:
+        return (self.fd,) if self.fd is not None else ()
+
+    def mapped_by_both(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        elif self.shm is not None:
+            _unlink(self.shm)
+
+    def release(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            _unlink(self.shm)
+            return
+        self.mmap.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _unlink(shm: SharedMemory) -> None:
+    try:
+        shm.unlink()
+    except FileNotFoundError:  # already unlinked
+        pass
+
+
+def unexported_view(mm: mmap.mmap, size: int) -> np.ndarray:
+    """The mapping as a uint8 array that does not hold a buffer export on it (as
+    `np.frombuffer(mm)` would), so it can be closed whatever order views and writer are
+    collected in. Only the writer uses these views, never after `_release`."""
+    anchor = ctypes.c_char.from_buffer(mm)  # a momentary export, just for the address
+    addr = ctypes.addressof(anchor)
+    del anchor
+    return np.ctypeslib.as_array(ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8)), (size,))
+
+
+def release_segment(seg: Segment) -> None:
+    seg.release()
+
+
+def _check_shm_room(n: int) -> None:
+    # Touching shared memory beyond what /dev/shm holds is a SIGBUS in the serving process,
+    # so refuse up front with a message instead (Docker's default /dev/shm is 64 MB).
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return
+    room = st.f_bavail * st.f_frsize
+    if room < n:
+        raise TraceError(
+            f"/dev/shm has {room >> 20} MiB free, the trace writer needs {n >> 20} MiB of staging; "
+            "enlarge /dev/shm (docker --shm-size) or pass a smaller staging_bytes"
+        )
+
+
+class RingView:
+    """The producer's staging ring: a memfd passed down (it has no name, so no kill leaves it
+    behind), or a /dev/shm segment mapped directly (not through SharedMemory: its resource
+    tracker would unlink the producer's segment when we exit). Its last ALIGN bytes hold the
+    producer's head counter, from which the writer knows how far behind it is."""
+
+    def __init__(self, ring: str) -> None:
+        if ring.startswith("fd:"):
+            fd = int(ring[3:])
+        else:
+            fd = os.open(os.path.join("/dev/shm", ring.lstrip("/")), os.O_RDWR)
+        try:
+            self.buf = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        self.size = len(self.buf) - ALIGN
+        self._trailer = np.frombuffer(
+            self.buf, dtype=np.int64, count=TRAILER_WORDS, offset=self.size
+        )
+        self._head = self._trailer[HEAD : HEAD + 1]
+
+    def behind(self, end: int) -> bool:
+        """Whether the bytes staged after `end` fill more than half the ring."""
+        return int(self._head[0]) - end > self.size // 2
+
+    def consumed(self, end: int) -> None:
+        """Publish that the bytes before counter `end` are free again (after the pipe write of
+        the same counter: the producer reads this word instead of the pipe, no syscall)."""
+        self._trailer[TAIL] = end
+
+    def faulted(self) -> None:
+        """Tell the producer, once the Fault reply is on its pipe, that there is one."""
+        self._trailer[FAULT] = 1
+
+    def close(self) -> None:
+        del self._head, self._trailer
+        try:
+            self.buf.close()
+        except BufferError:  # a numpy view still alive at exit; the OS unmaps it
+            pass

@@ -1,0 +1,167 @@
+"""The same write -> read round trip through every sink a TraceWriter can write through: the
+memory sink (read back from RAM), the in-process recorder and the writer process (read back
+from the trace on disk). Every column comes back byte for byte, on the fast path (a repeated
+step shape), the general path (numpy, strided, lists) and split into several ring parts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers.trace_steps import step_data
+
+from hstrace.errors import TraceError
+from hstrace.trace import TraceWriter, create_trace, open_trace
+from hstrace.trace import protocol as P
+from hstrace.trace.columns import row_counts, spec_of
+from hstrace.trace.recorder import RankRecorder
+from hstrace.trace.sink import MemorySink
+
+SINKS = ["memory", "in-process", "writer-process"]
+
+
+def _variant(s: int) -> dict:
+    """step_data(s), handed over in one of the ways a producer does (not all take the fast path)."""
+    d = step_data(s)
+    kind = s % 5
+    if kind == 1:
+        d["tok"]["input_ids"] = d["tok"]["input_ids"].numpy()  # numpy, not a tensor
+    elif kind == 2:
+        ids = d["tok"]["input_ids"]
+        d["tok"]["input_ids"] = torch.stack([ids, ids], 1)[:, 0]  # not contiguous
+    elif kind == 3:
+        d["req"]["n_tok"] = d["req"]["n_tok"].tolist()  # a list
+    return d
+
+
+def _writer(kind: str, path) -> tuple[TraceWriter, MemorySink | None]:
+    if kind == "memory":
+        sink = MemorySink()
+        return TraceWriter(path, rank=0, sink=sink), sink
+    return TraceWriter(
+        path, rank=0, process=kind == "writer-process", max_part_bytes=64 << 10
+    ), None
+
+
+def _as_bytes(a) -> bytes:
+    if isinstance(a, torch.Tensor):
+        a = a.view(torch.int16) if a.dtype == torch.bfloat16 else a
+        a = a.numpy()
+    return np.ascontiguousarray(a).tobytes()
+
+
+@pytest.mark.parametrize("kind", SINKS)
+def test_round_trip_through_every_sink(tmp_path, kind):
+    path = tmp_path / "t.zarr"
+    create_trace(path, engine={"name": "test"})
+    steps = 50  # step 7 and 47 are 3000-token prefills: 576 KiB, several 64 KiB parts
+    w, mem = _writer(kind, path)
+    with w:
+        for s in range(steps):
+            assert w.write("target", **_variant(s))
+        w.update_static({"drafter": {"hash": "abc"}})
+        w.note_error("some-tap", "disabled: boom")
+        w.flush()
+    want = {
+        (axis, col): b"".join(_as_bytes(step_data(s)[axis][col]) for s in range(steps))
+        for axis, col in [
+            ("req", "req_key"),
+            ("req", "n_tok"),
+            ("tok", "input_ids"),
+            ("tok", "positions"),
+            ("tok", "aux_hidden"),
+        ]
+    }
+    want[("step", "mode")] = np.array(
+        [step_data(s)["step"]["mode"] for s in range(steps)], np.int64
+    ).tobytes()
+    want[("step", "seq")] = np.arange(steps, dtype=np.int64).tobytes()
+    if mem is not None:
+        assert mem.closed and mem.flushes == 1
+        assert mem.static == {"drafter": {"hash": "abc"}}
+        assert mem.errors == [("some-tap", "disabled: boom")]
+        got = {k: mem.column("target", *k).tobytes() for k in want}
+        spec = mem.tables["target"]["spec"]
+        assert spec["tok"]["aux_hidden"] == ("uint16", "bfloat16", (96,))
+        assert list(spec["step"]) == ["mode", "seq", "t_ns"]  # the writer fills seq, t_ns
+        t_ns = mem.column("target", "step", "t_ns")
+    else:
+        with open_trace(path) as tr:
+            r = tr.rank(0)
+            assert r.clean_close and r.errors[0]["tap"] == "some-tap"
+            assert tr.meta["static"]["drafter"] == {"hash": "abc"}
+            t = r.table("target")
+            assert t.num_steps == steps
+            got = {(a, c): _as_bytes(t.column(a, c)) for a, c in want}
+            assert t.column_attrs("tok", "aux_hidden")["hstrace_dtype"] == "bfloat16"
+            t_ns = t.column("step", "t_ns")
+    for key, b in want.items():
+        assert got[key] == b, f"{kind}: {key[0]}/{key[1]} differs"
+    assert np.all(np.diff(t_ns) >= 0) and t_ns[0] > 0
+
+
+@pytest.mark.parametrize("kind", SINKS)
+def test_every_sink_gets_the_same_validation(tmp_path, kind):
+    """Validation is the writer's, before any sink: a mismatch reaches no sink."""
+    path = tmp_path / "v.zarr"
+    create_trace(path, engine={"name": "test"})
+    w, mem = _writer(kind, path)
+    with w:
+        w.write("target", **step_data(0))
+        bad = step_data(1)
+        bad["tok"]["input_ids"] = bad["tok"]["input_ids"].long()
+        with pytest.raises(
+            TraceError,
+            match=r"tok/input_ids:int64.*differ from the first write's .*tok/input_ids:int32",
+        ):
+            w.write("target", **bad)
+        ragged = step_data(2)
+        ragged["req"]["req_key"] = torch.tensor([1, 2, 3])
+        with pytest.raises(TraceError, match=r"axis 'req' have different row counts"):
+            w.write("target", **ragged)
+        w.write("target", **step_data(3))
+    if mem is not None:
+        assert len(mem.tables["target"]["steps"]) == 2
+        assert mem.column("target", "step", "seq").tolist() == [0, 1]  # failed writes: no gap
+    else:
+        with open_trace(path) as tr:
+            assert tr.rank(0).table("target").column("step", "seq").tolist() == [0, 1]
+
+
+def test_writer_and_recorder_share_one_schema_check(tmp_path):
+    """RankRecorder.write_step (numpy level) refuses what TraceWriter refuses, in the same words."""
+    rows = {
+        "step": {"mode": np.zeros(1, np.int64)},
+        "req": {"req_key": np.zeros(2, np.int64), "n_tok": np.zeros(1, np.int64)},
+    }
+    with pytest.raises(TraceError) as from_columns:
+        row_counts("target", rows)
+    path = tmp_path / "r.zarr"
+    create_trace(path, engine={"name": "test"})
+    rec = RankRecorder(str(path), 0)
+    with pytest.raises(TraceError) as from_recorder:
+        rec.write_step("target", rows)
+    assert str(from_recorder.value) == str(from_columns.value)
+    assert "different row counts {'req_key': 2, 'n_tok': 1}" in str(from_columns.value)
+    spec = spec_of({"tok": {"h": torch.zeros(3, 4, dtype=torch.bfloat16)}})
+    assert spec == {"tok": {"h": ("uint16", "bfloat16", (4,))}}  # tensors without converting
+
+
+def test_protocol_messages_round_trip():
+    codec = P.StepCodec(table_id=3, n_axes=3)
+    frame = codec.frame(4096, 8192, (1, 2, 17))
+    assert int.from_bytes(frame[:4], "big") == len(frame) - 4  # Connection's framing
+    assert P.decode(frame[4:]) == P.Step(3, 4096, 8192, (1, 2, 17))
+    for msg in (
+        P.Table(0, "target", {"step": {"mode": ("int64", "int64", ())}}, None),
+        P.Part(1, 0, 128, (("tok", "aux_hidden", 0, 5),), {"step": 1, "tok": 5}),
+        P.Static({"a": 1}),
+        P.Error("tap", "boom"),
+        P.Dropped({"target": 2}),
+        P.Flush({}),
+        P.Close({"target": 2}),
+    ):
+        framed = P.frame_control(msg)
+        assert P.decode(framed[4:]) == msg
+    with pytest.raises(ValueError, match="unknown message kind"):
+        P.decode(b"\x09")
