@@ -450,6 +450,18 @@ def _proc_status_mb(pid: int | None, key: str) -> float | None:
     return None
 
 
+def _proc_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system) process pid has used so far (Linux /proc), else None."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _files(root: Path) -> tuple[int, int]:
     n = size = 0
     for dirpath, _, names in os.walk(root):
@@ -541,6 +553,7 @@ def run_large(pool: list[dict], steps: int, workdir: Path, window: int, step_ms:
                     "writer_rss_anon_mb": _proc_status_mb(pid, "RssAnon"),
                     "writer_rss_shmem_mb": _proc_status_mb(pid, "RssShmem"),
                     "blocked_s_total": m.blocked_s(),
+                    "writer_cpu_s": _proc_cpu_s(pid),
                 }
             )
     m.close()
