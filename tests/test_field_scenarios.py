@@ -5,7 +5,7 @@ chunked prefill, batched steps written by a third-party producer) and must repla
 `no-wiring-fault`. Faults are injected outside the reference engine where possible: a clean
 trace is read back, specific rows / requests are corrupted as a faulty engine would, the
 drafter's outputs on corrupted inputs are recomputed, and the trace is written again through
-the public `TraceWriter` (`tests/field_producer.py`). Every test asserts the evidence: the
+the public `TraceWriter` (`tests/helpers/field_producer.py`). Every test asserts the evidence: the
 requests, positions and rows named, not only the code.
 """
 
@@ -14,10 +14,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import field_producer as fp
 import numpy as np
 import pytest
 import torch
+from helpers import field_producer as fp
 
 from hstrace.drafter import load_drafter
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
