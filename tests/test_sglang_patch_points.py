@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
-
 import pytest
+from helpers.engines import signature_mismatches
 
 from hstrace.engines.sglang_versions import check_supported_version, patch_points_for
 from hstrace.errors import EngineError
@@ -28,11 +26,7 @@ def test_every_patch_point_exists_with_its_signature() -> None:
 
     points = patch_points_for(check_supported_version(sglang.__version__))
     assert len(points) == 8
-    for point in points:
-        cls_name, attr = point.qualname.split(".")
-        cls = getattr(importlib.import_module(point.module), cls_name)
-        params = tuple(inspect.signature(cls.__dict__[attr]).parameters)
-        assert params[: len(point.params)] == point.params, point.target
+    assert signature_mismatches(points) == []
 
 
 def test_a_point_that_cannot_be_patched_never_breaks_the_import(capsys) -> None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import types
 
 import pytest
+from helpers.engines import signature_mismatches
 
 from hstrace.engines.hooks_common import PatchPoint, Recorder, apply_point
 from hstrace.engines.vllm_versions import check_supported_version, patch_points_for
@@ -32,11 +31,7 @@ def test_every_patch_point_exists_with_its_signature() -> None:
 
     points = patch_points_for(check_supported_version(installed_version() or ""))
     assert len(points) == 7
-    for point in points:
-        cls_name, attr = point.qualname.split(".")
-        cls = getattr(importlib.import_module(point.module), cls_name)
-        params = tuple(inspect.signature(cls.__dict__[attr]).parameters)
-        assert params[: len(point.params)] == point.params, point.target
+    assert signature_mismatches(points) == []
     # the CPU runner inherits the patched runner methods (it overrides none of them)
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.engines import fake_release_on_path
 
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
 from hstrace.errors import EngineError, HstraceError
@@ -185,11 +186,7 @@ class TestSGLangEngine(EngineContract):
 
     @pytest.fixture()
     def refused_config(self, tmp_path, monkeypatch) -> tuple[EngineConfig, str]:
-        # A real dist-info of a release past the patch tables, first on the server's path.
-        info = tmp_path / "sglang-0.5.24.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.24\n")
-        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+        fake_release_on_path(tmp_path, monkeypatch, "sglang", "0.5.24")  # past the table
         cmd = f"{sys.executable} -m sglang.launch_server --model-path x"
         return EngineConfig(server_cmd=cmd), "0.5.24"
 
@@ -224,11 +221,7 @@ class TestVLLMEngine(EngineContract):
 
     @pytest.fixture()
     def refused_config(self, tmp_path, monkeypatch) -> tuple[EngineConfig, str]:
-        # A real dist-info of a release past the patch table, first on the server's path.
-        info = tmp_path / "vllm-0.33.0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.33.0\n")
-        monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+        fake_release_on_path(tmp_path, monkeypatch, "vllm", "0.33.0")  # past the table
         cmd = f"{sys.executable} -m vllm.entrypoints.openai.api_server --model x"
         return EngineConfig(server_cmd=cmd), "0.33.0"
 
