@@ -12,10 +12,8 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
@@ -26,6 +24,8 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
 from helpers import sglang_world  # noqa: E402
 from helpers.sglang_world import TESTS, WORLD  # noqa: E402
+
+from hstrace.engines.server import stop_server, wait_healthy  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 24, 24
 
@@ -114,29 +114,11 @@ def server(tmp_path_factory):
     )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 400
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, (work / "server.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail("the shimmed server did not become healthy in 400 s")
+        error = wait_healthy(proc, base, 400)
+        assert error is None, f"{error}: {(work / 'server.log').read_text()[-3000:]}"
         yield base
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        stop_server(proc)  # the launcher's own stop: SIGTERM, then the group's stragglers
         log.close()
 
 

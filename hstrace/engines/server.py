@@ -135,6 +135,44 @@ def close_traces(status: Path | None, out: Path | None, timeout_s: float = 60.0)
     return sorted(pending)
 
 
+def wait_healthy(proc: subprocess.Popen, base: str, timeout_s: float) -> str | None:
+    """Poll `base`/health until it answers 200: None, or why not (the server exited, or the
+    time ran out)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"the server exited (code {proc.returncode}) before it became healthy"
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return None
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(1.0)
+    return f"the server was not healthy after {timeout_s:.0f} s"
+
+
+def stop_server(proc: subprocess.Popen, group_at_once: bool = False, wait_s: float = 90) -> None:
+    """Stop a server started in its own session: SIGTERM to its main process (the engine's own
+    graceful stop; `group_at_once`: SIGINT to the whole group), then, once it ended or after
+    `wait_s`, SIGKILL to whatever of the group lingers."""
+    if proc.poll() is None:
+        if group_at_once:
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if proc.poll() is None:
+        proc.wait()
+
+
 class ServerEngine(Engine):
     """An engine run as the user's HTTP server command, hooked through HSTRACE_RECORD."""
 
@@ -262,18 +300,7 @@ class ServerEngine(Engine):
         return static
 
     def _wait_healthy(self, proc: subprocess.Popen, base: str, timeout_s: float) -> str | None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                return f"the server exited (code {proc.returncode}) before it became healthy"
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return None
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        return f"the server was not healthy after {timeout_s:.0f} s"
+        return wait_healthy(proc, base, timeout_s)
 
     def _send(
         self,
@@ -325,23 +352,7 @@ class ServerEngine(Engine):
     def _shutdown(self, proc: subprocess.Popen) -> None:
         if self.close_on_signal:
             close_traces(getattr(self, "_status_path", None), getattr(self, "_out_path", None))
-        if proc.poll() is None:
-            if self.stop_group_at_once:
-                os.killpg(proc.pid, signal.SIGINT)
-            else:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                pass
-        # make sure no child of the group lingers (the group is killed only if stop did not
-        # end it: the engine's own shutdown closes the trace writers cleanly)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if proc.poll() is None:
-            proc.wait()
+        stop_server(proc, group_at_once=self.stop_group_at_once)
 
     def _record_extra(self, status: Path | None) -> dict[str, Any]:
         """More items for the trace's `record` (the engine's own counters, for instance)."""
