@@ -255,11 +255,11 @@ def _params(module: torch.nn.Module, shapes: dict[str, tuple[int, ...]]) -> None
         module.register_parameter(name, p)
 
 
-class _StreamingDrafter(torch.nn.Module):
-    """Test stand-in with SGLang's load_weights shape: each key is loaded while it is iterated,
-    d2t becomes `hot_token_id` without a parameter loader, t2d is skipped."""
+class _StandInDrafter(torch.nn.Module):
+    """Test stand-in for an engine's drafter module: `model.fc`, an embedding the target shares
+    (never in the checkpoint), `lm_head_weight`, each with its own weight_loader."""
 
-    def __init__(self, config_dir: Path) -> None:
+    def __init__(self, config_dir: Path, extra: dict[str, tuple[int, ...]] | None = None) -> None:
         super().__init__()
         import types
 
@@ -267,11 +267,16 @@ class _StreamingDrafter(torch.nn.Module):
         self.model.fc = torch.nn.Linear(12, 4, bias=False)
         self.model.fc.weight.weight_loader = _copy_loader  # type: ignore[attr-defined]
         _params(self.model, {"embed_tokens_weight": (8, 4)})
-        _params(self, {"lm_head_weight": (8, 4)})
+        _params(self, {"lm_head_weight": (8, 4), **(extra or {})})
         self.config = types.SimpleNamespace(
             hidden_size=4, num_aux_hidden_states=3, _name_or_path=str(config_dir)
         )
         self.hot_token_id = None
+
+
+class _StreamingDrafter(_StandInDrafter):
+    """SGLang's load_weights shape: each key is loaded while it is iterated, d2t becomes
+    `hot_token_id` without a parameter loader, t2d is skipped."""
 
     def load_weights(self, weights):
         params = dict(self.named_parameters())
@@ -286,17 +291,12 @@ class _StreamingDrafter(torch.nn.Module):
                 param.weight_loader(param, tensor)
 
 
-class _CollectingDrafter(torch.nn.Module):
-    """Test stand-in with vLLM's load_weights shape: the iterator is collected first (keys
-    renamed: d2t -> draft_id_to_target_id, others prefixed with model.), then loaded."""
+class _CollectingDrafter(_StandInDrafter):
+    """vLLM's load_weights shape: the iterator is collected first (keys renamed: d2t ->
+    draft_id_to_target_id, others prefixed with model.), then loaded."""
 
     def __init__(self, config_dir: Path) -> None:
-        super().__init__()
-        self.model = torch.nn.Module()
-        self.model.fc = torch.nn.Linear(12, 4, bias=False)
-        self.model.fc.weight.weight_loader = _copy_loader  # type: ignore[attr-defined]
-        _params(self.model, {"embed_tokens_weight": (8, 4)})
-        _params(self, {"lm_head_weight": (8, 4), "draft_id_to_target_id": (8,)})
+        super().__init__(config_dir, {"draft_id_to_target_id": (8,)})
 
     def load_weights(self, weights):
         collected = {}
