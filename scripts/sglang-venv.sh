@@ -18,7 +18,7 @@ if [[ ! -f "$STAMP" ]]; then
   "$PY" -m pip install -q torch==2.13.0 >&2
   "$PY" -m pip install -q --no-deps "sglang==$SGLANG_VERSION" >&2
   # torchvision is left out on purpose: the released wheel next to torch 2.13.0+cpu fails on import
-  # (operator torchvision::nms); tests serve it through a named fake (tests/sglang_fakes.py).
+  # (operator torchvision::nms); tests serve it through a named fake (tests/helpers/sglang_fakes.py).
   "$PY" -m pip install -q -c "$ROOT/scripts/constraints-cpu.txt" \
     numpy orjson psutil pybase64 requests triton packaging pillow starlette msgspec pydantic \
     pyzmq tqdm IPython aiohttp "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" \
