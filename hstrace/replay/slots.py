@@ -36,7 +36,8 @@ class Slots:
     training: torch.Tensor | None  # [N, Kt, Ht]
     matrix: SlotMatrix | None
     health: list[SlotHealth] | None  # per serving slot, over every captured row
-    crossed: list[tuple[int, int, float]]  # (serving request, training request, cos)
+    # (serving request, training request, cos); looked for only when the slots differ
+    crossed: list[tuple[int, int, float]]
     target_layers: torch.Tensor | None  # [N, L+1, Ht] reference target forward, aligned rows
     # (serving slots, training slots) each matched to a target layer
     fingerprints: tuple[LayerFingerprint, LayerFingerprint] | None
@@ -60,7 +61,10 @@ def build_slots(
     pair = u.guarded("slot fingerprints", lambda: _slot_pair(al, u))
     matrix = slot_matrix(*pair) if pair is not None else None
     health = u.guarded("slot health", lambda: _serving_health(al))
-    crossed = (u.guarded("crossed requests", lambda: _crossed(al)) or []) if pair else []
+    # Rows crossed between requests explain slots that differ on the same tokens: looked for
+    # only then (a cosine of every request's rows against every sample's).
+    differ = matrix is not None and not (np.diag(matrix.cos) >= SAME_COS).all()
+    crossed = (u.guarded("crossed requests", lambda: _crossed(al)) or []) if differ else []
     layers = None  # fingerprints need slots to name: without them, no target forward
     if pair is not None and target is None:
         u.note("layer fingerprints", "no target model (give --target DIR)")
@@ -73,11 +77,7 @@ def build_slots(
         else:
             fps = (layer_fingerprint(pair[0], layers), layer_fingerprint(pair[1], layers))
     own = None
-    if (
-        fps is not None
-        and fps[0].layer == fps[1].layer
-        and not (np.diag(matrix.cos) >= SAME_COS).all()
-    ):
+    if fps is not None and fps[0].layer == fps[1].layer and differ:
         own = u.guarded("target own precision gap", lambda: _own_cos(al, target, layers, fps, tick))
     return Slots(
         serving=pair[0] if pair is not None else None,
