@@ -7,7 +7,7 @@ nothing can be replayed (not even alignment with training data, whose ids are in
 so that is one-line bad input that says what to pass.
 
 `hidden`: the hidden-state columns are gone; the per-slot sketches that replace them still
-fingerprint slots (see `hstrace.replay.context.ReplayContext.slots`).
+fingerprint slots (see `hstrace.replay.slots.Slots`).
 
 What a bundle's redaction says and how its salt is found live in `hstrace.redaction`, shared
 with `hstrace bundle`; this module only turns hashes back into ids.
