@@ -93,7 +93,7 @@ def test_show_reports_unclean_close_dropped_steps_and_tap_errors(tmp_path):
         tok={"input_ids": torch.arange(4, dtype=torch.int32)},
     )
     w.note_error("draft-tap", "KeyError: boom")
-    w._rec.set_dropped({"target": 3})
+    w.dropped = {"target": 3}  # as if 3 steps had found the staging ring full
     w.flush()  # committed but never closed, like a server that died
     s = json.loads(show(str(path), "--json").stdout)
     assert s["clean_close"] is False
