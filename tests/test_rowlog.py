@@ -54,14 +54,14 @@ def _column_bytes(path, table: str, column: str) -> int:
     return sum(os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(d) for f in fs)
 
 
-def _record(path, steps: int, behind: bool, threads: int) -> torch.Tensor:
+def _record(path, steps: int, behind: bool, threads: int, far: bool = False) -> torch.Tensor:
     create_trace(path, engine={"name": "test"})
     g = torch.Generator().manual_seed(3)
     width = 8192  # 16 KiB rows: a sharded column of 256-row (4 MiB) chunks
     scale = torch.exp(torch.randn(width, generator=g) * 0.5)
     rows = []
     rowlog.configure(threads, raw_when_behind=True)
-    rowlog.set_behind(behind)
+    rowlog.set_behind(behind, far=far)
     try:
         w = TraceWriter(path, process=False, tail_flush_s=60)
         for s in range(steps):
@@ -117,3 +117,27 @@ def test_writer_not_behind_compresses_every_chunk(tmp_path):
         )
     assert "uncompressed_chunks" not in entry, entry
     assert _column_bytes(path, "target", "aux_hidden") / (want.numel() * 2) < 0.72
+
+
+def test_far_behind_writer_stores_raw_beyond_the_budget(tmp_path):
+    """The producer about to wait for ring room: not blocking the server comes before the disk
+    budget, every chunk goes raw (counted), and the rows still read back bit for bit."""
+    path = tmp_path / "far.zarr"
+    rowlog.configure(0, raw_when_behind=True)
+    rowlog.set_behind(True, far=True)
+    try:
+        assert rowlog.ENCODER.may_store_raw(1 << 20)
+    finally:
+        rowlog.configure(0, raw_when_behind=False)
+        rowlog.set_behind(False)
+    assert not rowlog.ENCODER.far_behind
+
+    want = _record(path, 16, behind=True, threads=0, far=True)
+    with open_trace(path) as tr:
+        got = tr.rank(0).table("target").column("tok", "aux_hidden")
+        entry = tr.rank(0).meta["commit"]["tables"]["target"]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    arr = zarr.open_array(str(path / "rank0/target/tok.aux_hidden"), mode="r")
+    chunks = want.shape[0] // arr.chunks[0]
+    assert entry["uncompressed_chunks"]["tok/aux_hidden"] == chunks, entry
+    assert _column_bytes(path, "target", "aux_hidden") / (want.numel() * 2) > 0.99

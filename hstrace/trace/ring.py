@@ -132,6 +132,11 @@ class RingView:
         """Whether the bytes staged after `end` fill more than half the ring."""
         return int(self._head[0]) - end > self.size // 2
 
+    def far_behind(self, end: int) -> bool:
+        """Whether the bytes staged after `end` fill more than three quarters of the ring: the
+        producer is about to wait for room."""
+        return int(self._head[0]) - end > self.size * 3 // 4
+
     def consumed(self, end: int) -> None:
         """Publish that the bytes before counter `end` are free again (after the pipe write of
         the same counter: the producer reads this word instead of the pipe, no syscall)."""

@@ -20,7 +20,9 @@ with Blosc level 0 (a valid Blosc frame holding the bytes as they are: readers n
 new), but only while what the writer has put on disk stays within DISK_BUDGET of the bytes it
 was given: the codec is the writer's bound (bench/README.md), so a writer that is behind
 compresses just enough chunks to keep the trace at <= 0.8x its raw size and stores the rest
-as they are. Each column counts its uncompressed chunks (`raw_chunks`); the commit record says so.
+as they are. Only when the ring is more than 3/4 full (the producer is about to wait for room)
+does not blocking the server come first and chunks go raw beyond the budget. Each column counts
+its uncompressed chunks (`raw_chunks`); the commit record says so.
 """
 
 from __future__ import annotations
@@ -70,6 +72,9 @@ class Encoder:
         self.threads = 0
         self.raw_when_behind = False
         self.behind = False
+        # Far behind: the producer is about to wait for ring room. Not blocking the server
+        # comes before the disk budget then (issue 14: store it uncompressed and say so).
+        self.far_behind = False
         self._pool: ThreadPoolExecutor | None = None
         self._codecs: dict[tuple[int, int], Blosc] = {}
         self._lock = threading.Lock()
@@ -108,6 +113,8 @@ class Encoder:
         to), and only while the trace stays within DISK_BUDGET of its raw size with it."""
         if not (self.raw_when_behind and self.behind):
             return False
+        if self.far_behind:
+            return True
         with self._lock:
             on_disk = self.bytes_stored + self.bytes_pending * self._ratio() + nbytes
             return on_disk <= DISK_BUDGET * (self.bytes_in + nbytes)
@@ -179,9 +186,11 @@ def configure(threads: int = 0, raw_when_behind: bool = False) -> None:
     ENCODER.configure(threads, raw_when_behind)
 
 
-def set_behind(flag: bool) -> None:
-    """The writer process is behind the producer: chunks encoded from now on may be raw."""
-    ENCODER.behind = bool(flag)
+def set_behind(flag: bool, far: bool = False) -> None:
+    """The writer process is behind the producer: chunks encoded from now on may be raw
+    (within DISK_BUDGET; beyond it too when `far`: the producer is about to block)."""
+    ENCODER.behind = bool(flag or far)
+    ENCODER.far_behind = bool(far)
 
 
 def _write_file(path: str, parts: list) -> None:

@@ -220,7 +220,7 @@ def _consume(rec, shm: RingView, data_r: Connection, replies: _Replies, end: int
         replies.end(end)
         shm.consumed(end)
     behind = shm.behind(end)
-    rowlog.set_behind(behind)
+    rowlog.set_behind(behind, far=shm.far_behind(end))
     rec.tick(backlog=behind or data_r.poll(0))
 
 
