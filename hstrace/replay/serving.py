@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hstrace.errors import TraceError
+from hstrace.trace.rows import gather
 from hstrace.trace.schema import MODE_VERIFY, REQUEST_ROW_COUNTS
 
 
@@ -32,6 +33,8 @@ class DraftRows:
     index: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # The table step (the event on this rank, 0 = first) each row was recorded in.
     steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # The draft-extend table row of each row (where the wide columns were read from).
+    rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 @dataclass
@@ -172,18 +175,23 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
     modes = _np(target.column("step", "mode")).astype(np.int64)
     ids = _np(target.column("tok", "input_ids")).astype(np.int64)
     pos = _np(target.column("tok", "positions")).astype(np.int64)
-    aux_all = _col(target, "tok", "aux_hidden")
-    sketch_all = _col(target, "tok", "aux_hidden_sketch") if aux_all is None else None
-    stats_all = _col(target, "tok", "aux_hidden_stats") if aux_all is None else None
+    # The wide columns are read later, only at the committed rows (`_wide`): not the rejected
+    # drafts, and never the whole column at once.
+    tok_cols = target.columns.get("tok", [])
+    aux_name = "aux_hidden" if "aux_hidden" in tok_cols else None
+    sketch_name = (
+        "aux_hidden_sketch" if aux_name is None and "aux_hidden_sketch" in tok_cols else None
+    )
+    stats_name = "aux_hidden_stats" if aux_name is None and "aux_hidden_stats" in tok_cols else None
     redacted = "hidden" in (
         ((trace.meta.get("static") or {}).get("bundle") or {}).get("redaction") or {}
     ).get("modes", ())
     why = "redacted by `hstrace bundle --redact hidden`" if redacted else "absent (not recorded)"
     missing: dict[str, str] = {}
-    if aux_all is None:
+    if aux_name is None:
         missing["target.aux_hidden"] = why + (
             ": slot checks use the kept per-slot sketches (cosines approximate)"
-            if sketch_all is not None
+            if sketch_name is not None
             else ": no slot checks"
         )
     ext = view.table("draft_extend")
@@ -216,6 +224,7 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
     chains = _draft_chains(ext, view.table("draft_step"))
     prompts = _prompts(view.table("requests"))
     requests = []
+    picked: list[np.ndarray] = []  # the target rows of each request, in request order
     for key, by_pos in rows.items():
         positions = np.array(sorted(by_pos), dtype=np.int64)
         # Positions between the first and the last target row that have none: a capture that
@@ -229,7 +238,7 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         if contiguous.size:
             positions = positions[: contiguous[0] + 1]
         idx = np.array([by_pos[p] for p in positions], dtype=np.int64)
-        aux = _torch(aux_all[idx]) if aux_all is not None else None
+        picked.append(idx)
         tokens, base, start = ids[idx], int(positions[0]) if len(positions) else 0, 0
         info = prompts.get(key, {})
         prompt = info.get("prompt")
@@ -243,10 +252,8 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         req = ServingRequest(
             key=key,
             tokens=tokens,
-            aux=aux,
+            aux=None,
             position_base=base,
-            aux_sketch=_torch(sketch_all[idx]).float() if sketch_all is not None else None,
-            aux_stats=_torch(stats_all[idx]).float() if stats_all is not None else None,
             aux_start=start,
             n_cached=info.get("n_cached"),
             rid=info.get("rid"),
@@ -258,6 +265,16 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
             req.draft = _index_draft(drafts[key], req)
             req.chains = chains.get(key, [])
         requests.append(req)
+    for name, attr, to_float in (
+        (aux_name, "aux", False),
+        (sketch_name, "aux_sketch", True),
+        (stats_name, "aux_stats", True),
+    ):
+        if name is not None:
+            for req, part in zip(requests, _wide(target, name, picked), strict=True):
+                setattr(req, attr, part.float() if to_float else part)
+    if ext is not None:
+        _fill_draft_columns(ext, [r.draft for r in requests])
 
     attrs: dict[str, Any] = {}
     if hasattr(target, "column_attrs"):
@@ -266,7 +283,7 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         except (KeyError, TraceError):
             attrs = {}
     sketch_attrs: dict[str, Any] = {}
-    if sketch_all is not None:
+    if sketch_name is not None:
         sketch_attrs = dict(target.column_attrs("tok", "aux_hidden_sketch"))
     flat_accept = [a for v in accept.values() for a in v]
     return ServingData(
@@ -380,17 +397,9 @@ def _accept_lens(verify: Any) -> dict[int, list[int]]:
 def _draft_rows(table: Any) -> dict[int, dict[str, Any]]:
     if table is None or table.num_steps == 0:
         return {}
-    cols = {
-        name: _col(table, "tok", name)
-        for name in (
-            "input_ids",
-            "positions",
-            "hidden_in",
-            "topk_draft_ids",
-            "topk_target_ids",
-            "topk_logprobs",
-        )
-    }
+    # The per-row columns only: the wide ones (DRAFT_WIDE) are read at the rows kept
+    # (`_fill_draft_columns`).
+    cols = {name: _col(table, "tok", name) for name in ("input_ids", "positions")}
     if cols["positions"] is None or cols["input_ids"] is None:
         return {}
     positions = _np(cols["positions"]).astype(np.int64)
@@ -404,9 +413,34 @@ def _draft_rows(table: Any) -> dict[int, dict[str, Any]]:
     out = {}
     for key, by_pos in per_key.items():
         idx = np.array([by_pos[p] for p in sorted(by_pos)], dtype=np.int64)
-        out[key] = {n: (c[idx] if c is not None else None) for n, c in cols.items()}
+        out[key] = {n: c[idx] for n, c in cols.items()}
         out[key]["steps"] = step_of_row[idx]
+        out[key]["rows"] = idx
     return out
+
+
+# Draft-extend columns read only at the rows a request keeps (one per position, within the
+# committed sequence), after `_index_draft` has cut them.
+DRAFT_WIDE = ("hidden_in", "topk_draft_ids", "topk_target_ids", "topk_logprobs")
+
+
+def _wide(table: Any, name: str, picked: list[np.ndarray]) -> list[Any]:
+    """Column `name` of `table` at each request's rows (`picked`), one read for all of them
+    (requests share chunks: one batch's rows are neighbours), as torch tensors."""
+    if not picked:
+        return []
+    data = _torch(gather(table, "tok", name, np.concatenate(picked)))
+    bounds = np.cumsum([0, *(len(p) for p in picked)])
+    return [data[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def _fill_draft_columns(table: Any, drafts: list[DraftRows | None]) -> None:
+    kept = [d for d in drafts if d is not None]
+    have = table.columns.get("tok", [])
+    for name in DRAFT_WIDE:
+        if name in have:
+            for d, part in zip(kept, _wide(table, name, [d.rows for d in kept]), strict=True):
+                setattr(d, name, part)
 
 
 def _draft_chains(ext: Any, steps: Any) -> dict[int, list[DraftChain]]:
@@ -483,17 +517,11 @@ def _index_draft(cols: dict[str, Any], req: ServingRequest) -> DraftRows:
     may be shifted; the sequence index is the row's rank among the request's draft rows, after
     the cached prefix: a cache hit's draft extend starts where its target rows start)."""
     n = max(0, min(len(cols["positions"]), len(req.tokens) - req.aux_start))
-
-    def cut(x: Any) -> torch.Tensor | None:
-        return _torch(x[:n]) if x is not None else None
-
     return DraftRows(
         positions=_np(cols["positions"][:n]).astype(np.int64),
         input_ids=_np(cols["input_ids"][:n]).astype(np.int64),
-        hidden_in=cut(cols["hidden_in"]),
-        topk_draft_ids=cut(cols["topk_draft_ids"]),
-        topk_target_ids=cut(cols["topk_target_ids"]),
-        topk_logprobs=cut(cols["topk_logprobs"]),
+        hidden_in=None,  # the DRAFT_WIDE columns: `_fill_draft_columns`, at `rows`
         index=req.aux_start + np.arange(n, dtype=np.int64),
         steps=_np(cols["steps"][:n]).astype(np.int64),
+        rows=np.asarray(cols["rows"][:n], dtype=np.int64),
     )

@@ -383,6 +383,10 @@ class TableView:
             raise TraceError(f"{self._where}: no column {axis}/{column} (columns: {self.columns})")
         return _attrs(self._arrays[(axis, column)], self._where, f"{axis}/{column}")
 
+    def read_unit(self, axis: str, column: str) -> int:
+        """Rows per stored chunk of a column: rows of one chunk are decoded together (rows.py)."""
+        return int(self._arrays[(axis, column)].chunks[0])
+
     def logical_dtype(self, axis: str, column: str) -> str:
         return self._logical[(axis, column)]
 

@@ -1,0 +1,74 @@
+"""Reading chosen rows of a column: only the stored chunks that hold them, a window at a time.
+
+Replay needs the committed rows of `target.aux_hidden` (and the draft rows it compares), not
+the rejected drafts between them. Rows of one chunk are decoded together whatever is asked
+(chunkread.py), so a read is planned in chunks: the chunks that hold a wanted row, grouped into
+runs of neighbouring chunks (one `column()` call each, so no chunk is decoded twice), a run
+capped at MAX_WINDOW_CHUNKS so at most one window of unwanted rows is in memory at a time.
+Only the wanted rows are kept. Chunks with no wanted row are not read at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+# Chunks per window: writer chunks are ~4 MiB (schema.CHUNK_TARGET_BYTES), so ~64 MiB at most.
+MAX_WINDOW_CHUNKS = 16
+
+
+def windows(rows: np.ndarray, unit: int, n: int, max_chunks: int = MAX_WINDOW_CHUNKS):
+    """[(start, stop), ...] row windows covering every row of the sorted unique `rows`:
+    whole chunks of `unit` rows (clipped to the column's `n` rows), neighbouring chunks
+    merged up to `max_chunks` per window."""
+    if len(rows) == 0:
+        return []
+    unit = max(1, int(unit))
+    chunks = np.unique(np.asarray(rows, dtype=np.int64) // unit)
+    out: list[tuple[int, int]] = []
+    first = prev = int(chunks[0])
+    for c in (int(c) for c in chunks[1:]):
+        if c == prev + 1 and c - first < max_chunks:
+            prev = c
+            continue
+        out.append((first * unit, min(n, (prev + 1) * unit)))
+        first = prev = c
+    out.append((first * unit, min(n, (prev + 1) * unit)))
+    return out
+
+
+def read_unit(table: Any, axis: str, name: str) -> int:
+    """Rows per stored chunk of a column (1 where the table cannot say: exact windows)."""
+    unit = getattr(table, "read_unit", None)
+    return int(unit(axis, name)) if unit is not None else 1
+
+
+def gather(table: Any, axis: str, name: str, idx: np.ndarray) -> Any:
+    """Rows `idx` (any order, repeats allowed) of a committed column, as `table.column` returns
+    them (numpy, or torch for bf16), read window by window (`windows`)."""
+    idx = np.asarray(idx, dtype=np.int64).reshape(-1)
+    n = table.num_rows(axis)
+    if len(idx) and (idx.min() < 0 or idx.max() >= n):
+        raise IndexError(f"rows of {axis}/{name} outside its {n} committed rows")
+    wanted = np.unique(idx)
+    parts = []
+    for lo, hi in windows(wanted, read_unit(table, axis, name), n):
+        data = table.column(axis, name, lo, hi)
+        a, b = np.searchsorted(wanted, [lo, hi])
+        parts.append(_take(data, wanted[a:b] - lo))
+    if not parts:
+        return table.column(axis, name, 0, 0)  # the column's dtype and row shape, no rows
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)[np.searchsorted(wanted, idx)]
+    import torch  # bf16 columns come back as torch (reader.py); only then is torch needed
+
+    return _take(torch.cat(parts), np.searchsorted(wanted, idx))
+
+
+def _take(x: Any, rows: np.ndarray) -> Any:
+    if isinstance(x, np.ndarray):
+        return x[rows]
+    import torch
+
+    return x[torch.from_numpy(rows)]
