@@ -46,24 +46,42 @@ def read_unit(table: Any, axis: str, name: str) -> int:
 
 def gather(table: Any, axis: str, name: str, idx: np.ndarray) -> Any:
     """Rows `idx` (any order, repeats allowed) of a committed column, as `table.column` returns
-    them (numpy, or torch for bf16), read window by window (`windows`)."""
+    them (numpy, or torch for bf16), read window by window (`windows`) straight into the
+    result: at most the result and one window are in memory."""
     idx = np.asarray(idx, dtype=np.int64).reshape(-1)
     n = table.num_rows(axis)
     if len(idx) and (idx.min() < 0 or idx.max() >= n):
         raise IndexError(f"rows of {axis}/{name} outside its {n} committed rows")
-    wanted = np.unique(idx)
-    parts = []
-    for lo, hi in windows(wanted, read_unit(table, axis, name), n):
+    order = np.argsort(idx, kind="stable")
+    ordered = idx[order]
+    out = None
+    for lo, hi in windows(np.unique(ordered), read_unit(table, axis, name), n):
         data = table.column(axis, name, lo, hi)
-        a, b = np.searchsorted(wanted, [lo, hi])
-        parts.append(_take(data, wanted[a:b] - lo))
-    if not parts:
+        a, b = np.searchsorted(ordered, [lo, hi])
+        if out is None:
+            out = _empty_like_rows(data, len(idx))
+        _put(out, order[a:b], _take(data, ordered[a:b] - lo))
+        del data  # before the next window is read
+    if out is None:
         return table.column(axis, name, 0, 0)  # the column's dtype and row shape, no rows
-    if isinstance(parts[0], np.ndarray):
-        return np.concatenate(parts)[np.searchsorted(wanted, idx)]
+    return out
+
+
+def _empty_like_rows(x: Any, n: int) -> Any:
+    if isinstance(x, np.ndarray):
+        return np.empty((n, *x.shape[1:]), dtype=x.dtype)
     import torch  # bf16 columns come back as torch (reader.py); only then is torch needed
 
-    return _take(torch.cat(parts), np.searchsorted(wanted, idx))
+    return torch.empty((n, *x.shape[1:]), dtype=x.dtype)
+
+
+def _put(out: Any, rows: np.ndarray, values: Any) -> None:
+    if isinstance(out, np.ndarray):
+        out[rows] = values
+        return
+    import torch
+
+    out[torch.from_numpy(rows)] = values
 
 
 def _take(x: Any, rows: np.ndarray) -> Any:
