@@ -55,7 +55,7 @@ class Recorder(hooks_common.Recorder):
         for tw in writes:
             if tw.table == "target" and self.capture_layers and tw.column_attrs is None:
                 tw.column_attrs = {
-                    "tok/aux_hidden": taps.aux_hidden_attrs(
+                    "tok/aux_hidden": hooks_common.aux_hidden_attrs(
                         self.capture_layers, int(tw.tok["aux_hidden"].shape[-1])
                     )
                 }

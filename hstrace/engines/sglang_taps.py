@@ -11,15 +11,8 @@ from typing import Any
 
 import torch
 
-# The row type and the rows built the same way for every engine (requests, aux attributes).
-from hstrace.engines.hooks_common import (
-    TableWrite,
-    aux_hidden_attrs,
-    request_keys,
-    requests_write,
-)
-
-__all__ = ["TableWrite", "aux_hidden_attrs"]
+# The row type and the rows built the same way for every engine (hstrace.engines.hooks_common).
+from hstrace.engines.hooks_common import TableWrite, request_keys, requests_write
 
 
 def _rids(batch: Any) -> list[str]:
