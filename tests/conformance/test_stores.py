@@ -31,7 +31,14 @@ from hstrace.testing import (
     check_schema,
     record_writes,
 )
-from hstrace.trace import TraceWriter, create_trace, request_key
+from hstrace.trace import (
+    MemorySink,
+    RecorderSink,
+    Sink,
+    TraceWriter,
+    create_trace,
+    request_key,
+)
 
 WIDTH = 64  # 2 aux slots of 32
 ROWS = 65536 // WIDTH  # every bf16 bit pattern once
@@ -55,10 +62,13 @@ def odd_float32(n: int) -> torch.Tensor:
     return torch.from_numpy(vals)
 
 
-def write_bit_patterns(path: Path, **writer_kw) -> Path:
+def write_bit_patterns(path: Path, make_sink=None, **writer_kw) -> Path:
     """Four engine steps of two requests (prefill, then verify rounds) through `TraceWriter`
-    with `writer_kw` (process=False/True, sink=...): every bf16 bit pattern in aux_hidden."""
+    with `writer_kw` (process=False/True) or `sink=make_sink(path)`: every bf16 bit pattern in
+    aux_hidden."""
     create_trace(path, engine={"name": "conformance", "version": "1"}, command_line=["test"])
+    if make_sink is not None:
+        writer_kw["sink"] = make_sink(path)
     rids = ["a", "b"]
     keys = [request_key(r) for r in rids]
     aux = every_bf16_pattern()
@@ -145,6 +155,69 @@ class TestZipOfADirectoryStore(StoreConformance):
     def make_trace(self, tmp_path):
         made = produce(tmp_path / "src.zarr", process=False)
         return ProducedTrace(zip_store(made.path, tmp_path / "trace.zip"), made.written)
+
+
+class _Tee(Sink):
+    """Every step to the store (the in-process RecorderSink) and to a MemorySink."""
+
+    def __init__(self, path: Path) -> None:
+        self.store, self.memory = RecorderSink(str(path), 0), MemorySink()
+        self.stats = self.store.stats
+
+    def write_step(self, plan, arrays, counts, host, may_drop):
+        self.memory.write_step(plan, arrays, counts, host, may_drop)
+        return self.store.write_step(plan, arrays, counts, host, may_drop)
+
+    def control(self, msg):
+        self.memory.control(msg)
+        self.store.control(msg)
+
+    def flush(self, dropped):
+        self.memory.flush(dropped)
+        self.store.flush(dropped)
+
+    def close(self, dropped):
+        self.memory.close(dropped)
+        self.store.close(dropped)
+
+
+def written_by(sink: MemorySink, rank: int = 0) -> dict:
+    """What a MemorySink took, in `ProducedTrace.written`'s form (bf16 as int16 bits)."""
+    out: dict[str, list] = {}
+    for table, t in sink.tables.items():
+        spec = t["spec"]
+        out[table] = [
+            {
+                axis: {
+                    c: (
+                        spec[axis][c][1],
+                        rows.view(np.int16) if spec[axis][c][1] == "bfloat16" else rows,
+                    )
+                    for c, rows in cols.items()
+                }
+                for axis, cols in step.items()
+            }
+            for step in t["steps"]
+        ]
+    return {rank: out}
+
+
+class TestMemorySinkTee(StoreConformance):
+    """The store holds exactly what the writer handed its sink: the round trip is checked
+    against a MemorySink beside the store (seq and t_ns, filled in by the writer, included)."""
+
+    def make_trace(self, tmp_path):
+        path = tmp_path / "tee.zarr"
+        sinks = []
+
+        def tee(p):
+            sinks.append(_Tee(p))
+            return sinks[-1]
+
+        write_bit_patterns(path, make_sink=tee)
+        memory = sinks[0].memory
+        assert memory.closed and sum(len(t["steps"]) for t in memory.tables.values()) == 13
+        return ProducedTrace(path, written=written_by(memory))
 
 
 class TestDemoDirectoryStore(StoreConformance):
