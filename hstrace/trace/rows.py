@@ -54,39 +54,30 @@ def gather(table: Any, axis: str, name: str, idx: np.ndarray) -> Any:
         raise IndexError(f"rows of {axis}/{name} outside its {n} committed rows")
     order = np.argsort(idx, kind="stable")
     ordered = idx[order]
-    out = None
+    out: np.ndarray | None = None
+    torch_dtype = None
     for lo, hi in windows(np.unique(ordered), read_unit(table, axis, name), n):
         data = table.column(axis, name, lo, hi)
+        if not isinstance(data, np.ndarray):  # torch (bf16): copied as its bits, by numpy
+            torch_dtype, data = data.dtype, _bits(data)
         a, b = np.searchsorted(ordered, [lo, hi])
         if out is None:
-            out = _empty_like_rows(data, len(idx))
-        _put(out, order[a:b], _take(data, ordered[a:b] - lo))
+            out = np.empty((len(idx), *data.shape[1:]), dtype=data.dtype)
+        out[order[a:b]] = data[ordered[a:b] - lo]
         del data  # before the next window is read
     if out is None:
         return table.column(axis, name, 0, 0)  # the column's dtype and row shape, no rows
-    return out
-
-
-def _empty_like_rows(x: Any, n: int) -> Any:
-    if isinstance(x, np.ndarray):
-        return np.empty((n, *x.shape[1:]), dtype=x.dtype)
-    import torch  # bf16 columns come back as torch (reader.py); only then is torch needed
-
-    return torch.empty((n, *x.shape[1:]), dtype=x.dtype)
-
-
-def _put(out: Any, rows: np.ndarray, values: Any) -> None:
-    if isinstance(out, np.ndarray):
-        out[rows] = values
-        return
+    if torch_dtype is None:
+        return out
     import torch
 
-    out[torch.from_numpy(rows)] = values
+    return torch.from_numpy(out).view(torch_dtype)
 
 
-def _take(x: Any, rows: np.ndarray) -> Any:
-    if isinstance(x, np.ndarray):
-        return x[rows]
+def _bits(x: Any) -> np.ndarray:
+    """A torch tensor's memory as a numpy integer array of the same item size (no copy):
+    numpy's row gather is several times torch's for bf16."""
     import torch
 
-    return x[torch.from_numpy(rows)]
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return x.contiguous().view(ints[x.element_size()]).numpy()
