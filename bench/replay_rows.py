@@ -22,77 +22,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 WIDE = ("aux_hidden", "hidden_in")
 
 
-def write(path: Path, steps: int, batch: int, draft_tokens: int, accept: int, hidden: int) -> None:
-    from hstrace.trace import TraceWriter, create_trace, request_key
-
-    create_trace(path, engine={"name": "reference", "version": "bench"}, command_line=["bench"])
-    w = TraceWriter(path, rank=0, process=False)
-    keys = torch.tensor([request_key(f"r{i}") for i in range(batch)], dtype=torch.int64)
-    g = torch.Generator().manual_seed(0)
-    lens = [64] * batch
-    attrs = {"tok/aux_hidden": {"layer_ids": [2, 30, 57], "slot_width": hidden}}
-
-    def rows(n: int) -> torch.Tensor:
-        return torch.randn(n, 3 * hidden, generator=g).to(torch.bfloat16)
-
-    def step(mode: int, n_tok: list[int], starts: list[int]) -> None:
-        pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, n_tok, strict=True)])
-        ids = torch.from_numpy((pos * 7 + 1) % 500)
-        w.write(
-            "target",
-            step={"mode": mode},
-            req={"req_key": keys, "n_tok": torch.tensor(n_tok)},
-            tok={
-                "input_ids": ids,
-                "positions": torch.from_numpy(pos),
-                "aux_hidden": rows(len(pos)),
-            },
-            column_attrs=attrs,
-        )
-
-    def extend(n_tok: list[int], starts: list[int]) -> None:
-        pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, n_tok, strict=True)])
-        k = torch.from_numpy(((pos[:, None] + np.arange(4)) % 256).astype(np.int64))
-        w.write(
-            "draft_extend",
-            req={"req_key": keys, "n_tok": torch.tensor(n_tok)},
-            tok={
-                "input_ids": torch.from_numpy((pos * 7 + 1) % 500),
-                "positions": torch.from_numpy(pos),
-                "hidden_in": rows(len(pos)),
-                "topk_draft_ids": k,
-                "topk_target_ids": k,
-                "topk_logprobs": torch.zeros(len(pos), 4),
-            },
-        )
-
-    step(0, lens, [0] * batch)
-    extend(lens, [0] * batch)
-    for _ in range(steps):
-        starts = [n - 1 for n in lens]
-        step(1, [draft_tokens] * batch, starts)
-        w.write(
-            "verify",
-            req={
-                "req_key": keys,
-                "accept_len": torch.full((batch,), accept),
-                "bonus_id": torch.zeros(batch, dtype=torch.int64),
-                "n_proposed": torch.full((batch,), draft_tokens - 1),
-                "n_accepted": torch.full((batch,), accept),
-            },
-            proposed={"ids": torch.zeros(batch * (draft_tokens - 1), dtype=torch.int64)},
-            accepted={"ids": torch.zeros(batch * accept, dtype=torch.int64)},
-        )
-        extend([1 + accept] * batch, [n for n in lens])
-        lens = [n + 1 + accept for n in lens]
-    w.close()
+def _helper():
+    """tests/helpers/wide_trace.py (the trace the tests use too), loaded by path."""
+    path = REPO / "tests" / "helpers" / "wide_trace.py"
+    spec = importlib.util.spec_from_file_location("wide_trace", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _serving_module(ref: str | None):
@@ -181,7 +123,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hstrace-replay-rows-") as tmp:
         trace = Path(tmp) / "t.zarr"
         t0 = time.perf_counter()
-        write(trace, a.steps, a.batch, a.draft_tokens, a.accept, a.hidden)
+        _helper().write_wide_trace(trace, a.steps, a.batch, a.draft_tokens, a.accept, a.hidden)
         disk = sum(f.stat().st_size for f in trace.rglob("*") if f.is_file())
         out: dict = {"args": vars(a) | {"_measure": None}, "write_s": time.perf_counter() - t0}
         out["disk_mb"] = round(disk / 2**20, 1)

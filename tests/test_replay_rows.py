@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.cli import EXAMPLES, TRAINING, invoke
+from helpers.wide_trace import write_wide_trace
 
 from hstrace.replay.serving import read_serving
 from hstrace.trace import open_trace
@@ -88,3 +89,35 @@ def test_replay_reads_fewer_aux_rows_with_the_same_findings(monkeypatch, name):
     assert asked_full[("target", "aux_hidden")] == n_target
     assert asked[("target", "aux_hidden")] == committed < n_target
     assert asked[("draft_extend", "hidden_in")] == drafted <= n_ext
+
+
+def test_wide_rows_skip_the_chunks_of_rejected_drafts(tmp_path, monkeypatch):
+    """Kimi-wide aux rows (64-row chunks): a 128-row verify block that keeps 1 + 3 rows leaves
+    its second chunk unread; what is read equals a whole-column read."""
+    path = tmp_path / "wide.zarr"
+    # prefill 64 rows (chunk 0), then verify blocks at rows 64, 192, 320 (chunks 1-2, 3-4, 5-6)
+    write_wide_trace(path, steps=3, batch=1, draft_tokens=128, accept=3, hidden=7168)
+    asked: list[tuple[int, int]] = []
+    column = TableView.column
+
+    def counting(self, axis, name, start=None, stop=None):
+        if (self.name, name) == ("target", "aux_hidden"):
+            asked.append((start, stop))
+        return column(self, axis, name, start, stop)
+
+    monkeypatch.setattr(TableView, "column", counting)
+    with open_trace(path) as tr:
+        target = tr.rank(0).table("target")
+        assert target.read_unit("tok", "aux_hidden") == 64 and target.num_rows("tok") == 448
+        windowed = read_serving(tr)
+        with monkeypatch.context() as m:
+            m.setattr(rows_mod, "windows", lambda rows, unit, n, *a: [(0, n)])
+            full = read_serving(tr)
+    # chunk 0 and 1 are neighbours (one window); chunks 3 and 5 each hold one block's 4 kept rows
+    assert asked[:3] == [(0, 128), (192, 256), (320, 384)] and asked[3:] == [(0, 448)]
+    (w,), (f,) = windowed.requests, full.requests
+    # positions 0..74: each verify block starts at the last committed position, keeps 1 + 3
+    assert w.aux_rows == 75 and np.array_equal(w.aux_steps, f.aux_steps)
+    assert torch.equal(w.aux, f.aux)
+    assert torch.equal(w.draft.hidden_in, f.draft.hidden_in)
+    assert np.array_equal(w.tokens, f.tokens)
