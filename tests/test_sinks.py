@@ -165,3 +165,35 @@ def test_protocol_messages_round_trip():
         assert P.decode(framed[4:]) == msg
     with pytest.raises(ValueError, match="unknown message kind"):
         P.decode(b"\x09")
+
+
+@pytest.mark.parametrize("kind", SINKS)
+def test_python_int_step_columns_stay_exact_at_the_int64_edges(tmp_path, kind):
+    """A Python int on an int64 step column is handed to the sink as it is (the fast path makes
+    no numpy scalar of it): the extremes come back exactly, one past them is refused by name."""
+    path = tmp_path / "i.zarr"
+    create_trace(path, engine={"name": "test"})
+    edges = [0, (1 << 63) - 1, -(1 << 63), -1, 5]
+
+    def event(value) -> dict:
+        return {"step": {"value": value}, "tok": {"x": torch.arange(3, dtype=torch.int32)}}
+
+    w, mem = _writer(kind, path)
+    with w:
+        for value in edges:
+            assert w.write("events", **event(value))
+        with pytest.raises(TraceError, match=r"step/value:uint64.*differ.*step/value:int64"):
+            w.write("events", **event(1 << 63))
+        with pytest.raises(TraceError, match=r"step/value:object.*differ.*step/value:int64"):
+            w.write("events", **event(-(1 << 63) - 1))
+        with pytest.raises(TraceError, match=r"step/value:bool.*differ.*step/value:int64"):
+            w.write("events", **event(True))  # a bool is not an int64 column's value
+    if mem is not None:
+        got = mem.column("events", "step", "value")
+        seq = mem.column("events", "step", "seq")
+    else:
+        with open_trace(path) as tr:
+            t = tr.rank(0).table("events")
+            got, seq = t.column("step", "value"), t.column("step", "seq")
+    assert got.dtype == np.int64 and got.tolist() == edges
+    assert seq.tolist() == list(range(len(edges)))

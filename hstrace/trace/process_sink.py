@@ -33,6 +33,9 @@ from hstrace.trace.sink import Sink, TablePlan, new_stats
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Seconds to wait for the writer process to start (it imports numpy and zarr).
 START_TIMEOUT_S = 120.0
+# align(n) as two integer operations (ALIGN is a power of two).
+_ALIGN_UP, _ALIGN_MASK = ALIGN - 1, -ALIGN
+assert ALIGN & (ALIGN - 1) == 0
 
 
 class _Table:
@@ -68,8 +71,12 @@ class ProcessSink(Sink):
         self._release = weakref.finalize(self, release_segment, self._shm)
         whole = unexported_view(self._shm.mmap, self._shm.size)
         self._ring_np = whole[: self._ring_bytes]
-        self._ring_i64 = self._ring_np.view(np.int64)
-        self._trailer = whole[self._ring_bytes :].view(np.int64)  # ring.HEAD / TAIL / FAULT
+        # int64 words of the ring and its trailer (ring.HEAD / TAIL / FAULT) as memoryviews of
+        # ctypes arrays at the mapping's address: a word read or store is a few bytecodes, where
+        # numpy's scalar indexing runs its dtype machinery (~10 us of cold code a step here).
+        words = (ctypes.c_int64 * ((self._ring_bytes + ALIGN) // 8)).from_address(whole.ctypes.data)
+        self._ring_i64 = memoryview(words).cast("B").cast("q")
+        self._trailer = self._ring_i64[self._ring_bytes // 8 :]
         self._ring = torch.from_numpy(self._ring_np)
         self._ring_addr = self._ring.data_ptr()
         self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
@@ -142,10 +149,10 @@ class ProcessSink(Sink):
             return self._write_parts(plan, t, arrays, counts, may_drop)
         # One part, every column in spec order at an ALIGN-aligned offset after the previous
         # one (the layout writer_process._write_step reads).
-        sizes = [counts[ai] * rb for ai, rb in zip(plan.col_axis, plan.row_bytes, strict=True)]
+        sizes = [counts[ai] * rb for ai, rb in plan.axis_row_bytes]
         used = 0
         for nb in sizes:
-            used += -(-nb // ALIGN) * ALIGN
+            used += (nb + _ALIGN_UP) & _ALIGN_MASK
         if used > self._part_bytes:
             return self._write_parts(plan, t, arrays, counts, may_drop)
         base = self._allocate(used, may_drop)
@@ -160,12 +167,12 @@ class ProcessSink(Sink):
                 if ta is torch.Tensor:
                     ctypes.memmove(addr + off, a.data_ptr(), nb)  # a single-threaded memcpy
                 elif ta is int:
-                    # (an int64 view: struct.pack_into on the mmap costs ~15 us a call here)
+                    # (an int64 word: struct.pack_into on the mmap costs ~15 us a call here)
                     self._ring_i64[(base + off) >> 3] = a
                 else:
                     lo = base + off
                     self._ring_np[lo : lo + nb] = a.reshape(-1).view(np.uint8)
-            off += -(-nb // ALIGN) * ALIGN
+            off += (nb + _ALIGN_UP) & _ALIGN_MASK
         self.stats["copy_s"] += time.perf_counter() - t0  # the copy itself (bench/README.md)
         self._send(t.codec.frame(base, self._head, counts))
         return True
@@ -246,7 +253,12 @@ class ProcessSink(Sink):
 
     def _allocate(self, n: int, may_drop: bool) -> int | None:
         """Offset of n contiguous free bytes in the ring (None: full and may_drop)."""
-        self._poll_free()
+        trailer = self._trailer  # _poll_free, inlined: this runs for every step
+        tail = trailer[TAIL]
+        if tail > self._tail:
+            self._tail = tail
+        if trailer[FAULT]:
+            self._poll_free()
         if self._fault is not None:
             raise TraceError(self._fault)
         head = self._head
@@ -283,7 +295,7 @@ class ProcessSink(Sink):
     def _poll_free(self) -> None:
         """Ring space handed back, and a fault report if there is one: two reads of shared
         memory, no syscall (the pipes are read only while waiting for room or a reply)."""
-        tail = int(self._trailer[TAIL])
+        tail = self._trailer[TAIL]
         if tail > self._tail:
             self._tail = tail
         if self._trailer[FAULT]:

@@ -44,6 +44,7 @@ class TablePlan:
         "dtypes",
         "row_shapes",
         "row_bytes",
+        "axis_row_bytes",
         "logical",
     )
 
@@ -60,6 +61,8 @@ class TablePlan:
         self.row_bytes = [
             d.itemsize * math.prod(rs) for d, rs in zip(self.dtypes, self.row_shapes, strict=True)
         ]
+        # Per column (axis index, row bytes): a step's byte sizes are counts[axis] * row bytes.
+        self.axis_row_bytes = list(zip(self.col_axis, self.row_bytes, strict=True))
         # {"axis/column": logical} where it differs from the storage dtype (bf16 as uint16).
         self.logical = {
             f"{a}/{c}": spec[a][c][1] for a, c in self.columns if spec[a][c][1] != spec[a][c][0]

@@ -246,7 +246,8 @@ class _Matcher:
 
     def __init__(self, plan: TablePlan, axes: list) -> None:
         self.plan = plan
-        # [(axis, ((column, torch dtype, numpy dtype | None, row_shape, width), ...), n, auto)]
+        # [(axis, ((column, torch dtype, numpy dtype | None, row_shape, width, int_ok), ...),
+        #   n, auto)]
         self.axes = axes
         self.n_axes = len(axes)
 
@@ -272,7 +273,10 @@ class _Matcher:
                 # How `match` checks the shape: -1 the step row itself, 0 scalar rows, > 0 the
                 # width of 1-d rows, -2 anything wider.
                 width = -1 if axis == STEP_AXIS else {0: 0, 1: rs[0] if rs else 0}.get(len(rs), -2)
-                cols.append((col, tdtype, numpy_ok, rs, width))
+                # A Python int fits an int64 scalar step column as it is (the sinks store an
+                # int as one int64 row): no 0-d numpy array made and checked per step.
+                int_ok = width == -1 and not rs and numpy_ok == np.int64
+                cols.append((col, tdtype, numpy_ok, rs, width, int_ok))
             axes.append((axis, tuple(cols), len(cols), auto if axis == STEP_AXIS else ()))
         return _Matcher(plan, axes)
 
@@ -305,9 +309,19 @@ class _Matcher:
             if values is None or len(values) != n_cols:
                 return None
             n = -1
-            for col, tdtype, ndtype, row_shape, width in cols:
+            for col, tdtype, ndtype, row_shape, width, int_ok in cols:
                 v = values.get(col)
-                if type(v) is torch.Tensor:
+                tv = type(v)
+                if tv is int and int_ok:
+                    if not _INT64_MIN <= v <= _INT64_MAX:
+                        return None  # the general path names it
+                    if n != 1:
+                        if n >= 0:
+                            return None
+                        n = 1
+                    arrays.append(v)
+                    continue
+                if tv is torch.Tensor:
                     if v.dtype is not tdtype or not v.is_cpu or not v.is_contiguous():
                         return None
                 elif v is None or ndtype is None or isinstance(v, torch.Tensor):
@@ -346,6 +360,8 @@ class _Matcher:
             counts.append(1 if axis == STEP_AXIS else max(n, 0))
         return arrays, tuple(counts)
 
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 _TORCH_DTYPES = {
     np.dtype(n): getattr(torch, n)
