@@ -4,6 +4,11 @@ From the `target` table: the committed tokens by position and the aux hidden sta
 captured for them (a verify round commits its first 1 + accept_len rows; the rest were rejected
 drafts). From `draft_extend`: what the drafter received per position (token ids, positions,
 hidden input) and what it produced (top-k in draft and target space, log-probs).
+
+The narrow columns (ids, positions, counts) are read whole to decide which rows each request
+keeps; the wide ones (aux rows, the drafter's hidden input, its top-k) are then read only at
+those rows, chunk by chunk (`hstrace.trace.rows.gather`): rejected drafts left on disk, and
+never a whole wide column in memory.
 """
 
 from __future__ import annotations
