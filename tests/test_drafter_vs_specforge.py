@@ -18,11 +18,8 @@ pass through either fake. `torch.compile`d SpecForge functions run eagerly
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
-import sys
-import types
 
 import pytest
 import torch
@@ -32,102 +29,15 @@ from safetensors.torch import save_file
 from hstrace import metrics
 from hstrace.drafter import Eagle3Drafter, load_drafter, save_drafter
 
-sf_draft = pytest.importorskip(
-    "specforge.modeling.draft.llama3_eagle",
+sf = pytest.importorskip(
+    "helpers.specforge",
     reason="specforge==0.2.0 not importable (scripts/test.sh installs it --no-deps)",
 )
 
 
-def _fake_cuda_triton() -> dict[str, types.ModuleType]:
-    """FakeCudaTriton: just enough of `triton` for `specforge.core.loss` to import (decorators,
-    `tl.constexpr` annotations). Its kernels are never launched: see FakeCudaLogSoftmaxLoss."""
-    triton = types.ModuleType("triton")
-    language = types.ModuleType("triton.language")
-    triton.jit = lambda fn=None, **_: fn if fn is not None else (lambda f: f)
-    triton.next_power_of_2 = lambda n: 1 << (int(n) - 1).bit_length()
-    language.constexpr = int
-    triton.language = language
-    return {"triton": triton, "triton.language": language}
-
-
-def _import_online_model() -> types.ModuleType:
-    """Import `specforge.algorithms.eagle3.model`; only `specforge.core.loss` needs Triton."""
-    if "specforge.core.loss" not in sys.modules:
-        try:
-            importlib.import_module("triton")
-        except ImportError:
-            fakes = _fake_cuda_triton()
-            saved = {k: sys.modules.get(k) for k in fakes}
-            sys.modules.update(fakes)
-            try:
-                importlib.import_module("specforge.core.loss")
-            finally:  # torch's own triton probes must not see the fake
-                for k, v in saved.items():
-                    if v is None:
-                        sys.modules.pop(k, None)
-                    else:
-                        sys.modules[k] = v
-    return importlib.import_module("specforge.algorithms.eagle3.model")
-
-
-try:
-    sf_model = _import_online_model()
-    from specforge.modeling.auto import AutoDraftModel
-    from specforge.training.model_loading import (
-        load_draft_config_source,
-        warm_start_draft_model,
-    )
-except ImportError as exc:  # pragma: no cover - depends on the installed specforge
-    pytest.skip(f"specforge 0.2.0 training model not importable: {exc}", allow_module_level=True)
-
-
-class FakeCudaLogSoftmaxLoss:
-    """SpecForge's `LogSoftmaxLoss` launches a Triton kernel (CUDA only); this computes the same
-    loss with SpecForge's own torch reference `_compute_loss`. Only the loss passes through it."""
-
-    @staticmethod
-    def apply(logits: torch.Tensor, target_p: torch.Tensor, position_mask: torch.Tensor):
-        return sys.modules["specforge.core.loss"]._compute_loss(logits, target_p, position_mask)
-
-
 @pytest.fixture(autouse=True)
 def _no_triton_kernels(monkeypatch):
-    monkeypatch.setattr(sf_model, "LogSoftmaxLoss", FakeCudaLogSoftmaxLoss)
-
-
-def _specforge_model(ckpt, target_dir):
-    """Build and load the draft the way SpecForge's trainer does for a warm start."""
-    config = load_draft_config_source(str(ckpt))
-    draft = AutoDraftModel.from_config(config, attention_backend="sdpa")
-    report = warm_start_draft_model(
-        draft, str(ckpt), draft_config=config, strategy="eagle3", allow_missing_embedding=True
-    )
-    assert report.missing_keys == ("embed_tokens.weight",), report
-    draft.load_embedding(str(target_dir))
-    return draft.float().eval()
-
-
-def _run_specforge(draft, aux, ids, target, loss_mask, steps):
-    """`OnlineEagle3Model.forward` as the trainer calls it after `TargetHead.preprocess`:
-    ids and target already shifted (row t: token t+1, target logits of position t+1);
-    loss_mask [B, T, 1]. Returns per-step logits [T, Vd] and SpecForge's per-step accuracy."""
-    online = sf_model.OnlineEagle3Model(draft, length=steps, attention_backend="sdpa")
-    captured: list[torch.Tensor] = []
-    hook = draft.lm_head.register_forward_hook(lambda m, i, o: captured.append(o.detach()))
-    T = ids.shape[0]
-    try:
-        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
-            out = online(
-                input_ids=ids[None],
-                attention_mask=torch.ones(1, T, dtype=torch.bool),
-                target=target[None],
-                loss_mask=loss_mask[None, :, None].float(),
-                hidden_states=aux[None],
-            )
-    finally:
-        hook.remove()
-    acces = out[2]
-    return [c[0] for c in captured], [float(a) for a in acces]
+    monkeypatch.setattr(sf.sf_model, "LogSoftmaxLoss", sf.FakeCudaLogSoftmaxLoss)
 
 
 CASES = [
@@ -167,7 +77,7 @@ def test_logits_match_specforge(tmp_path, case):
     ours, report = load_drafter(ck, target_embed=built.embed_tokens.weight.detach())
     assert report.dialect == "specforge" and report.unmapped == []
     assert ours.cfg.logits_use_norm is (norm_output is not False)
-    theirs_model = _specforge_model(ck, target_dir)
+    theirs_model = sf.specforge_model(ck, target_dir)
     assert theirs_model.norm_output is (norm_output is not False)
 
     T, steps = 12, 5
@@ -177,7 +87,7 @@ def test_logits_match_specforge(tmp_path, case):
     # per-position target logits (position p scores the token at p+1), and a loss mask with holes
     target_logits = torch.randn(T + 1, 97, generator=g)
     mask = torch.rand(T + 1, generator=g) > 0.2
-    theirs, sf_acc = _run_specforge(
+    theirs, sf_acc = sf.run_specforge(
         theirs_model, aux, ids, target_logits[1:], mask[1:], steps
     )  # rows in our convention: row t -> target and mask of position t+1
     mine = ours.ttt(ids, aux, steps=steps)

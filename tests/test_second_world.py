@@ -166,7 +166,7 @@ def test_specforge_exports_load_as_specforge_runs_them(monkeypatch, name):
     (feed h back); the after-#879 reading agrees at step 0 and differs at steps >= 1."""
     import torch
 
-    sf = pytest.importorskip("test_drafter_vs_specforge", reason="specforge 0.2.0 not importable")
+    sf = pytest.importorskip("helpers.specforge", reason="specforge 0.2.0 not importable")
     monkeypatch.setattr(sf.sf_model, "LogSoftmaxLoss", sf.FakeCudaLogSoftmaxLoss)
     from hstrace.drafter import load_drafter
     from hstrace.drafter.norm_output import POST_879, PRE_879, norm_output_flags
@@ -175,13 +175,13 @@ def test_specforge_exports_load_as_specforge_runs_them(monkeypatch, name):
     from hstrace.training import open_training
 
     ck, target_dir = WORLD / name, WORLD / "target"
-    theirs_model = sf._specforge_model(ck, target_dir)
+    theirs_model = sf.specforge_model(ck, target_dir)
     s = open_training(WORLD / "training-specforge")[SERVED[0]]
     T, steps = s.num_tokens - 1, 3
     ids = s.input_ids[1:]  # row t: token t+1
     aux = s.aux_concat[:T].float()
     teacher = TargetHead.from_pretrained(target_dir).teacher_logits(s.last, s.last_norm)
-    theirs, _ = sf._run_specforge(
+    theirs, _ = sf.run_specforge(
         theirs_model, aux, ids, teacher[1:].float(), s.loss_mask[1:].bool(), steps
     )
     ours, report = load_drafter(ck, target_embed=load_target_embedding(target_dir))
