@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.check import codes, run_check
+from helpers.check import codes, run_check, specforge_data
 from helpers.check import edit_config as _edit_config
 from helpers.check import edit_weights as _edit_weights
 from helpers.drafters import tiny_model as _model
@@ -161,27 +161,10 @@ def test_applies_to_parser():
     assert applies(Finding("rope-mismatch", "x"), "sglang", "0.4.0")
 
 
-def _specforge_data(root, width: int) -> None:
-    rows = root / "rows_0-2000"
-    rows.mkdir(parents=True)
-    g = torch.Generator().manual_seed(0)
-    for i in range(2):
-        T = 10
-        torch.save(
-            {
-                "input_ids": torch.randint(0, 97, (T,), generator=g),
-                "loss_mask": torch.ones(T, dtype=torch.long),
-                "aux_hidden_state": torch.randn(1, T, 3 * width, generator=g),
-                "hidden_state": torch.randn(1, T, width, generator=g),
-            },
-            rows / f"data_{i}.ckpt",
-        )
-
-
 def test_against_training_data(tmp_path, capsys):
     ck = tmp_path / "ck"
     save_drafter(_model(), ck, dialect="specforge", include_embed=True)
-    _specforge_data(tmp_path / "ok", width=32)
+    specforge_data(tmp_path / "ok", width=32)
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--against", str(tmp_path / "ok"))
     train = doc["metrics"]["training"]
     assert rc == 0 and train["format"] == "specforge" and train["steps"] == 3
@@ -195,7 +178,7 @@ def test_against_training_data(tmp_path, capsys):
     assert al["bonus_counted"] is True and "bonus" in al["convention"]
     assert al["value"] == pytest.approx(1 + sum(pp["full"]))
     assert al["value_without_bonus"] == pytest.approx(al["value"] - 1)
-    _specforge_data(tmp_path / "wide", width=40)
+    specforge_data(tmp_path / "wide", width=40)
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--against", str(tmp_path / "wide"))
     assert rc == 1 and codes(doc) == ["slot-layout"]
     assert doc["findings"][0]["evidence"]["stored_width"] == 40
@@ -204,7 +187,7 @@ def test_against_training_data(tmp_path, capsys):
 def test_against_without_embedding_says_how(tmp_path, capsys):
     ck = tmp_path / "ck"
     save_drafter(_model(), ck, dialect="specforge")  # SpecForge saves no embedding
-    _specforge_data(tmp_path / "ok", width=32)
+    specforge_data(tmp_path / "ok", width=32)
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--against", str(tmp_path / "ok"))
     assert rc == 0 and "--target" in doc["metrics"]["training"]["skipped"]
     rc, out, _ = run_check(capsys, str(ck), "--against", str(tmp_path / "ok"))
@@ -214,7 +197,7 @@ def test_against_without_embedding_says_how(tmp_path, capsys):
 def test_against_bad_target_exits_2(tmp_path, capsys):
     ck = tmp_path / "ck"
     save_drafter(_model(), ck, dialect="specforge")
-    _specforge_data(tmp_path / "ok", width=32)
+    specforge_data(tmp_path / "ok", width=32)
     (tmp_path / "tgt").mkdir()
     rc, _, err = run_check(
         capsys, str(ck), "--against", str(tmp_path / "ok"), "--target", str(tmp_path / "tgt")

@@ -286,10 +286,10 @@ def test_norm_output_decided_from_training_data(tmp_path, capsys):
 def test_norm_output_with_data_the_drafter_cannot_take(tmp_path, capsys):
     """Training slots of another layout than the drafter's fc: the reading is not tested (no
     crash), the slot-layout fault is reported."""
-    from test_check import _specforge_data
+    from helpers.check import specforge_data
 
     ck = _norm_output(tmp_path, True)
-    _specforge_data(tmp_path / "wide", width=40)  # fc takes 3 x 64
+    specforge_data(tmp_path / "wide", width=40)  # fc takes 3 x 64
     args = ("--against", str(tmp_path / "wide"), "--target", str(WORLD / "target"))
     rc, doc, _ = run_check(capsys, str(ck), "--json", *args)
     assert rc == 1 and "slot-layout" in codes(doc)

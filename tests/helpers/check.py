@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hstrace.cli.main import main
 from safetensors.torch import load_file, save_file
 
@@ -34,3 +35,22 @@ def edit_config(ck: Path, fn) -> None:
 def edit_weights(ck: Path, fn) -> None:
     f = ck / "model.safetensors"
     save_file(fn(load_file(str(f))), str(f), metadata={"format": "pt"})
+
+
+def specforge_data(root, width: int) -> None:
+    """Two SpecForge-layout training samples (`rows_0-2000/data_i.ckpt`) of random tensors with
+    `width`-wide hidden states: the shape of training data, for checks about shapes only."""
+    rows = root / "rows_0-2000"
+    rows.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        T = 10
+        torch.save(
+            {
+                "input_ids": torch.randint(0, 97, (T,), generator=g),
+                "loss_mask": torch.ones(T, dtype=torch.long),
+                "aux_hidden_state": torch.randn(1, T, 3 * width, generator=g),
+                "hidden_state": torch.randn(1, T, width, generator=g),
+            },
+            rows / f"data_{i}.ckpt",
+        )
