@@ -149,9 +149,10 @@ def test_writer_and_recorder_share_one_schema_check(tmp_path):
 
 def test_protocol_messages_round_trip():
     codec = P.StepCodec(table_id=3, n_axes=3)
-    frame = codec.frame(4096, 8192, (1, 2, 17))
+    frame = codec.frame(4096, 8192, (1, 2, 17), 9)
     assert int.from_bytes(frame[:4], "big") == len(frame) - 4  # Connection's framing
     assert P.decode(frame[4:]) == P.Step(3, 4096, 8192, (1, 2, 17))
+    assert P.after(frame[4:]) == 9  # taken after the first 9 descriptors
     for msg in (
         P.Table(0, "target", {"step": {"mode": ("int64", "int64", ())}}, None),
         P.Part(1, 0, 128, (("tok", "aux_hidden", 0, 5),), {"step": 1, "tok": 5}),
@@ -161,8 +162,8 @@ def test_protocol_messages_round_trip():
         P.Flush({}),
         P.Close({"target": 2}),
     ):
-        framed = P.frame_control(msg)
-        assert P.decode(framed[4:]) == msg
+        framed = P.frame_control(msg, 12345)
+        assert P.decode(framed[4:]) == msg and P.after(framed[4:]) == 12345
     with pytest.raises(ValueError, match="unknown message kind"):
         P.decode(b"\x09")
 

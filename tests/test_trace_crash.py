@@ -237,3 +237,38 @@ def test_a_killed_producer_loses_only_what_it_had_not_handed_over(tmp_path):
         committed = verify_prefix(path)
         assert committed >= handed + 1, (trial, committed, handed)
         assert "Traceback" not in proc.stderr.read()
+
+
+@pytest.mark.slow
+def test_steps_past_a_full_descriptor_queue_keep_their_order(tmp_path):
+    """With the writer stopped, the first DESC_SLOTS steps go through the shared descriptor
+    queue and the rest, with a control message among them, down the data pipe; once the
+    writer runs again every step is there, in order and bit-exact, and after it catches up
+    steps take the queue again."""
+    from hstrace.trace.process_sink import DESCRIPTORS
+    from hstrace.trace.ring import DESC_SLOTS
+
+    path = tmp_path / "order.zarr"
+    create_trace(path, engine={"name": "test"})
+    w = TraceWriter(path, rank=0)
+    first = DESC_SLOTS + 300
+    os.kill(w.writer_pid, signal.SIGSTOP)
+    try:
+        for s in range(first):
+            assert w.write("target", **step_data(s))
+            if s == DESC_SLOTS + 10:
+                w.update_static({"mid": s})
+        published = w.sink._published
+    finally:
+        os.kill(w.writer_pid, signal.SIGCONT)
+    w.flush()
+    assert verify_prefix(path) == first
+    for s in range(first, first + 100):
+        assert w.write("target", **step_data(s))
+    w.close()
+    assert verify_prefix(path) == first + 100
+    with open_trace(path) as tr:
+        assert tr.rank(0).clean_close and tr.meta["static"]["mid"] == DESC_SLOTS + 10
+    if DESCRIPTORS:  # x86: the queue filled, the rest went down the pipe, then the queue again
+        assert published == DESC_SLOTS
+        assert w.sink._published > DESC_SLOTS

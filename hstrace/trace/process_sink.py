@@ -1,7 +1,8 @@
-"""The serving path's sink: steps are copied into a shared-memory byte ring and a small message
-goes down a pipe to the rank's writer process (hstrace/trace/writer_process.py), which does all
-compression and I/O. The serving thread pays a memcpy (an async D2H copy on CUDA) and one pipe
-write. A step larger than `max_part_bytes` (a prefill of thousands of tokens) is split by rows
+"""The serving path's sink: steps are copied into a shared-memory byte ring and described to the
+rank's writer process (hstrace/trace/writer_process.py), which does all compression and I/O: a
+one-part host step by a descriptor in shared memory (hstrace/trace/ring.py), anything else by a
+small message down a pipe. The serving thread pays a memcpy (an async D2H copy on CUDA) and a
+few stores. A step larger than `max_part_bytes` (a prefill of thousands of tokens) is split by rows
 into several parts. Also here: starting and supervising the writer process, and the CUDA
 completer that sends a step's message once its device copies are done.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import platform
 import queue
 import select
 import subprocess
@@ -26,13 +28,35 @@ import torch
 from hstrace.errors import TraceError
 from hstrace.trace import protocol as P
 from hstrace.trace.protocol import ALIGN, align
-from hstrace.trace.ring import FAULT, HEAD, TAIL, Segment, release_segment, unexported_view
+from hstrace.trace.ring import (
+    DESC_AXES,
+    DESC_SLOTS,
+    DESC_WORDS,
+    FAULT,
+    HEAD,
+    PUBLISHED,
+    TAIL,
+    TAKEN,
+    TRAILER_WORDS,
+    Segment,
+    release_segment,
+    segment_bytes,
+    unexported_view,
+)
 from hstrace.trace.sink import Sink, TablePlan, new_stats
 
 # Where the hstrace package lives, so the writer process imports this very copy.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Seconds to wait for the writer process to start (it imports numpy and zarr).
 START_TIMEOUT_S = 120.0
+# Steps are published through the descriptor queue only where plain stores become visible to
+# the writer in program order (x86's TSO): the ring bytes, then the slot, then PUBLISHED.
+# Elsewhere (aarch64) that needs fences Python has no cheap way to issue, so every step goes
+# down the pipe, whose write orders them.
+DESCRIPTORS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+# Every this many descriptors the producer checks that the writer is alive (one read of the
+# ends pipe): a pipe write per step used to say so at once.
+LIVENESS_EVERY = 64
 # align(n) as two integer operations (ALIGN is a power of two).
 _ALIGN_UP, _ALIGN_MASK = ALIGN - 1, -ALIGN
 assert ALIGN & (ALIGN - 1) == 0
@@ -41,11 +65,12 @@ assert ALIGN & (ALIGN - 1) == 0
 class _Table:
     """Per table: its id on the wire and the packer of its Step messages."""
 
-    __slots__ = ("tid", "codec")
+    __slots__ = ("tid", "codec", "descriptors")
 
     def __init__(self, tid: int, n_axes: int) -> None:
         self.tid = tid
         self.codec = P.StepCodec(tid, n_axes)
+        self.descriptors = DESCRIPTORS and n_axes <= DESC_AXES
 
 
 class ProcessSink(Sink):
@@ -65,7 +90,7 @@ class ProcessSink(Sink):
         self._fault: str | None = None  # set once the writer reports the trace is unwritable
         self._ring_bytes = align(int(staging_bytes))
         self._part_bytes = min(align(int(max_part_bytes)), self._ring_bytes // 2)
-        self._shm = Segment(self._ring_bytes + ALIGN)
+        self._shm = Segment(segment_bytes(self._ring_bytes))
         # A sink dropped without close() (a crashed caller, a test) must still release its
         # segment: its memory is not freed while the process lives on.
         self._release = weakref.finalize(self, release_segment, self._shm)
@@ -74,9 +99,12 @@ class ProcessSink(Sink):
         # int64 words of the ring and its trailer (ring.HEAD / TAIL / FAULT) as memoryviews of
         # ctypes arrays at the mapping's address: a word read or store is a few bytecodes, where
         # numpy's scalar indexing runs its dtype machinery (~10 us of cold code a step here).
-        words = (ctypes.c_int64 * ((self._ring_bytes + ALIGN) // 8)).from_address(whole.ctypes.data)
+        words = (ctypes.c_int64 * (self._shm.size // 8)).from_address(whole.ctypes.data)
         self._ring_i64 = memoryview(words).cast("B").cast("q")
-        self._trailer = self._ring_i64[self._ring_bytes // 8 :]
+        at = self._ring_bytes // 8
+        self._trailer = self._ring_i64[at : at + TRAILER_WORDS]
+        self._desc_at = at + TRAILER_WORDS  # word index of descriptor slot 0
+        self._published = 0  # descriptors published (ring.PUBLISHED)
         self._ring = torch.from_numpy(self._ring_np)
         self._ring_addr = self._ring.data_ptr()
         self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
@@ -174,12 +202,34 @@ class ProcessSink(Sink):
                     self._ring_np[lo : lo + nb] = a.reshape(-1).view(np.uint8)
             off += (nb + _ALIGN_UP) & _ALIGN_MASK
         self.stats["copy_s"] += time.perf_counter() - t0  # the copy itself (bench/README.md)
-        self._send(t.codec.frame(base, self._head, counts))
+        j = self._published
+        if t.descriptors and j - self._trailer[TAKEN] < DESC_SLOTS:
+            # A descriptor instead of a pipe write: a few stores, no syscall (ring.py).
+            w = self._desc_at + (j % DESC_SLOTS) * DESC_WORDS
+            i64 = self._ring_i64
+            i64[w] = t.tid
+            i64[w + 1] = base
+            i64[w + 2] = self._head
+            i64[w + 3] = len(counts)
+            w += 4
+            for c in counts:
+                i64[w] = c
+                w += 1
+            self._published = j = j + 1
+            self._trailer[PUBLISHED] = j  # after the slot (see DESCRIPTORS)
+            if not j % LIVENESS_EVERY and not self._drain_ends():
+                raise self._gone()  # the writer process is gone (its ends pipe is closed)
+        else:  # no free slot (the writer is far behind), or a table of many axes
+            self._send(t.codec.frame(base, self._head, counts, j))
         return True
 
     def _announce(self, plan: TablePlan) -> _Table:
         t = self._tables[plan.name] = _Table(len(self._tables), len(plan.axes))
-        self._send(P.frame_control(P.Table(t.tid, plan.name, plan.spec, plan.column_attrs)))
+        self._send(
+            P.frame_control(
+                P.Table(t.tid, plan.name, plan.spec, plan.column_attrs), self._published
+            )
+        )
         return t
 
     def _write_parts(
@@ -232,7 +282,7 @@ class ProcessSink(Sink):
             self.stats["copy_s"] += time.perf_counter() - t0
             last = i == len(parts) - 1
             msg = P.Part(t.tid, base, self._head, tuple(msg_layout), by_axis if last else None)
-            frame = P.frame_control(msg)
+            frame = P.frame_control(msg, self._published)
             if cuda and self._completer is None:
                 self._completer = _CudaCompleter(self._write_frame)
             if self._completer is not None:
@@ -319,7 +369,7 @@ class ProcessSink(Sink):
     def control(self, msg: P.Static | P.Error | P.Dropped) -> None:
         if self._fault is not None:
             raise TraceError(self._fault)
-        self._send(P.frame_control(msg))
+        self._send(P.frame_control(msg, self._published))
 
     def flush(self, dropped: dict[str, int]) -> None:
         self.control(P.Flush(dict(dropped)))
@@ -331,7 +381,7 @@ class ProcessSink(Sink):
                 self._poll_free()
             if self._fault is not None:
                 raise TraceError(self._fault)
-            self._send(P.frame_control(P.Close(dict(dropped))))
+            self._send(P.frame_control(P.Close(dict(dropped)), self._published))
             self._wait_reply((P.Closed,), None)
             self._proc.wait(timeout=60)
         finally:

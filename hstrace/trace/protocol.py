@@ -2,10 +2,16 @@
 
 Imports no torch and no zarr: both sides use it. Three one-way channels, each in order:
 
+  producer -> writer, the descriptor queue in shared memory (hstrace/trace/ring.py): the
+      host fast path's one-part steps, as fixed int64 slots (table id, ring offset, ring end,
+      row counts) published by a counter, no syscall per step
   producer -> writer, the data pipe (multiprocessing Connection framing: a 4-byte big-endian
-  length, then the payload):
+  length, then the payload; every message carries `after`, the number of descriptors the
+  producer had published when it sent it: the writer takes those first, which orders the
+  two channels as the producer wrote them):
       Step     one whole step in one ring part, columns in spec order, each at an ALIGN-aligned
-               offset after the previous one (the hot path: a fixed struct, not a pickle)
+               offset after the previous one (a fixed struct, not a pickle), where no
+               descriptor slot was free
       Table    a table's id, name, spec and column attributes, before its first rows
       Part     rows of one step in a ring part, with their layout; `counts` on a step's last part
       Static | Error | Dropped | Flush | Close     control (pickled, after a CONTROL byte)
@@ -34,8 +40,9 @@ STEP = 1
 CONTROL = 2
 
 _LEN = struct.Struct("!i")
-# kind, table id, ring offset, ring end; then one int64 row count per axis of the table.
-_STEP_HEAD = "!BHqq"
+# kind, after, table id, ring offset, ring end; then one int64 row count per axis of the table.
+_STEP_HEAD = "!BqHqq"
+_AFTER = struct.Struct("!q")  # right after the kind byte of every data-pipe message
 
 
 def align(n: int) -> int:
@@ -128,14 +135,22 @@ class StepCodec:
         self._st = struct.Struct("!i" + body.format[1:])
         self._size = body.size
 
-    def frame(self, offset: int, end: int, counts: tuple[int, ...] | list[int]) -> bytes:
-        return self._st.pack(self._size, STEP, self.table_id, offset, end, *counts)
+    def frame(
+        self, offset: int, end: int, counts: tuple[int, ...] | list[int], after: int
+    ) -> bytes:
+        return self._st.pack(self._size, STEP, after, self.table_id, offset, end, *counts)
 
 
-def frame_control(msg: Any) -> bytes:
-    """A control or layout message as framed bytes for the data pipe."""
-    body = bytes((CONTROL,)) + pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
+def frame_control(msg: Any, after: int) -> bytes:
+    """A control or layout message as framed bytes for the data pipe, to be taken after the
+    first `after` descriptors."""
+    body = bytes((CONTROL,)) + _AFTER.pack(after) + pickle.dumps(msg, pickle.HIGHEST_PROTOCOL)
     return _LEN.pack(len(body)) + body
+
+
+def after(buf: bytes) -> int:
+    """How many descriptors the writer takes before this data-pipe payload's message."""
+    return _AFTER.unpack_from(buf, 1)[0]
 
 
 _HEAD = struct.Struct(_STEP_HEAD)
@@ -144,11 +159,11 @@ _HEAD = struct.Struct(_STEP_HEAD)
 def decode(buf: bytes) -> Any:
     """A data-pipe payload (without its length) as its message."""
     if buf[0] == STEP:
-        _, tid, offset, end = _HEAD.unpack_from(buf)
+        _, _, tid, offset, end = _HEAD.unpack_from(buf)
         n = (len(buf) - _HEAD.size) // 8
         counts = struct.unpack_from(f"!{n}q", buf, _HEAD.size)
         return Step(tid, offset, end, counts)
     if buf[0] == CONTROL:
         # Our own producer's pipe (inherited descriptors), never a file or a socket.
-        return pickle.loads(memoryview(buf)[1:])
+        return pickle.loads(memoryview(buf)[1 + _AFTER.size :])
     raise ValueError(f"unknown message kind {buf[0]}")

@@ -3,7 +3,8 @@
 `Segment` is the producer's: on Linux a memfd (no name; the writer process inherits its
 descriptor, so no kill can leave anything behind), elsewhere a named /dev/shm segment unlinked
 as soon as both sides have mapped it. `RingView` is the writer process's mapping of it. The
-ring is followed by ALIGN bytes of counters (HEAD, TAIL, FAULT below). Imports no torch (the writer process uses it).
+ring is followed by ALIGN bytes of counters (HEAD, TAIL, FAULT, PUBLISHED, TAKEN below), then
+the descriptor queue (DESC_*). Imports no torch (the writer process uses it).
 """
 
 from __future__ import annotations
@@ -20,9 +21,25 @@ from hstrace.trace.protocol import ALIGN
 
 # The ALIGN bytes after the ring, as int64 words: the producer's head counter (how far the
 # writer is behind), the writer's consumed counter (ring space back to the producer without a
-# pipe read) and a fault flag (a Fault reply is waiting: the producer reads its pipe then).
-HEAD, TAIL, FAULT = 0, 1, 2
+# pipe read) and a fault flag (a Fault reply is waiting: the producer reads its pipe then);
+# then the descriptors the producer has published and those the writer has taken.
+HEAD, TAIL, FAULT, PUBLISHED, TAKEN = 0, 1, 2, 3, 4
 TRAILER_WORDS = ALIGN // 8
+
+# The descriptor queue after the trailer: DESC_SLOTS slots of DESC_WORDS int64 words, descriptor
+# j in slot j % DESC_SLOTS: table id, ring offset, ring end, axis count, then one row count per
+# axis (tables of at most DESC_AXES axes). The producer fills a slot, then stores PUBLISHED; a
+# slot is reused only once TAKEN is past it. 4096 slots: a writer 4096 steps behind (or a table
+# of more axes) sends its steps down the data pipe instead, in order (protocol.py `after`).
+DESC_SLOTS = 4096
+DESC_WORDS = 8
+DESC_AXES = DESC_WORDS - 4
+DESC_BYTES = DESC_SLOTS * DESC_WORDS * 8
+
+
+def segment_bytes(ring_bytes: int) -> int:
+    """The whole shared mapping of a ring of ring_bytes: ring, trailer, descriptor queue."""
+    return ring_bytes + ALIGN + DESC_BYTES
 
 
 class Segment:
@@ -122,11 +139,31 @@ class RingView:
             self.buf = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
-        self.size = len(self.buf) - ALIGN
+        self.size = len(self.buf) - ALIGN - DESC_BYTES
         self._trailer = np.frombuffer(
             self.buf, dtype=np.int64, count=TRAILER_WORDS, offset=self.size
         )
         self._head = self._trailer[HEAD : HEAD + 1]
+        self._desc = np.frombuffer(
+            self.buf, dtype=np.int64, count=DESC_SLOTS * DESC_WORDS, offset=self.size + ALIGN
+        )
+
+    def published(self) -> int:
+        """How many descriptors the producer has published so far."""
+        return int(self._trailer[PUBLISHED])
+
+    def descriptor(self, j: int) -> tuple[int, int, int, tuple[int, ...]]:
+        """Descriptor j (published): (table id, ring offset, ring end, row counts per axis)."""
+        s = (j % DESC_SLOTS) * DESC_WORDS
+        w = self._desc[s : s + DESC_WORDS].tolist()
+        n = w[3]
+        if not 0 <= n <= DESC_AXES:
+            raise ValueError(f"descriptor {j}: {n} axes")
+        return w[0], w[1], w[2], tuple(w[4 : 4 + n])
+
+    def taken(self, j: int) -> None:
+        """Publish that descriptors before j are read: their slots may be reused."""
+        self._trailer[TAKEN] = j
 
     def behind(self, end: int) -> bool:
         """Whether the bytes staged after `end` fill more than half the ring."""
@@ -147,7 +184,7 @@ class RingView:
         self._trailer[FAULT] = 1
 
     def close(self) -> None:
-        del self._head, self._trailer
+        del self._head, self._trailer, self._desc
         try:
             self.buf.close()
         except BufferError:  # a numpy view still alive at exit; the OS unmaps it

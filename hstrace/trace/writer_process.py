@@ -210,8 +210,11 @@ def _abandon(rec) -> None:
     rec.commit(clean_close=False)
 
 
-def _consume(rec, shm: RingView, data_r: Connection, replies: _Replies, end: int, write) -> None:
-    """Write one staged part, hand its ring space back whatever happened, then book-keep."""
+def _consume(
+    rec, shm: RingView, data_r: Connection, replies: _Replies, end: int, write, more: bool = False
+) -> None:
+    """Write one staged part, hand its ring space back whatever happened, then book-keep
+    (`more`: further descriptors are waiting)."""
     try:
         write()
     except HstraceError as exc:  # keep recording other tables; the error is in the trace
@@ -221,7 +224,18 @@ def _consume(rec, shm: RingView, data_r: Connection, replies: _Replies, end: int
         shm.consumed(end)
     behind = shm.behind(end)
     rowlog.set_behind(behind, far=shm.far_behind(end))
-    rec.tick(backlog=behind or data_r.poll(0))
+    rec.tick(backlog=behind or more or data_r.poll(0))
+
+
+def _take(rec, shm: RingView, data_r, replies, names: dict, taken: int, upto: int) -> int:
+    """Write descriptors [taken, upto) (one-part steps, ring.py), in order; returns upto."""
+    while taken < upto:
+        tid, offset, end, counts = shm.descriptor(taken)
+        taken += 1
+        shm.taken(taken)  # the slot's words are read: the producer may reuse it
+        write = partial(_write_step, rec, shm, offset, names.get(tid), counts)
+        _consume(rec, shm, data_r, replies, end, write, more=taken < upto)
+    return taken
 
 
 def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
@@ -230,8 +244,16 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Repl
     # host, often a preemption); a write to a pipe nobody waits on is a plain copy.
     pause = IDLE_POLL_MIN_S
     names: dict[int, str] = {}  # table id -> name (protocol.Table)
+    taken = 0  # descriptors written so far
     while True:
+        # Read PUBLISHED before polling the pipe: a pipe message the poll misses was sent after
+        # every descriptor counted here, so those come first (protocol.py `after`).
+        published = shm.published()
         if not data_r.poll(0):
+            if taken < published:
+                taken = _take(rec, shm, data_r, replies, names, taken, published)
+                pause = IDLE_POLL_MIN_S
+                continue
             replies.flush_end()
             guard.check()
             for log in rec._all_logs():
@@ -247,13 +269,17 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Repl
             continue
         pause = IDLE_POLL_MIN_S
         try:
-            msg = P.decode(data_r.recv_bytes())
+            buf = data_r.recv_bytes()
         except (EOFError, OSError):
             # The producer is gone without closing: keep what we have, but not as a clean close.
+            # What it published is final now; all of it was handed over.
             guard.check()
+            _take(rec, shm, data_r, replies, names, taken, shm.published())
             _abandon(rec)
             return
         guard.check()
+        taken = _take(rec, shm, data_r, replies, names, taken, P.after(buf))
+        msg = P.decode(buf)
         if isinstance(msg, P.Step):  # a whole step in one part, laid out in spec order
             write = partial(_write_step, rec, shm, msg.offset, names.get(msg.table_id), msg.counts)
             _consume(rec, shm, data_r, replies, msg.end, write)
