@@ -198,3 +198,21 @@ def test_python_int_step_columns_stay_exact_at_the_int64_edges(tmp_path, kind):
             got, seq = t.column("step", "value"), t.column("step", "seq")
     assert got.dtype == np.int64 and got.tolist() == edges
     assert seq.tolist() == list(range(len(edges)))
+
+
+def test_round_trip_through_the_pipe_alone(tmp_path, monkeypatch):
+    """Where the descriptor queue is off (not x86: process_sink.DESCRIPTORS), every step goes
+    down the data pipe: the same round trip, byte for byte."""
+    from hstrace.trace import process_sink
+
+    monkeypatch.setattr(process_sink, "DESCRIPTORS", False)
+    test_round_trip_through_every_sink(tmp_path, "writer-process")
+    path = tmp_path / "p.zarr"
+    create_trace(path, engine={"name": "test"})
+    with TraceWriter(path, rank=0) as w:
+        for s in range(30):
+            w.write("target", **step_data(s))
+        published = w.sink._published
+    assert published == 0
+    with open_trace(path) as tr:
+        assert tr.rank(0).table("target").column("step", "seq").tolist() == list(range(30))

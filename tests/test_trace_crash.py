@@ -272,3 +272,27 @@ def test_steps_past_a_full_descriptor_queue_keep_their_order(tmp_path):
     if DESCRIPTORS:  # x86: the queue filled, the rest went down the pipe, then the queue again
         assert published == DESC_SLOTS
         assert w.sink._published > DESC_SLOTS
+
+
+def test_a_killed_writer_is_noticed_within_a_liveness_interval(tmp_path):
+    """Steps are published without a syscall, so a producer learns of a SIGKILLed writer at its
+    next liveness check (every LIVENESS_EVERY descriptors), not at its next write; what it wrote
+    meanwhile was never durable anyway (nor were the steps still in the ring at the kill)."""
+    from hstrace.trace.process_sink import LIVENESS_EVERY
+
+    path = tmp_path / "alive.zarr"
+    create_trace(path, engine={"name": "test"})
+    w = TraceWriter(path, rank=0)
+    w.write("target", **step_data(0))
+    w.flush()
+    os.kill(w.writer_pid, signal.SIGKILL)
+    w.sink._proc.wait(timeout=30)
+    written = 0
+    with pytest.raises(TraceError, match=r"writer process of rank 0 exited"):
+        for s in range(1, 3 * LIVENESS_EVERY):
+            w.write("target", **step_data(s % 40 if s % 40 != 7 else 8))  # no 3000-token step
+            written += 1
+    assert written < LIVENESS_EVERY
+    with pytest.raises(TraceError):
+        w.close()
+    assert verify_prefix(path) == 1  # the flushed step stays

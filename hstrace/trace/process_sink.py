@@ -108,6 +108,9 @@ class ProcessSink(Sink):
         self._ring = torch.from_numpy(self._ring_np)
         self._ring_addr = self._ring.data_ptr()
         self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
+        # ... and the descriptor queue's (a first touch under memory pressure is a direct
+        # reclaim: milliseconds on the serving thread; seen as the p99 of bench/write_path.py)
+        whole[self._ring_bytes :] = 0
         # FIFO byte ring: bytes [tail, head) (monotonic counters) are in flight to the writer,
         # which hands back the counter of each part it has consumed.
         self._head = 0
