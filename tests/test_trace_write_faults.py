@@ -170,3 +170,29 @@ def test_a_replaced_output_directory_is_not_written_into(tmp_path):
         w.close()
     with open_trace(path) as tr:
         assert tr.ranks == []  # nothing of the old run leaked into the new trace
+
+
+def test_a_directory_removed_under_a_streaming_producer_is_not_recreated(tmp_path):
+    """Large steps back to back, each a shared-memory descriptor (no pipe message to check the
+    directory at): the writer stops rather than let zarr recreate a headless rank group."""
+    path = tmp_path / "stream.zarr"
+    create_trace(path, engine={"name": "test"})
+    w = TraceWriter(path, rank=0, tail_flush_s=0.2)
+    steps = [step_data(s) for s in (7, 47)]  # 3000-token steps: the writer stays behind
+    for s in range(10):
+        w.write("target", **steps[s % 2])
+    w.flush()
+    shutil.rmtree(path)
+    err = None
+    deadline = time.monotonic() + 30
+    s = 10
+    while err is None and time.monotonic() < deadline:
+        try:
+            w.write("target", **steps[s % 2])
+            s += 1
+        except TraceError as exc:
+            err = str(exc)
+    assert err is not None and "removed or replaced" in err, err
+    with pytest.raises(TraceError, match="removed or replaced"):
+        w.close()
+    assert not path.exists(), sorted(p.name for p in path.rglob("*"))

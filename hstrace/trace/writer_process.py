@@ -227,9 +227,12 @@ def _consume(
     rec.tick(backlog=behind or more or data_r.poll(0))
 
 
-def _take(rec, shm: RingView, data_r, replies, names: dict, taken: int, upto: int) -> int:
+def _take(
+    rec, shm: RingView, guard: _Guard, data_r, replies, names: dict, taken: int, upto: int
+) -> int:
     """Write descriptors [taken, upto) (one-part steps, ring.py), in order; returns upto."""
     while taken < upto:
+        guard.check()  # before every step, as for a pipe message: never write into a new trace
         tid, offset, end, counts = shm.descriptor(taken)
         taken += 1
         shm.taken(taken)  # the slot's words are read: the producer may reuse it
@@ -251,7 +254,7 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Repl
         published = shm.published()
         if not data_r.poll(0):
             if taken < published:
-                taken = _take(rec, shm, data_r, replies, names, taken, published)
+                taken = _take(rec, shm, guard, data_r, replies, names, taken, published)
                 pause = IDLE_POLL_MIN_S
                 continue
             replies.flush_end()
@@ -274,11 +277,11 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Repl
             # The producer is gone without closing: keep what we have, but not as a clean close.
             # What it published is final now; all of it was handed over.
             guard.check()
-            _take(rec, shm, data_r, replies, names, taken, shm.published())
+            _take(rec, shm, guard, data_r, replies, names, taken, shm.published())
             _abandon(rec)
             return
         guard.check()
-        taken = _take(rec, shm, data_r, replies, names, taken, P.after(buf))
+        taken = _take(rec, shm, guard, data_r, replies, names, taken, P.after(buf))
         msg = P.decode(buf)
         if isinstance(msg, P.Step):  # a whole step in one part, laid out in spec order
             write = partial(_write_step, rec, shm, msg.offset, names.get(msg.table_id), msg.counts)
