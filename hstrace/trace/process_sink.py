@@ -54,7 +54,7 @@ START_TIMEOUT_S = 120.0
 # Elsewhere (aarch64) that needs fences Python has no cheap way to issue, so every step goes
 # down the pipe, whose write orders them.
 DESCRIPTORS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-# Every this many descriptors the producer checks that the writer is alive (one read of the
+# Every this many descriptors the producer checks that the writer is alive (one poll of the
 # ends pipe): a pipe write per step used to say so at once.
 LIVENESS_EVERY = 64
 # align(n) as two integer operations (ALIGN is a power of two).
@@ -128,6 +128,8 @@ class ProcessSink(Sink):
         # non-blocking read takes all of them.
         self._ends_r, ends_w = os.pipe()
         os.set_blocking(self._ends_r, False)
+        self._ends_poll = select.poll()  # POLLHUP: the writer's end is closed
+        self._ends_poll.register(self._ends_r, select.POLLIN)
         self._wait_poll = select.poll()
         self._wait_poll.register(self._free_r.fileno(), select.POLLIN)
         self._wait_poll.register(self._ends_r, select.POLLIN)
@@ -220,7 +222,7 @@ class ProcessSink(Sink):
                 w += 1
             self._published = j = j + 1
             self._trailer[PUBLISHED] = j  # after the slot (see DESCRIPTORS)
-            if not j % LIVENESS_EVERY and not self._drain_ends():
+            if not j % LIVENESS_EVERY and self._ends_hung_up():
                 raise self._gone()  # the writer process is gone (its ends pipe is closed)
         else:  # no free slot (the writer is far behind), or a table of many axes
             self._send(t.codec.frame(base, self._head, counts, j))
@@ -354,6 +356,12 @@ class ProcessSink(Sink):
         if self._trailer[FAULT]:
             while self._fault is None and self._free_poll.poll(0):
                 self._take(self._recv_reply())
+
+    def _ends_hung_up(self) -> bool:
+        """Whether the writer process has closed its end of the ends pipe (it is gone): one
+        poll, no read (a read allocates its 64 KiB buffer, a fresh heap page under memory
+        pressure; TAIL in the trailer says what the pipe's counters would)."""
+        return any(ev & select.POLLHUP for _, ev in self._ends_poll.poll(0))
 
     def _drain_ends(self) -> bool:
         """Empty the ends pipe (the same counters as the trailer's TAIL: the pipe is what a
