@@ -44,8 +44,8 @@ def trace(tmp_path_factory):
 
 
 def test_eagle31_drafter_runs_under_the_reading_its_training_tensors_pick(trace):
-    from hstrace.drafter.norm_output import POST_879
     from hstrace.drafter import load_drafter
+    from hstrace.drafter.norm_output import POST_879
     from hstrace.replay import replay
 
     ck = WORLD / "drafter-specforge-eagle31"
