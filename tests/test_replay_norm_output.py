@@ -8,11 +8,10 @@ training data, must run it so and say so in `inputs`.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.second_world import producer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -20,14 +19,6 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = ROOT / "traces" / "second-world"
 SERVED = [16, 17, 18, 19]
-
-
-def _producer():
-    spec = importlib.util.spec_from_file_location("second_world_producer", WORLD / "producer.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +29,7 @@ def trace(tmp_path_factory):
     td = open_training(WORLD / "training-specforge")
     prompts = [td[i].input_ids.tolist() for i in SERVED]
     out = tmp_path_factory.mktemp("norm") / "t.zarr"
-    return _producer().record(
+    return producer().record(
         out, WORLD / "target", WORLD / "drafter-speculators", prompts, layers=[2, 3, 4]
     )
 

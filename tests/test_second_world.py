@@ -12,7 +12,6 @@ SpecForge's own code, and faults injected outside hstrace's reference engine:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 from helpers.check import codes
 from helpers.cli import run_main
+from helpers.second_world import producer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = ROOT / "traces" / "second-world"
@@ -204,14 +204,6 @@ def test_specforge_exports_load_as_specforge_runs_them(monkeypatch, name):
 # --- traces written by a third-party producer ---------------------------------------------------
 
 
-def _producer():
-    spec = importlib.util.spec_from_file_location("second_world_producer", WORLD / "producer.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def served_prompts():
     pytest.importorskip(
@@ -234,7 +226,7 @@ def test_third_party_trace_clean_in_bf16(tmp_path, served_prompts):
     own model: serving and training agree, and replay must say so (no target-drift)."""
     import torch
 
-    trace = _producer().record(
+    trace = producer().record(
         tmp_path / "clean.zarr",
         WORLD / "target",
         WORLD / "drafter-speculators",
@@ -257,7 +249,7 @@ def test_third_party_trace_clean_in_bf16(tmp_path, served_prompts):
 
 def test_third_party_trace_with_shifted_capture(tmp_path, served_prompts):
     """The producer's engine captures HF [3, 4, 5] for a drafter trained on [2, 3, 4]."""
-    trace = _producer().record(
+    trace = producer().record(
         tmp_path / "shift.zarr",
         WORLD / "target",
         WORLD / "drafter-speculators",
@@ -336,7 +328,7 @@ def test_rebuild_reproduces_the_world(tmp_path):
 def test_third_party_trace_reading_d2t_as_a_table(tmp_path, served_prompts):
     """The producer's engine maps draft ids through d2t as if it were a table (target = d2t[i])
     instead of offsets (i + d2t[i])."""
-    trace = _producer().record(
+    trace = producer().record(
         tmp_path / "d2t.zarr",
         WORLD / "target",
         WORLD / "drafter-speculators",
@@ -357,7 +349,7 @@ def test_third_party_decode_trace_with_speculators_chain(tmp_path, served_prompt
     every recorded draft step with hstrace's reference and finds nothing to report."""
     from hstrace.trace import open_trace
 
-    trace = _producer().record(
+    trace = producer().record(
         tmp_path / "decode.zarr",
         WORLD / "target",
         WORLD / "drafter-speculators",

@@ -18,12 +18,11 @@ as the tied target's bf16 noise, and drift there, because that target barely mov
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.second_world import producer
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -32,14 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WORLD = ROOT / "traces" / "second-world"
 SERVED = [16, 17, 18, 19]
 AUX = [2, 3, 4]  # HF hidden_states indices the speculators drafter was trained on
-
-
-def _producer():
-    spec = importlib.util.spec_from_file_location("second_world_producer", WORLD / "producer.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _target(out: Path, tied: bool, perturb: float = 0.0) -> Path:
@@ -126,7 +117,7 @@ def test_bf16_routing_flips_are_not_drift(tied):
     """Served in bf16, the near-tied MoE is at cos ~0.996 from the fp32 training data on every
     aux slot, below the old fixed 0.999: the target's own bf16 run is as far, so no drift."""
     target, training, prompts, d = tied
-    trace = _producer().record(
+    trace = producer().record(
         d / "clean.zarr", target, WORLD / "drafter-speculators", prompts, layers=AUX
     )
     doc = _replay(trace, training, target)
@@ -151,7 +142,7 @@ def test_same_cosines_from_another_checkpoint_are_drift(tied, tmp_path):
     bf16 noise above, and here that is drift, named per slot with both cosines."""
     _, _, prompts, _ = tied
     other = _target(tmp_path / "other", tied=False, perturb=0.12)
-    trace = _producer().record(
+    trace = producer().record(
         tmp_path / "drift.zarr", other, WORLD / "drafter-speculators", prompts, layers=AUX
     )
     doc = _replay(trace, WORLD / "training-speculators", WORLD / "target")
