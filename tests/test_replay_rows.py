@@ -101,8 +101,8 @@ def test_wide_rows_skip_the_chunks_of_rejected_drafts(tmp_path, monkeypatch):
     column = TableView.column
 
     def counting(self, axis, name, start=None, stop=None):
-        if (self.name, name) == ("target", "aux_hidden"):
-            asked.append((start, stop))
+        if (self.name, name) == ("target", "aux_hidden") and start != stop:
+            asked.append((start, stop))  # (an empty call, the column's shape, reads nothing)
         return column(self, axis, name, start, stop)
 
     monkeypatch.setattr(TableView, "column", counting)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from hstrace.findings import Finding
 from hstrace.replay.evidence import Evidence
@@ -50,64 +49,11 @@ def _finding(code: str, summary: str, evidence: dict[str, Any], fix: str) -> lis
     return [Finding(code, summary, evidence=evidence, fix=fix)]
 
 
-def _spans(positions: list[int]) -> list[list[int]]:
-    """[[first, last], ...] runs of consecutive positions."""
-    out: list[list[int]] = []
-    for p in positions:
-        if out and p == out[-1][1] + 1:
-            out[-1][1] = p
-        else:
-            out.append([p, p])
-    return out
-
-
 def dead_rows(ev: Evidence) -> list[dict[str, Any]]:
-    """Per request, the captured rows that cannot be hidden states: a slot exactly zero or
-    not finite (a real residual stream is never exactly zero, so even a few such rows, e.g.
-    the cached prompt part zero-filled, are named row by row), and the positions that have no
-    target row although they should (`ServingRequest.missing`: a gap, or cached rows beyond
-    the declared `n_cached`)."""
-    ht = ev.slot_width
-    if ht is None or ev.serving_width is None or ev.serving_width % ht:
-        return []
-    out = []
-    for r in ev.serving.requests:
-        if not r.aux_rows:
-            continue
-        x = ev.alignment.serving_slots_of(r)
-        zero = (x == 0).all(-1)  # [rows, K]
-        bad = ~torch.isfinite(x).all(-1)
-        dead = (zero | bad).any(-1)
-        if not dead.any():
-            continue
-        idx = torch.nonzero(dead).flatten()
-        positions = (idx + r.aux_start + r.position_base).tolist()
-        slots = sorted({int(k) for k in torch.nonzero((zero | bad)[idx]).T[1].tolist()})
-        item: dict[str, Any] = {
-            "request": r.name,
-            "positions": _spans(positions),
-            "rows": int(dead.sum()),
-            "of_rows": int(r.aux_rows),
-            "slots": slots,
-            "kind": "non-finite" if bool(bad[idx].any()) else "all-zero",
-        }
-        if r.n_cached:
-            item["n_cached"] = r.n_cached
-            item["within_cached_prefix"] = bool(max(positions) < r.n_cached)
-        out.append(item)
-    for r in ev.serving.requests:
-        if r.missing:
-            out.append(
-                {
-                    "request": r.name,
-                    "positions": [list(m) for m in r.missing],
-                    "rows": sum(b - a + 1 for a, b in r.missing),
-                    "of_rows": int(r.aux_rows),
-                    "kind": "missing",
-                    **({"n_cached": r.n_cached} if r.n_cached is not None else {}),
-                }
-            )
-    return out
+    """Per request, the captured rows that cannot be hidden states (a slot exactly zero or not
+    finite) and the positions that have no target row although they should: found while the
+    evidence read each request's rows (`Slots.dead_rows`, `hstrace.replay.scan`)."""
+    return ev.slots.dead_rows
 
 
 def _partly_dead(ev: Evidence) -> list[Finding]:

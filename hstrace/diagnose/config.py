@@ -99,7 +99,7 @@ def whatif_findings(ev: Evidence) -> list[Finding]:
 def _agreement_by_distance(ev: Evidence) -> dict[str, Any]:
     """Reference-vs-engine agreement for early and late positions (a window bites late)."""
     keep = with_topk(ev.agreement.rows.topk_draft_ids)  # rows without a top-k: nothing to compare
-    ref = ev.agreement.reference_logits.argmax(-1)[keep]
+    ref = ev.agreement.reference.argmax[keep]
     eng = ev.agreement.engine_top1[keep]
     idx = ev.agreement.rows.index[keep]
     half = int(idx.max()) // 2 if len(idx) else 0

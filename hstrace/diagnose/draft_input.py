@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from hstrace.findings import Finding
 from hstrace.replay.compare import AGREE_TOP1
 from hstrace.replay.evidence import Evidence
@@ -20,11 +18,7 @@ def fc_skipped(ev: Evidence) -> list[Finding]:
     rows = ev.agreement.rows
     if cfg is None:
         return []
-    widths = (
-        {int(it.aux.shape[-1]) for it in rows.items if it.aux is not None}
-        if rows is not None
-        else set()
-    )
+    widths = set(rows.hidden_widths) if rows is not None else set()
     if not widths and ev.serving_width is not None:
         widths = {ev.serving_width}
     if widths != {int(cfg.hidden_size)} or cfg.hidden_size == ev.fc_in:
@@ -34,9 +28,8 @@ def fc_skipped(ev: Evidence) -> list[Finding]:
         "fc_input_width": int(ev.fc_in),
         "aux_slots_expected": int(cfg.num_aux),
     }
-    if rows is not None and all(it.aux is not None for it in rows.items):
-        h = torch.cat([it.aux.float() for it in rows.items])
-        evidence["hidden_in_rms"] = round(float(h.pow(2).mean().sqrt()), 4)
+    if ev.agreement.hidden_in_rms is not None:
+        evidence["hidden_in_rms"] = ev.agreement.hidden_in_rms
     search = ev.agreement.whatif
     if search is not None and search.best is not None and search.best.name == "fc skipped":
         evidence["reproduced_by_reference_without_fc"] = True

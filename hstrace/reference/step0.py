@@ -63,6 +63,15 @@ def _batches(items: Sequence[Step0Input], batch_tokens: int) -> list[list[int]]:
     return groups
 
 
+def plan_batches(
+    items: Sequence[Step0Input], batch_tokens: int = DEFAULT_BATCH_TOKENS
+) -> list[list[int]]:
+    """The batches `step0_logits` runs `items` in (indices, longest first), from their lengths
+    alone: the items may carry no aux yet. `step0_logits` on one batch's items, in this order,
+    runs that same batch, so a caller can read each batch's inputs just before it runs."""
+    return _batches([it.with_prefix() for it in items], batch_tokens)
+
+
 @torch.inference_mode()
 def step0_logits(
     model: torch.nn.Module,

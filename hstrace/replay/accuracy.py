@@ -24,6 +24,7 @@ from hstrace.reference.step0 import Step0Input
 from hstrace.reference.target import ReferenceTarget
 from hstrace.replay.compare import agreement
 from hstrace.replay.runner import DrafterRunner
+from hstrace.replay.scan import CaptureScan
 from hstrace.replay.sides import Aligned
 from hstrace.replay.unavailable import Unavailable
 
@@ -73,7 +74,9 @@ class Accuracy:
         return out
 
 
-def build_accuracy(runner: DrafterRunner, target: ReferenceTarget | None) -> Accuracy:
+def build_accuracy(
+    runner: DrafterRunner, target: ReferenceTarget | None, scan: CaptureScan
+) -> Accuracy:
     u = Unavailable()
     runs = runner.can_run and runner.alignment.fc_in is not None
     ts = u.guarded("acc0_training", lambda: _training_step0(runner, u)) if runs else None
@@ -85,7 +88,7 @@ def build_accuracy(runner: DrafterRunner, target: ReferenceTarget | None) -> Acc
                 runner.map_to_target(ts.logits.argmax(-1))[ts.judged], ts.labels[ts.judged]
             ),
         )
-    acc_serving = u.guarded("acc0_serving", lambda: _serving(runner, u)) if runs else None
+    acc_serving = u.guarded("acc0_serving", lambda: _serving(runner, u, scan)) if runs else None
     aligned = None
     if ts is not None:
         aligned = u.guarded("acc0_serving_aligned", lambda: _serving_aligned(runner, ts))
@@ -102,28 +105,12 @@ def build_accuracy(runner: DrafterRunner, target: ReferenceTarget | None) -> Acc
     return Accuracy(acc_serving, acc_training, aligned, ts, full_vocab, teacher, rel, u.frozen())
 
 
-def _serving(runner: DrafterRunner, u: Unavailable) -> float | None:
+def _serving(runner: DrafterRunner, u: Unavailable, scan: CaptureScan) -> float | None:
+    """On every request's capture with the committed tokens (run in `CaptureScan`'s one read
+    of the captured rows, request batch by batch)."""
     al = runner.alignment
-    items, labels = [], []
-    for r in al.serving.requests:
-        if r.aux is None or r.aux.shape[-1] != al.fc_in:
-            continue
-        c = r.aux_start
-        prefix = None
-        if c:
-            got = runner.cached_aux(r)
-            if got is None:
-                continue  # the cached span's context is unknown
-            tok = torch.as_tensor(r.tokens).long()
-            prefix = Step0Input(tok[1 : c + 1], got[0], torch.arange(c))
-        n = min(len(r.aux), len(r.tokens) - 2 - c)
-        if n <= 0:
-            continue
-        tok = torch.as_tensor(r.tokens).long()
-        rows = torch.arange(c, c + n)
-        items.append(Step0Input(tok[rows + 1], r.aux[:n], rows, prefix=prefix))
-        labels.append(tok[rows + 2])
-    if not items:
+    value, ran = scan.serving_acc0()
+    if not ran:
         if al.sketched:
             why = "hidden states redacted: the drafter needs them, sketches cannot feed fc"
         elif al.serving_width is None:
@@ -132,8 +119,7 @@ def _serving(runner: DrafterRunner, u: Unavailable) -> float | None:
             why = f"serving aux width {al.serving_width} != the drafter's fc input {al.fc_in}"
         u.note("serving step-0 accuracy", why)
         return None
-    pred = runner.map_to_target(runner.run(runner.drafter, items).argmax(-1))
-    return agreement(pred, torch.cat(labels))
+    return value
 
 
 def _training_step0(runner: DrafterRunner, u: Unavailable) -> TrainingStep0 | None:

@@ -4,25 +4,34 @@ Engine vs reference on the draft-extend rows (judged against fp32 with the bf16 
 noise floor), by recorded step, on the recorded chains (steps k >= 1, and the same chains with
 `feed_normed` flipped when they disagree), split by prefix-cache hit / fresh request, and the
 what-if search (`hstrace.replay.hypotheses`): computed once here, read by any check.
+
+The drafter's recorded hidden input is read a batch of requests at a time, in the batches the
+reference runs (`engine_batches`), and released after; of the reference logits only per-row
+numbers are kept (`RefRows`). One read serves the fp32 and bf16 references and the chains;
+the flipped chains, the zeroed-span what-if and the what-if search read the rows again, and
+run only when the engine disagrees with the reference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
-from hstrace.reference.step0 import Step0Input
+from hstrace.reference.step0 import Step0Input, plan_batches
 from hstrace.reference.target import ReferenceTarget
+from hstrace.replay.chain import ChainSums, chosen_chains
 from hstrace.replay.compare import (
     AGREE_TOP1,
     LogitAgreement,
+    RefRows,
     agreement,
     agreement_by_step,
     compare_topk,
-    gathered_logprobs,
-    logprob_gap,
+    gap_at,
     with_topk,
 )
 from hstrace.replay.runner import DrafterRunner
@@ -35,7 +44,9 @@ from hstrace.replay.whatif import WhatIfResult
 class EngineRows:
     """Every recorded draft-extend row that the reference can replay, concatenated."""
 
-    items: list[Step0Input]  # per request, as recorded
+    # Per request, as recorded, without the hidden input (aux None; a cache hit's prefix
+    # without its rows): `engine_batches` gives them whole, a batch at a time.
+    items: list[Step0Input]
     expected_ids: list[torch.Tensor]  # per request: committed token t+1 for row t (-1: unknown)
     topk_draft_ids: torch.Tensor  # [R, k]
     topk_target_ids: torch.Tensor | None
@@ -44,6 +55,12 @@ class EngineRows:
     index: torch.Tensor  # [R] the row's sequence index
     steps: torch.Tensor | None = None  # [R] the draft_extend step each row was recorded in
     request: torch.Tensor | None = None  # [R] the row's request (index into requests)
+    hidden_recorded: bool = False  # every request has its recorded hidden input
+    hidden_widths: frozenset[int] = frozenset()  # widths of the recorded hidden inputs
+    offsets: list[int] = field(default_factory=list)  # first row of each request, and R
+
+    def rows_of(self, i: int) -> slice:
+        return slice(self.offsets[i], self.offsets[i + 1])
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,8 @@ class Agreement:
     requests: list[ServingRequest]  # requests whose draft rows are replayed (`rows.request`)
     rows: EngineRows | None
     fc_inputs_fit: bool  # every recorded draft hidden input is fc's input width
-    reference_logits: torch.Tensor | None  # fp32 reference on exactly the recorded inputs
+    # fp32 reference on exactly the recorded inputs, per row (its logits are not kept)
+    reference: RefRows | None
     engine_vs_reference: LogitAgreement | None
     by_step: list[dict[str, Any]] | None  # per recorded draft_extend step
     chains: list[dict[str, Any]]  # engine vs reference at chain steps k >= 1 (`replay.chain`)
@@ -99,6 +117,8 @@ class Agreement:
     cache: CacheSplit | None
     whatif: WhatIfSearch | None
     unavailable: dict[str, str] = field(default_factory=dict)
+    # sqrt(mean(hidden_in ** 2)) over every recorded row (`fc-skipped` quotes it)
+    hidden_in_rms: float | None = None
 
     @property
     def engine_top1(self) -> torch.Tensor | None:
@@ -144,31 +164,37 @@ def build_agreement(
     fits = (
         rows is not None
         and fc_in is not None
-        and all(it.aux is not None and it.aux.shape[-1] == fc_in for it in rows.items)
+        and rows.hidden_recorded
+        and rows.hidden_widths <= {fc_in}
     )
-    ref, evr, by_step = None, None, None
-    if runner.can_run and rows is not None and all(it.aux is not None for it in rows.items):
+    ref, evr, by_step, rms = None, None, None, None
+    chains: list[dict[str, Any]] = []
+    chained = [r for r in requests if r.chains]
+    if runner.can_run and rows is not None and rows.hidden_recorded:
         # (hidden_in not recorded: serving.missing says so)
         if not fits:
             u.note("engine vs reference", f"recorded draft hidden input is not {fc_in} wide "
                    "(fc's input)")  # fmt: skip
+            rms = _rms(runner, rows, requests)
         else:
-            ref = runner.run(runner.drafter, rows.items)
-            evr = u.guarded("engine vs reference", lambda: _compare(runner, rows, ref))
+            first = _first_pass(runner, rows, requests, chained)
+            rms = first.rms
+            ref = first.ref
+            evr = u.guarded("engine vs reference", first.compare)
             if evr is None:
                 ref = None
+    elif rows is not None and rows.hidden_recorded:
+        rms = _rms(runner, rows, requests)
     if evr is not None and rows.steps is not None and len(rows.steps) == len(rows.topk_draft_ids):
         by_step = u.guarded(
             "engine vs reference",
             lambda: agreement_by_step(rows.steps, rows.topk_draft_ids, rows.topk_logprobs, ref),
         )
-    chains: list[dict[str, Any]] = []
     if evr is not None:
-        chained = [r for r in requests if r.chains]
         if not chained:
             u.note("draft steps k >= 1", "the trace has no draft_step rows to replay")
         else:
-            chains = u.guarded("draft steps k >= 1", lambda: _chains(runner, chained)) or []
+            chains = u.guarded("draft steps k >= 1", first.chain_result) or []
     a = Agreement(requests, rows, fits, ref, evr, by_step, chains, None, None, None)
     flipped = None
     if chains and not a.chains_match(chains):
@@ -182,7 +208,7 @@ def build_agreement(
         cache = u.guarded("cache hit / miss split", lambda: _cache_split(runner, a, u))
     a = Agreement(requests, rows, fits, ref, evr, by_step, chains, flipped, cache, None)
     whatif = None
-    if runner.can_run and rows is not None and all(it.aux is not None for it in rows.items):
+    if runner.can_run and rows is not None and rows.hidden_recorded:
         from hstrace.replay.hypotheses import search_whatifs
 
         whatif = u.guarded(
@@ -190,22 +216,147 @@ def build_agreement(
             lambda: search_whatifs(runner, a, target, training_layers, training_step0),
         )
     return Agreement(
-        requests, rows, fits, ref, evr, by_step, chains, flipped, cache, whatif, u.frozen()
+        requests, rows, fits, ref, evr, by_step, chains, flipped, cache, whatif, u.frozen(), rms
     )
 
 
-def _compare(runner: DrafterRunner, rows: EngineRows, ref: torch.Tensor) -> LogitAgreement:
-    lowp = runner.run(runner.bf16, rows.items, dtype=torch.bfloat16)
-    return compare_topk(rows.topk_draft_ids, rows.topk_logprobs, ref, lowp)
+def engine_batches(
+    runner: DrafterRunner,
+    rows: EngineRows,
+    requests: list[ServingRequest],
+    items: list[Step0Input] | None = None,
+) -> Iterator[tuple[list[int], list[Step0Input]]]:
+    """(request indices, their whole step-0 items) for each batch the reference runs `items`
+    (default: every recorded request's `rows.items`) in; each batch's hidden inputs (and a
+    cache hit's rebuilt span) are read for it and released when the next batch comes."""
+    items = rows.items if items is None else items
+    serving = runner.alignment.serving
+    for group in plan_batches(items):
+        held = [requests[i] for i in group]
+        with serving.holding(held, ("hidden_in",)):
+            yield group, [_whole(runner, items[i], requests[i]) for i in group]
+
+
+def _whole(runner: DrafterRunner, item: Step0Input, r: ServingRequest) -> Step0Input:
+    """A narrow item with the request's recorded hidden input and its prefix's rows."""
+    prefix = runner.prefix_of(r) if item.prefix is not None else None
+    return Step0Input(item.input_ids, r.draft.hidden_in, item.positions, prefix=prefix)
+
+
+class _FirstPass:
+    """One read of every recorded hidden input: the fp32 reference (per-row `RefRows`), the
+    bf16 reference's log-probs at the engine's ids (the noise floor), the rows' RMS, and the
+    chosen chains. Parts that fail keep their exception for the piece that asks."""
+
+    def __init__(self) -> None:
+        self.ref: RefRows | None = None
+        self.lowp: torch.Tensor | None = None
+        self.rms: float | None = None
+        self.rows: EngineRows | None = None
+        self.bf16_error: BaseException | None = None
+        self.chain_sums = ChainSums()
+        self.chain_error: BaseException | None = None
+
+    def compare(self) -> LogitAgreement:
+        if self.bf16_error is not None:
+            raise self.bf16_error
+        rows = self.rows
+        return compare_topk(
+            rows.topk_draft_ids, rows.topk_logprobs, self.ref, lowp_logprobs=self.lowp
+        )
+
+    def chain_result(self) -> list[dict[str, Any]]:
+        if self.chain_error is not None:
+            raise self.chain_error
+        return self.chain_sums.result()
+
+
+def _first_pass(
+    runner: DrafterRunner,
+    rows: EngineRows,
+    requests: list[ServingRequest],
+    chained: list[ServingRequest],
+) -> _FirstPass:
+    out = _FirstPass()
+    out.rows = rows
+    ids = rows.topk_draft_ids
+    n, k = len(ids), ids.shape[1] if ids.dim() == 2 else 0
+    argmax = torch.zeros(n, dtype=torch.long)
+    lps = torch.zeros(n, k)
+    topk = torch.zeros(n, k, dtype=torch.long)
+    lowp = torch.zeros(n, k)
+    squares, values = 0.0, 0
+    picked: dict[int, list[Any]] = {}
+    for r, chain in chosen_chains(chained, lambda r: runner.cached_span(r) is not None):
+        picked.setdefault(id(r), []).append(chain)
+    for group, items in engine_batches(runner, rows, requests):
+        for it in items:
+            h = it.aux.float()
+            squares += float(h.pow(2).double().sum())
+            values += h.numel()
+        fp32 = runner.run_items(runner.drafter, items)
+        for i, logits in zip(group, fp32, strict=True):
+            at = rows.rows_of(i)
+            got = RefRows.of(logits, ids[at])
+            argmax[at], lps[at], topk[at] = got.argmax, got.logprobs, got.topk
+        if out.bf16_error is None:
+            try:
+                low = runner.run_items(runner.bf16, items, dtype=torch.bfloat16)
+                for i, logits in zip(group, low, strict=True):
+                    lowp[rows.rows_of(i)] = RefRows.of(logits, ids[rows.rows_of(i)], False).logprobs
+            except Exception as exc:  # noqa: BLE001 -- raised to `compare`, which notes it
+                out.bf16_error = exc
+        if out.chain_error is None:
+            try:
+                for i in group:
+                    for chain in picked.get(id(requests[i]), []):
+                        out.chain_sums.run(runner.drafter, requests[i], chain, runner.prefix_of)
+            except Exception as exc:  # noqa: BLE001 -- raised to `chain_result`
+                out.chain_error = exc
+    out.ref = RefRows(argmax, lps, topk)
+    out.lowp = lowp
+    out.rms = round(float((squares / values) ** 0.5), 4) if values else None
+    return out
+
+
+def _rms(runner: DrafterRunner, rows: EngineRows, requests: list[ServingRequest]) -> float | None:
+    """sqrt(mean(hidden_in ** 2)) over every recorded row, read a request batch at a time,
+    when the reference does not run on them (else its first pass has it), and only where
+    `fc-skipped` quotes it: one H-wide state instead of fc's input."""
+    cfg = runner.cfg
+    if cfg is None or rows.hidden_widths != {int(cfg.hidden_size)}:
+        return None
+    squares, values = 0.0, 0
+    serving = runner.alignment.serving
+    batch: list[ServingRequest] = []
+    for r in [*requests, None]:
+        if r is not None:
+            batch.append(r)
+        if batch and (r is None or sum(len(b.draft.rows) for b in batch) >= 4096):
+            with serving.holding(batch, ("hidden_in",)):
+                for b in batch:
+                    h = b.draft.hidden_in.float()
+                    squares += float(h.pow(2).double().sum())
+                    values += h.numel()
+            batch = []
+    return round(float((squares / values) ** 0.5), 4) if values else None
 
 
 def _chains(
     runner: DrafterRunner, requests: list[ServingRequest], **variant: Any
 ) -> list[dict[str, Any]]:
-    from hstrace.replay.chain import chain_agreement
-
+    """The chosen chains rerun with a config variant (a second read of their requests' rows,
+    only when the chains as trained disagree)."""
     model = runner.variant(**variant) if variant else runner.drafter
-    return chain_agreement(model, requests, runner.prefix_of)
+    sums = ChainSums()
+    chosen = chosen_chains(requests, lambda r: runner.cached_span(r) is not None)
+    serving = runner.alignment.serving
+    for r in dict.fromkeys(r for r, _c in chosen):
+        with serving.holding([r], ("hidden_in",)):
+            for q, chain in chosen:
+                if q is r:
+                    sums.run(model, r, chain, runner.prefix_of)
+    return sums.result()
 
 
 def _unreplayable_hits(runner: DrafterRunner) -> list[ServingRequest]:
@@ -216,9 +367,9 @@ def _unreplayable_hits(runner: DrafterRunner) -> list[ServingRequest]:
         for r in runner.alignment.serving.requests
         if r.draft is not None
         and r.draft.topk_draft_ids is not None
-        and r.draft.hidden_in is not None  # else nothing is replayed (missing says why)
+        and r.draft.has_hidden  # else nothing is replayed (missing says why)
         and r.aux_start > 0
-        and runner.cached_aux(r) is None
+        and runner.cached_span(r) is None
     ]
 
 
@@ -252,9 +403,9 @@ def _engine_rows(runner: DrafterRunner, reqs: list[ServingRequest]) -> EngineRow
         items.append(
             Step0Input(
                 torch.as_tensor(d.input_ids),
-                d.hidden_in,
+                None,  # the hidden input: read a batch at a time (`engine_batches`)
                 torch.as_tensor(d.positions),
-                prefix=runner.prefix_of(r) if d.hidden_in is not None else None,
+                prefix=runner.prefix_of(r, read=False) if d.has_hidden else None,
             )
         )
         nxt = torch.full((len(d.input_ids),), -1, dtype=torch.long)
@@ -267,6 +418,7 @@ def _engine_rows(runner: DrafterRunner, reqs: list[ServingRequest]) -> EngineRow
         parts = [getattr(r.draft, name) for r in reqs]
         return torch.cat(parts) if all(p is not None for p in parts) else None
 
+    recorded = all(r.draft.has_hidden for r in reqs)
     return EngineRows(
         items=items,
         expected_ids=expected,
@@ -279,13 +431,16 @@ def _engine_rows(runner: DrafterRunner, reqs: list[ServingRequest]) -> EngineRow
         request=torch.cat(
             [torch.full((len(r.draft.input_ids),), i, dtype=torch.long) for i, r in enumerate(reqs)]
         ),
+        hidden_recorded=recorded,
+        hidden_widths=frozenset(r.draft.width("hidden_in") for r in reqs if r.draft.has_hidden),
+        offsets=[int(x) for x in np.cumsum([0, *(len(r.draft.input_ids) for r in reqs)])],
     )
 
 
 # -- prefix-cache hits vs fresh requests --------------------------------------------------------
 def _cache_split(runner: DrafterRunner, a: Agreement, u: Unavailable) -> CacheSplit | None:
     rows = a.rows
-    if a.reference_logits is None or rows is None or rows.request is None:
+    if a.reference is None or rows is None or rows.request is None:
         return None
     reqs = a.requests
     hit = torch.tensor([reqs[int(i)].cache_hit for i in rows.request], dtype=torch.bool)
@@ -300,7 +455,7 @@ def _cache_split(runner: DrafterRunner, a: Agreement, u: Unavailable) -> CacheSp
         if not m.any():
             return None
         lps = rows.topk_logprobs[m] if rows.topk_logprobs is not None else None
-        c = compare_topk(rows.topk_draft_ids[m], lps, a.reference_logits[m])
+        c = compare_topk(rows.topk_draft_ids[m], lps, a.reference[m])
         known = c.max_logprob_diff == c.max_logprob_diff
         members = {int(i) for i in rows.request[m]}
         accepts = [x for i in members for x in accept_by_key.get(reqs[i].key, [])]
@@ -322,9 +477,9 @@ def _cache_split(runner: DrafterRunner, a: Agreement, u: Unavailable) -> CacheSp
 
 
 def _per_request(runner: DrafterRunner, a: Agreement) -> list[dict[str, Any]]:
-    rows, ref_logits = a.rows, a.reference_logits
+    rows, reference = a.rows, a.reference
     keep = with_topk(rows.topk_draft_ids)
-    ref = ref_logits.argmax(-1)
+    ref = reference.argmax
     tol = a.engine_vs_reference.tolerance
     out = []
     for i, r in enumerate(a.requests):
@@ -338,14 +493,14 @@ def _per_request(runner: DrafterRunner, a: Agreement) -> list[dict[str, Any]]:
         # The first row the engine's top-1 differs on, or else its log-probs do.
         off = same.clone()
         if rows.topk_logprobs is not None:
-            lp = gathered_logprobs(ref_logits[m], rows.topk_draft_ids[m])
+            lp = reference.logprobs[m]
             diff = (lp - rows.topk_logprobs[m].float()).abs().nan_to_num(0.0).amax(-1)
             off = same & (diff <= tol)
         first = pos[~off][0].item() if (~off).any() else None
         accepts = runner.alignment.serving.accept_by_key.get(r.key) or []
-        got = runner.cached_aux(r)
+        span = runner.cached_span(r)
         lps = rows.topk_logprobs[m] if rows.topk_logprobs is not None else None
-        gap = logprob_gap(ref_logits[m], rows.topk_draft_ids[m], lps)
+        gap = gap_at(reference.logprobs[m], rows.topk_draft_ids[m], lps)
         out.append(
             {
                 "request": r.name,
@@ -356,7 +511,7 @@ def _per_request(runner: DrafterRunner, a: Agreement) -> list[dict[str, Any]]:
                 "max_logprob_diff": round(gap, 4) if gap == gap else None,
                 "first_disagreeing_position": first,
                 "mean_accept_len": round(sum(accepts) / len(accepts), 4) if accepts else None,
-                "cached_span_rebuilt_from": got[1] if got is not None else None,
+                "cached_span_rebuilt_from": span.label if span is not None else None,
             }
         )
     return out
@@ -364,25 +519,33 @@ def _per_request(runner: DrafterRunner, a: Agreement) -> list[dict[str, Any]]:
 
 def _zeroed_span_agreement(runner: DrafterRunner, a: Agreement) -> float | None:
     """Top-1 agreement with the engine on cache-hit rows when the reference's cached span is
-    fed zero states (a cache that never held the drafter's KV)."""
+    fed zero states (a cache that never held the drafter's KV). Reads the hits' rows again
+    (only when the hits disagree)."""
     rows = a.rows
-    items, masks, engine = [], [], []
-    for i, (it, r) in enumerate(zip(rows.items, a.requests, strict=True)):
-        if not r.cache_hit or it.prefix is None:
-            continue
-        p = it.prefix
-        items.append(
-            Step0Input(
-                it.input_ids,
-                it.aux,
-                it.positions,
-                prefix=Step0Input(p.input_ids, torch.zeros_like(p.aux), p.positions),
+    hits = [i for i, r in enumerate(a.requests) if r.cache_hit and rows.items[i].prefix is not None]
+    if not hits:
+        return None
+    reqs = [a.requests[i] for i in hits]
+    items = [rows.items[i] for i in hits]
+    preds: dict[int, torch.Tensor] = {}
+    for group, whole in engine_batches(runner, rows, reqs, items):
+        zeroed = []
+        for it in whole:
+            p = it.prefix
+            zeroed.append(
+                Step0Input(
+                    it.input_ids,
+                    it.aux,
+                    it.positions,
+                    prefix=Step0Input(p.input_ids, torch.zeros_like(p.aux), p.positions),
+                )
             )
-        )
+        for j, logits in zip(group, runner.run_items(runner.drafter, zeroed), strict=True):
+            preds[j] = logits.argmax(-1)
+    masks, engine = [], []
+    for i in hits:
         masks.append(with_topk(rows.topk_draft_ids[rows.request == i]))
         engine.append(rows.topk_draft_ids[rows.request == i][:, 0])
-    if not items:
-        return None
-    logits = runner.run(runner.drafter, items)
     m = torch.cat(masks)
-    return agreement(logits.argmax(-1)[m], torch.cat(engine).long()[m])
+    pred = torch.cat([preds[j] for j in range(len(hits))])
+    return agreement(pred[m], torch.cat(engine).long()[m])

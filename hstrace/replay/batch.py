@@ -92,58 +92,88 @@ def _own_fit(al, r: Any, rows: np.ndarray) -> float | None:
     return None
 
 
-def coupled_aux_rows(al) -> list[dict[str, Any]]:
-    """[{request, rows_of, step, positions, rows, ...}] for every request whose captured rows
-    in a batched target step are another co-batched request's rows. One cosine matrix per
-    batched step (all its rows against all its rows), so a long trace of large decode batches
-    costs one small matmul per step."""
-    if al.sketched or al.slot_width is None:
-        return []
+# Rows of batched target steps read at a time (several steps; a step is never split).
+BLOCK_ROWS = 4096
+
+
+def _batched_steps(al) -> list[tuple[int, list[int], list[tuple[Any, np.ndarray]]]]:
+    """(step, keys, [(request, its rows in the step)]) of every target step where at least two
+    requests have captured rows: decided from the narrow columns."""
     by_key = al.serving.by_key()
-    found = []
+    out = []
     for step, keys in enumerate(al.serving.target_batches):
         if len(set(keys)) < 2:
             continue
         reqs = [by_key[k] for k in dict.fromkeys(keys) if k in by_key and by_key[k].aux_rows]
         parts = [(r, _rows_in_step(r, step)) for r in reqs]
         parts = [(r, rows) for r, rows in parts if len(rows)]
-        if len(parts) < 2:
+        if len(parts) >= 2:
+            out.append((step, keys, parts))
+    return out
+
+
+def coupled_aux_rows(al) -> list[dict[str, Any]]:
+    """[{request, rows_of, step, positions, rows, ...}] for every request whose captured rows
+    in a batched target step are another co-batched request's rows. One cosine matrix per
+    batched step (all its rows against all its rows), so a long trace of large decode batches
+    costs one small matmul per step. The rows of the batched steps are read a block of steps
+    at a time (a second read of them: the first, `CaptureScan`, goes request by request)."""
+    if al.sketched or al.slot_width is None:
+        return []
+    by_key = al.serving.by_key()
+    found = []
+    steps = _batched_steps(al)
+    block: list[tuple[int, list[int], list[tuple[Any, np.ndarray]]]] = []
+    for i, item in enumerate(steps):
+        block.append(item)
+        rows = sum(len(p) for _s, _k, parts in block for _r, p in parts)
+        if rows < BLOCK_ROWS and i + 1 < len(steps):
             continue
-        owner = torch.cat([torch.full((len(rows),), i) for i, (_r, rows) in enumerate(parts)])
-        x = _unit(torch.cat([r.aux[rows].float() for r, rows in parts]))
-        cos = x @ x.T
-        cos[owner[:, None] == owner[None, :]] = -1.0  # a request's own rows do not count
-        best, j = cos.max(dim=1)
-        base = np.cumsum([0] + [len(rows) for _r, rows in parts])
-        for i, (r, mine) in enumerate(parts):
-            sel = range(int(base[i]), int(base[i + 1]))
-            by_other: dict[int, list[int]] = defaultdict(list)
-            for g in sel:
-                if float(best[g]) < COPY_COS:
-                    continue
-                o_i = int(owner[j[g]])
-                o, theirs = parts[o_i]
-                row, other_row = int(mine[g - base[i]]), int(theirs[int(j[g]) - base[o_i]])
-                if not _same_context(r, row, o, other_row):
-                    by_other[o_i].append(row)
-            if not by_other:
+        got = iter(al.serving.rows_of("aux", [p for _s, _k, parts in block for p in parts]))
+        for step, keys, parts in block:
+            aux = [next(got) for _ in parts]
+            found.extend(_coupled_in_step(al, by_key, step, keys, parts, aux))
+        block = []
+    return found
+
+
+def _coupled_in_step(al, by_key, step, keys, parts, aux) -> list[dict[str, Any]]:
+    found = []
+    owner = torch.cat([torch.full((len(rows),), i) for i, (_r, rows) in enumerate(parts)])
+    x = _unit(torch.cat([a.float() for a in aux]))
+    cos = x @ x.T
+    cos[owner[:, None] == owner[None, :]] = -1.0  # a request's own rows do not count
+    best, j = cos.max(dim=1)
+    base = np.cumsum([0] + [len(rows) for _r, rows in parts])
+    for i, (r, mine) in enumerate(parts):
+        sel = range(int(base[i]), int(base[i + 1]))
+        by_other: dict[int, list[int]] = defaultdict(list)
+        for g in sel:
+            if float(best[g]) < COPY_COS:
                 continue
-            o_i, copied = max(by_other.items(), key=lambda kv: len(kv[1]))
-            fit = _own_fit(al, r, np.asarray(copied))
-            if fit is not None and fit >= COPY_COS:
-                continue  # r's rows are its own: the other request got a copy of them
-            found.append(
-                {
-                    "request": r.name,
-                    "rows_of": parts[o_i][0].name,
-                    "step": step,
-                    "batch": [by_key[k].name for k in keys if k in by_key],
-                    "positions": [c + r.aux_start + r.position_base for c in copied][:32],
-                    "rows": len(copied),
-                    "of_rows_in_step": len(mine),
-                    "own_tokens_cos": round(fit, 4) if fit is not None else None,
-                }
-            )
+            o_i = int(owner[j[g]])
+            o, theirs = parts[o_i]
+            row, other_row = int(mine[g - base[i]]), int(theirs[int(j[g]) - base[o_i]])
+            if not _same_context(r, row, o, other_row):
+                by_other[o_i].append(row)
+        if not by_other:
+            continue
+        o_i, copied = max(by_other.items(), key=lambda kv: len(kv[1]))
+        fit = _own_fit(al, r, np.asarray(copied))
+        if fit is not None and fit >= COPY_COS:
+            continue  # r's rows are its own: the other request got a copy of them
+        found.append(
+            {
+                "request": r.name,
+                "rows_of": parts[o_i][0].name,
+                "step": step,
+                "batch": [by_key[k].name for k in keys if k in by_key],
+                "positions": [c + r.aux_start + r.position_base for c in copied][:32],
+                "rows": len(copied),
+                "of_rows_in_step": len(mine),
+                "own_tokens_cos": round(fit, 4) if fit is not None else None,
+            }
+        )
     return found
 
 

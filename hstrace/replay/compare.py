@@ -10,6 +10,7 @@ on the same rows, never a fixed epsilon.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -92,51 +93,105 @@ def known_logprobs(ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     return (ids.long() >= 0) & ~torch.isnan(logprobs.float())
 
 
-def logprob_gap(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor | None) -> float:
-    """Max |engine log-prob - log_softmax(logits)| over the known entries; NaN when none."""
+@dataclass(frozen=True)
+class RefRows:
+    """What the comparisons need of reference logits [N, Vd] beside the engine's top-k ids
+    [N, k], row by row: the logits themselves are not kept (a draft vocab of 32k is 128 KB a
+    row in fp32), so replay's memory does not grow with them. Computed from one batch of
+    logits at a time (`of`) and joined (`cat`); every per-row value is the one the full
+    logits give."""
+
+    argmax: torch.Tensor  # [N] the reference's argmax
+    logprobs: torch.Tensor  # [N, k] log_softmax at the engine's ids (ids < 0 gathered at 0)
+    topk: torch.Tensor | None = None  # [N, k] the reference's own top-k ids
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, ids: torch.Tensor, topk: bool = True) -> RefRows:
+        k = ids.shape[1] if ids.dim() == 2 else 0
+        logits = logits.float()
+        return cls(
+            argmax=logits.argmax(-1),
+            logprobs=gathered_logprobs(logits, ids),
+            topk=logits.topk(k, dim=-1).indices if topk else None,
+        )
+
+    @classmethod
+    def cat(cls, parts: list[RefRows]) -> RefRows:
+        return cls(
+            argmax=torch.cat([p.argmax for p in parts]),
+            logprobs=torch.cat([p.logprobs for p in parts]),
+            topk=torch.cat([p.topk for p in parts])
+            if all(p.topk is not None for p in parts)
+            else None,
+        )
+
+    def __getitem__(self, m: Any) -> RefRows:
+        return RefRows(
+            self.argmax[m], self.logprobs[m], self.topk[m] if self.topk is not None else None
+        )
+
+    def __len__(self) -> int:
+        return int(self.argmax.shape[0])
+
+
+def gap_at(ref_logprobs: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor | None) -> float:
+    """`logprob_gap` from the reference's log-probs at `ids` (`RefRows.logprobs`)."""
     if logprobs is None:
         return float("nan")
     known = known_logprobs(ids, logprobs)
     if not known.any():
         return float("nan")
-    gap = (logprobs.float() - gathered_logprobs(logits, ids)).abs()
+    gap = (logprobs.float() - ref_logprobs).abs()
     return float(gap[known].max())
+
+
+def logprob_gap(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor | None) -> float:
+    """Max |engine log-prob - log_softmax(logits)| over the known entries; NaN when none."""
+    if logprobs is None:
+        return float("nan")
+    return gap_at(gathered_logprobs(logits, ids), ids, logprobs)
 
 
 def compare_topk(
     engine_ids: torch.Tensor,
     engine_logprobs: torch.Tensor | None,
-    ref_logits: torch.Tensor,
+    ref_logits: torch.Tensor | RefRows,
     ref_logits_lowp: torch.Tensor | None = None,
+    *,
+    lowp_logprobs: torch.Tensor | None = None,
 ) -> LogitAgreement:
-    """engine_ids/logprobs [N, k] (draft space); ref_logits [N, Vd] fp32 on the same inputs;
-    ref_logits_lowp [N, Vd] the same reference in bf16 (sets the noise floor). Rows without a
-    top-k (id -1) are left out; NaN log-probs count as unknown (those rows: ids only)."""
+    """engine_ids/logprobs [N, k] (draft space); ref_logits [N, Vd] fp32 on the same inputs
+    (or their `RefRows`); ref_logits_lowp [N, Vd] the same reference in bf16 (sets the noise
+    floor; or give `lowp_logprobs`, its log-probs at engine_ids [N, k]). Rows without a top-k (id -1) are left out;
+    NaN log-probs count as unknown (those rows: ids only)."""
     k = engine_ids.shape[1] if engine_ids.dim() == 2 else 0
+    ref = ref_logits if isinstance(ref_logits, RefRows) else RefRows.of(ref_logits, engine_ids)
+    lowp = lowp_logprobs
+    if ref_logits_lowp is not None:
+        lowp = gathered_logprobs(ref_logits_lowp, engine_ids)
     keep = with_topk(engine_ids)
     dropped = int((~keep).sum())
     engine_ids = engine_ids[keep].long()
-    ref_logits = ref_logits[keep]
+    ref = ref[keep]
     if engine_logprobs is not None:
         engine_logprobs = engine_logprobs[keep]
-    if ref_logits_lowp is not None:
-        ref_logits_lowp = ref_logits_lowp[keep]
+    if lowp is not None:
+        lowp = lowp[keep]
     n = int(engine_ids.shape[0])
     if n == 0:
         return LogitAgreement(0, k, 0.0, 0.0, float("nan"), 0.0, 1e-4, rows_without_topk=dropped)
-    ref_top = ref_logits.float().topk(k, dim=-1).indices
+    ref_top = ref.topk
     top1 = float((ref_top[:, 0] == engine_ids[:, 0]).float().mean())
     real = engine_ids >= 0
     hits = ((engine_ids[:, :, None] == ref_top[:, None, :]).any(-1) & real).float().sum(-1)
     overlap = hits / real.sum(-1).clamp(min=1)
-    diff = logprob_gap(ref_logits, engine_ids, engine_logprobs)
+    diff = gap_at(ref.logprobs, engine_ids, engine_logprobs)
     ids_only = 0
     if engine_logprobs is not None:
         ids_only = int((~known_logprobs(engine_ids, engine_logprobs).any(-1)).sum())
     noise = 0.0
-    if ref_logits_lowp is not None:
-        ref_lp = gathered_logprobs(ref_logits, engine_ids)
-        spread = (gathered_logprobs(ref_logits_lowp, engine_ids) - ref_lp).abs()
+    if lowp is not None:
+        spread = (lowp - ref.logprobs).abs()
         noise = float(spread[real].max())
     # The floor of 1e-4 covers an fp32 engine, whose spread against the judge is ~1e-6.
     tolerance = NOISE_MULTIPLE * noise + 1e-4
@@ -157,17 +212,18 @@ def agreement_by_step(
     steps: torch.Tensor,
     engine_ids: torch.Tensor,
     engine_logprobs: torch.Tensor | None,
-    ref_logits: torch.Tensor,
+    ref_logits: torch.Tensor | RefRows,
 ) -> list[dict[str, float | int]]:
     """`compare_topk`'s top-1 / top-k / max difference per recorded step (rows grouped by
     `steps` [N], ascending), so a drift that starts mid-run shows where it starts."""
+    ref = ref_logits if isinstance(ref_logits, RefRows) else RefRows.of(ref_logits, engine_ids)
     out: list[dict[str, float | int]] = []
     for step in torch.unique(steps).tolist():
         rows = steps == step
         a = compare_topk(
             engine_ids[rows],
             engine_logprobs[rows] if engine_logprobs is not None else None,
-            ref_logits[rows],
+            ref[rows],
         )
         out.append(
             {

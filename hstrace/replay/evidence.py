@@ -2,6 +2,9 @@
 
 `build_evidence` computes every piece (the alignment, `Slots`, `Accuracy`, `Agreement` with
 its what-if search, `DraftInputs`, `VocabReadings`, `BatchCoupling`) before any check runs.
+The serving side's wide tensors are read while a piece walks a batch of requests and released
+after (`ServingData.holding`): the evidence keeps per-row numbers and per-request results, so
+its memory follows the largest batch of requests, not the trace.
 What could not be computed, and why, is decided while a piece is built and kept in it
 (`unavailable`); the replay's `skipped` is their union in build order, so it never depends on
 which check looked first, and a check only reads evidence and returns findings.
@@ -23,6 +26,7 @@ from hstrace.replay.align import Coverage, Match
 from hstrace.replay.batch import BatchCoupling, build_batch_coupling
 from hstrace.replay.draft_inputs import DraftInputs, build_draft_inputs
 from hstrace.replay.runner import DrafterRunner
+from hstrace.replay.scan import CaptureScan
 from hstrace.replay.serving import ServingData
 from hstrace.replay.sides import Aligned, Alignment
 from hstrace.replay.slots import Slots, build_slots
@@ -146,12 +150,17 @@ def build_evidence(
     cfg = drafter.cfg if drafter is not None else None
     alignment = Alignment.build(serving, samples, matches, coverage, cfg, training_kind)
     runner = DrafterRunner(drafter, alignment, load_report, no_forward, progress)
-    slots = build_slots(alignment, cfg, load_report, target, runner.tick)
-    accuracy = build_accuracy(runner, target)
-    agreement = build_agreement(runner, target, slots.training_layers, accuracy.training_step0)
-    draft_inputs = build_draft_inputs(serving, agreement.rows, agreement.requests, target)
-    vocab = build_vocab_readings(drafter, agreement.rows)
-    batch = build_batch_coupling(alignment)
+    # The aligned requests' rows are held while the evidence is built: they are compared with
+    # the training samples (in memory already, as many rows) by several pieces. Every other
+    # request's wide tensors are read when a piece walks it and released after.
+    with serving.holding([a.serving for a in alignment.aligned]):
+        scan = CaptureScan(runner)  # one read of every request's captured rows
+        slots = build_slots(alignment, cfg, load_report, target, runner.tick, scan)
+        accuracy = build_accuracy(runner, target, scan)
+        agreement = build_agreement(runner, target, slots.training_layers, accuracy.training_step0)
+        draft_inputs = build_draft_inputs(serving, agreement.rows, agreement.requests, target)
+        vocab = build_vocab_readings(drafter, agreement.rows)
+        batch = build_batch_coupling(alignment)
     first = {"drafter forward": no_forward} if no_forward else {}
     return Evidence(
         alignment=alignment,

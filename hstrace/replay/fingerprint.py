@@ -78,20 +78,52 @@ def slot_matrix(serving: torch.Tensor, training: torch.Tensor) -> SlotMatrix:
 def slot_health(x: torch.Tensor) -> list[SlotHealth]:
     """Per slot of x [N, K, H]: zero rows and constant rows (capture not active, a stale
     CUDA-graph buffer, a hybrid model that writes nothing)."""
-    x = x.float()
-    out = []
-    for k in range(x.shape[1]):
-        rows = x[:, k]
-        norms = rows.norm(dim=-1)
-        zero = float((norms == 0).float().mean()) if rows.shape[0] else 0.0
-        spread = (rows - rows[:1]).norm(dim=-1).max() if rows.shape[0] > 1 else torch.tensor(1.0)
-        constant = rows.shape[0] > 1 and bool(spread <= 1e-3 * norms.max().clamp_min(1e-12))
-        out.append(
-            SlotHealth(
-                zero_rows=zero, constant=constant and zero < 1.0, mean_norm=float(norms.mean())
+    acc = SlotHealthSum(x[0] if x.shape[0] else None, x.shape[1])
+    acc.add(0, x)
+    return acc.result()
+
+
+class SlotHealthSum:
+    """`slot_health` of rows given part by part, in any order (`hstrace.replay.scan` reads a
+    request at a time): the per-row norms are kept (one number a row and slot) and joined in
+    part order, the spread against the whole's first row is reduced as parts come, so the
+    result is the one `slot_health` gives on all rows at once."""
+
+    def __init__(self, first_row: torch.Tensor | None, slots: int) -> None:
+        self.first = first_row.float() if first_row is not None else None  # [K, H]
+        self.slots = slots
+        self.norms: dict[int, list[torch.Tensor]] = {}  # part order -> per slot [n]
+        self.spread: list[torch.Tensor] = []  # per part: [K] max distance to the first row
+
+    def add(self, order: int, x: torch.Tensor) -> None:
+        x = x.float()
+        self.norms[order] = [x[:, k].norm(dim=-1) for k in range(x.shape[1])]
+        if x.shape[0]:
+            self.spread.append(
+                torch.stack(
+                    [
+                        (x[:, k] - self.first[k : k + 1]).norm(dim=-1).max()
+                        for k in range(x.shape[1])
+                    ]
+                )
             )
-        )
-    return out
+
+    def result(self) -> list[SlotHealth]:
+        order = sorted(self.norms)
+        out = []
+        for k in range(self.slots):
+            parts = [self.norms[o][k] for o in order]
+            norms = torch.cat(parts) if parts else torch.zeros(0)
+            n = norms.shape[0]
+            zero = float((norms == 0).float().mean()) if n else 0.0
+            spread = torch.stack([s[k] for s in self.spread]).max() if n > 1 else torch.tensor(1.0)
+            constant = n > 1 and bool(spread <= 1e-3 * norms.max().clamp_min(1e-12))
+            out.append(
+                SlotHealth(
+                    zero_rows=zero, constant=constant and zero < 1.0, mean_norm=float(norms.mean())
+                )
+            )
+        return out
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,16 @@ When the engine's draft logits disagree with the reference on identical recorded
 the single misreading that reproduces them: norm flags, RoPE base, attention window, embedding
 source, fc skipped, tokens or aux layers shifted by one. Each hypothesis carries the finding
 code it would confirm and its fix; the checks read the search's outcome, never rerun it.
+
+The search walks the recorded rows once, a batch of requests at a time (`engine_batches`): each
+batch's hidden inputs are read, every hypothesis runs on them (its drafter variant built once,
+sharing the weights), and only per-row argmaxes and log-probs are kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +21,10 @@ import torch
 
 from hstrace.reference.step0 import Step0Input
 from hstrace.reference.target import ReferenceTarget
+from hstrace.replay.compare import RefRows
 from hstrace.replay.runner import DrafterRunner
 from hstrace.replay.serving import ServingRequest
-from hstrace.replay.whatif import WhatIf, reproducing, search
+from hstrace.replay.whatif import WhatIfResult, ranked, reproducing, score
 
 # Draft-config key (as users write it) for each reference flag.
 FLAG_KEYS: dict[str, str] = {
@@ -69,14 +75,62 @@ def search_whatifs(
     h = _Inputs(runner, a.rows, a.requests, a.fc_inputs_fit, target, training_layers,
                 training_step0)  # fmt: skip
     baseline = base.top1 if base is not None else 0.0
-    results = search(whatif_list(h), a.rows.topk_draft_ids.long(), a.rows.topk_logprobs)
+    results = _search(h, whatif_list(h))
     tolerance = base.tolerance if base is not None else _tolerance_without_baseline(h)
     best = reproducing(results, baseline, tolerance)
     return WhatIfSearch(True, None, baseline, results, best, tolerance)
 
 
-def _logits(h: _Inputs, model: torch.nn.Module, items: list[Step0Input]) -> torch.Tensor:
-    return h.runner.run(model, items)
+@dataclass(frozen=True)
+class Hypothesis:
+    """One misreading: the drafter as the engine would run it (`model`, built once) and, for
+    the input misreadings, what it would be fed instead of a batch's recorded items."""
+
+    name: str  # e.g. "norm_before_residual=False"
+    code: str  # the finding code it would confirm
+    fix: str
+    model: Callable[[], torch.nn.Module]
+    items: Callable[[list[Step0Input], list[ServingRequest]], list[Step0Input]] | None = None
+
+
+def _search(h: _Inputs, hyps: list[Hypothesis]) -> list[WhatIfResult]:
+    """Every hypothesis scored against the engine's recorded top-k (`whatif.score`), best first.
+    A hypothesis that cannot even run on this drafter (e.g. mutually exclusive flags) cannot
+    be what the engine did: it is left out."""
+    from hstrace.replay.agreement import engine_batches
+
+    rows = h.rows
+    ids = rows.topk_draft_ids.long()
+    n, k = len(ids), ids.shape[1] if ids.dim() == 2 else 0
+    argmax = [torch.zeros(n, dtype=torch.long) for _ in hyps]
+    lps = [torch.zeros(n, k) for _ in hyps]
+    models: dict[int, torch.nn.Module] = {}
+    failed: set[int] = set()
+    for group, items in engine_batches(h.runner, rows, h.requests):
+        reqs = [h.requests[i] for i in group]
+        for j, hyp in enumerate(hyps):
+            if j in failed:
+                continue
+            try:
+                if j not in models:
+                    models[j] = hyp.model()
+                fed = hyp.items(items, reqs) if hyp.items is not None else items
+                out = h.runner.run_items(models[j], fed)
+            except (ValueError, RuntimeError, IndexError):
+                failed.add(j)
+                models.pop(j, None)
+                continue
+            for i, logits in zip(group, out, strict=True):
+                at = rows.rows_of(i)
+                got = RefRows.of(logits, ids[at], topk=False)
+                argmax[j][at], lps[j][at] = got.argmax, got.logprobs
+    return ranked(
+        [
+            score(hyp.name, hyp.code, hyp.fix, RefRows(argmax[j], lps[j]), ids, rows.topk_logprobs)
+            for j, hyp in enumerate(hyps)
+            if j not in failed
+        ]
+    )
 
 
 def _no_fc(h: _Inputs) -> torch.nn.Module:
@@ -85,21 +139,28 @@ def _no_fc(h: _Inputs) -> torch.nn.Module:
 
 def _with_target_embedding(h: _Inputs) -> torch.nn.Module:
     model = h.runner.variant()
-    model.embed_tokens.weight.data.copy_(h.target.embed.detach().float())
+    # A new tensor, not a write into the shared one (`DrafterRunner.variant`).
+    own = model.embed_tokens.weight
+    model.embed_tokens.weight = torch.nn.Parameter(
+        h.target.embed.detach().to(own.dtype).clone(), requires_grad=False
+    )
     return model
 
 
-def _shifted_tokens(h: _Inputs, shift: int) -> list[Step0Input]:
-    rows = h.rows
+def _shifted_tokens(
+    h: _Inputs, shift: int, items: list[Step0Input], reqs: list[ServingRequest]
+) -> list[Step0Input]:
     out = []
-    for item, req in zip(rows.items, h.requests, strict=True):
+    for item, req in zip(items, reqs, strict=True):
         tok = torch.as_tensor(req.tokens).long()
         idx = (torch.as_tensor(req.draft.index) + 1 + shift).clamp(0, len(tok) - 1)
         out.append(dataclasses.replace(item, input_ids=tok[idx]))  # a cache hit keeps its prefix
     return out
 
 
-def _shifted_layers(h: _Inputs, shift: int) -> list[Step0Input]:
+def _shifted_layers(
+    h: _Inputs, shift: int, items: list[Step0Input], reqs: list[ServingRequest]
+) -> list[Step0Input]:
     """The aux the target would deliver at the training layers moved by `shift`."""
     layers = h.training_layers
     if layers is None or h.target is None:
@@ -107,7 +168,7 @@ def _shifted_layers(h: _Inputs, shift: int) -> list[Step0Input]:
     n_layers = h.target.num_layers
     chosen = [min(max(layer + shift, 0), n_layers) for layer in layers]
     out = []
-    for item, req in zip(h.rows.items, h.requests, strict=True):
+    for item, req in zip(items, reqs, strict=True):
         fwd = h.target.forward(torch.as_tensor(req.tokens).long())
         idx = torch.as_tensor(req.draft.index).clamp(max=fwd.layers.shape[0] - 1)
         prefix = item.prefix
@@ -125,14 +186,14 @@ def _shifted_layers(h: _Inputs, shift: int) -> list[Step0Input]:
     return out
 
 
-def whatif_list(h: _Inputs) -> list[WhatIf]:
+def whatif_list(h: _Inputs) -> list[Hypothesis]:
     cfg = h.runner.cfg
     items = h.rows.items
     fits = h.fits
-    found: list[WhatIf] = []
+    found: list[Hypothesis] = []
 
-    def add(name: str, code: str, fix: str, run) -> None:
-        found.append(WhatIf(name, code, fix, run))
+    def add(name: str, code: str, fix: str, model, fed=None) -> None:
+        found.append(Hypothesis(name, code, fix, model, fed))
 
     if fits:
         for flag, key in FLAG_KEYS.items():
@@ -143,9 +204,7 @@ def whatif_list(h: _Inputs) -> list[WhatIf]:
                 f"the engine behaves as if {flag}={not trained}; the drafter was trained with "
                 f'{flag}={trained}: set "{key}": {str(trained).lower()} in the draft config.json '
                 "and serve with an engine version that reads it",
-                lambda flag=flag, trained=trained: _logits(
-                    h, h.runner.variant(**{flag: not trained}), items
-                ),
+                lambda flag=flag, trained=trained: h.runner.variant(**{flag: not trained}),
             )
         thetas = set(COMMON_THETAS)
         if h.target is not None and h.target.rope_theta:
@@ -156,7 +215,7 @@ def whatif_list(h: _Inputs) -> list[WhatIf]:
                 "rope-mismatch",
                 f"the engine uses rope_theta={theta:g}; the drafter was trained with "
                 f'{cfg.rope_theta:g}: set "rope_theta": {cfg.rope_theta:g} in the draft config.json',
-                lambda theta=theta: _logits(h, h.runner.variant(rope_theta=theta), items),
+                lambda theta=theta: h.runner.variant(rope_theta=theta),
             )
         longest = max(len(it.input_ids) for it in items)
         windows: list[int | None] = [None] if cfg.sliding_window is not None else []
@@ -177,7 +236,7 @@ def whatif_list(h: _Inputs) -> list[WhatIf]:
                 f"the engine's drafter uses {served}; it was trained with {trained}: set "
                 f'"sliding_window" ({cfg.sliding_window}) and "layer_types" in the draft config '
                 "so the engine attends like training",
-                lambda window=window: _logits(h, h.runner.variant(sliding_window=window), items),
+                lambda window=window: h.runner.variant(sliding_window=window),
             )
         if (
             h.target is not None
@@ -192,7 +251,7 @@ def whatif_list(h: _Inputs) -> list[WhatIf]:
                     "the engine replaces the drafter's trained embed_tokens with the target's "
                     "(SGLang set_embed); serve with an engine that loads the draft embedding, or "
                     "train with the target's embedding frozen (embed_requires_grad: false)",
-                    lambda: _logits(h, _with_target_embedding(h), items),
+                    lambda: _with_target_embedding(h),
                 )
         for shift in (-1, 1):
             add(
@@ -200,7 +259,8 @@ def whatif_list(h: _Inputs) -> list[WhatIf]:
                 "token-shift",
                 f"the engine pairs aux row t with token t{1 + shift:+d} instead of t+1: feed the "
                 "token that follows each aux row (EAGLE-3 pairing)",
-                lambda shift=shift: _logits(h, h.runner.drafter, _shifted_tokens(h, shift)),
+                lambda: h.runner.drafter,
+                lambda its, reqs, shift=shift: _shifted_tokens(h, shift, its, reqs),
             )
         for shift in (-1, 1):
             add(
@@ -208,17 +268,18 @@ def whatif_list(h: _Inputs) -> list[WhatIf]:
                 "aux-layer-shift",
                 f"the engine fed aux layers shifted by {shift:+d} from training: fix the layer-id "
                 "convention (SGLang adds +1 to explicit ids)",
-                lambda shift=shift: _logits(h, h.runner.drafter, _shifted_layers(h, shift)),
+                lambda: h.runner.drafter,
+                lambda its, reqs, shift=shift: _shifted_layers(h, shift, its, reqs),
             )
-    elif all(it.aux is not None for it in items):
-        widths = {int(it.aux.shape[-1]) for it in items}
+    elif h.rows.hidden_recorded:
+        widths = set(h.rows.hidden_widths)
         if widths == {int(cfg.hidden_size)}:
             add(
                 "fc skipped",
                 "fc-skipped",
                 "the drafter got one H-wide state and skipped fc: serve with "
                 "--speculative-algorithm EAGLE3 so the target delivers the aux concat",
-                lambda: _logits(h, _no_fc(h), items),
+                lambda: _no_fc(h),
             )
     return found
 

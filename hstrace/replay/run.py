@@ -248,16 +248,33 @@ def open_evidence(
     salt_file: Path | None = None,
 ) -> tuple[Evidence, dict[str, Any]]:
     """The evidence of one replay and what it was built from (the result's `inputs`)."""
-    from hstrace.drafter import load_drafter
     from hstrace.trace import open_trace
-    from hstrace.trace.validate import check_token_ids
 
     trace_path, against = Path(trace_path), Path(against)
     if not against.exists():
         raise TrainingDataError(f"--against {against}: no such training dir or trace")
+    # Open until the evidence is built: the wide tensors are read request by request while
+    # it is (`read_serving(lazy=True)`), never all at once.
     with open_trace(trace_path) as trace:
-        serving: ServingData = read_serving(trace)
-        by_rank = accept_len_by_rank(trace) if len(trace.ranks) > 1 else {}
+        return _evidence_of(
+            trace, trace_path, against, drafter_path, target_path, progress, salt_file
+        )
+
+
+def _evidence_of(
+    trace: Any,
+    trace_path: Path,
+    against: Path,
+    drafter_path: Path | None,
+    target_path: Path | None,
+    progress: Progress | None,
+    salt_file: Path | None,
+) -> tuple[Evidence, dict[str, Any]]:
+    from hstrace.drafter import load_drafter
+    from hstrace.trace.validate import check_token_ids
+
+    serving: ServingData = read_serving(trace, lazy=True)
+    by_rank = accept_len_by_rank(trace) if len(trace.ranks) > 1 else {}
     modes = redaction_modes(serving.meta)
     redaction: dict[str, Any] = {"modes": list(modes)} if modes else {}
     salt = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
@@ -19,6 +20,27 @@ import torch
 from hstrace.reference.step0 import Step0Input, step0_logits
 from hstrace.replay.serving import ServingRequest
 from hstrace.replay.sides import Alignment
+
+
+@dataclass(frozen=True)
+class _CachedSpan:
+    """A cache hit's cached span [stop, W]: the first rows of `source` (after the source's own
+    cached span `head`, when it is a hit too), or rows of the aligned training sample."""
+
+    stop: int
+    label: str
+    source: ServingRequest | None = None
+    head: _CachedSpan | None = None
+    training: torch.Tensor | None = None
+
+    def rows(self) -> torch.Tensor:
+        if self.source is None:
+            return self.training
+        o = self.source
+        if self.head is None:
+            return o.aux_head(self.stop)
+        head = self.head.rows()
+        return torch.cat([head.to(o.dtype("aux")), o.aux_head(self.stop - len(head))])[: self.stop]
 
 
 class DrafterRunner:
@@ -37,7 +59,7 @@ class DrafterRunner:
         # checks still apply, its outputs would be those of random weights.
         self.no_forward = no_forward
         self._progress = progress
-        self._cached_aux_memo: dict[int, tuple[torch.Tensor, str] | None] = {}
+        self._cached_aux_memo: dict[int, _CachedSpan | None] = {}
 
     @property
     def cfg(self) -> Any:
@@ -61,13 +83,29 @@ class DrafterRunner:
         return torch.cat(logits) if logits else torch.zeros(0, 0)
 
     def variant(self, **changes: Any) -> torch.nn.Module:
-        """A copy of the drafter with config changes (flags, rope, window), same weights."""
+        """A copy of the drafter with config changes (flags, rope, window), same weights: the
+        weight tensors are shared, not copied (the what-if search holds a dozen variants while
+        it walks the recorded rows), so a variant must replace a weight, never write into it."""
         from hstrace.drafter import Eagle3Drafter
 
         cfg = dataclasses.replace(self.drafter.cfg, **changes)
         model = Eagle3Drafter(cfg)
-        model.load_state_dict(self.drafter.state_dict(), strict=False)
+        state = self.drafter.state_dict()
+        shared = all(t.is_contiguous() for t in state.values())
+        model.load_state_dict(state, strict=False, assign=shared)
         return model.eval()
+
+    def run_items(
+        self, model: torch.nn.Module, items: list[Step0Input], dtype: torch.dtype = torch.float32
+    ) -> list[torch.Tensor]:
+        """`run`, split per item (each item's logits [T_i, Vd])."""
+        logits = self.run(model, items, dtype=dtype)
+        out, start = [], 0
+        for it in items:
+            n = len(it.input_ids)
+            out.append(logits[start : start + n])
+            start += n
+        return out
 
     @cached_property
     def bf16(self) -> torch.nn.Module:
@@ -79,24 +117,29 @@ class DrafterRunner:
     # -- prefix-cache hits -----------------------------------------------------------------------
     @cached_property
     def _prefix_sources(self) -> list[ServingRequest]:
-        return [r for r in self.alignment.serving.requests if r.aux is not None]
+        return [r for r in self.alignment.serving.requests if r.has_aux]
+
+    def cached_span(self, r: ServingRequest) -> _CachedSpan | None:
+        """Where a cache hit's cached span is rebuilt from (`cached_aux`), decided without
+        reading a row: memoised, so every caller gets the same source."""
+        if r.key not in self._cached_aux_memo:
+            self._cached_aux_memo[r.key] = self._find_cached_span(r)
+        return self._cached_aux_memo[r.key]
 
     def cached_aux(self, r: ServingRequest) -> tuple[torch.Tensor, str] | None:
         """[c, W] the capture of a cache hit's cached span (c = r.aux_start), rebuilt from what
         was recorded: the rows of another request of the trace with the same leading tokens
         (what the engine's cache was filled from; itself a cache hit with a shorter cached
         span is rebuilt the same way), else the aligned training sample's rows. None when
-        neither holds them (the drafter's context for the hit is then unknown)."""
-        if r.key in self._cached_aux_memo:
-            return self._cached_aux_memo[r.key]
-        got = self._rebuild_cached_aux(r)
-        self._cached_aux_memo[r.key] = got
-        return got
+        neither holds them (the drafter's context for the hit is then unknown). Read when
+        asked (only the span's rows of the source) and not kept."""
+        span = self.cached_span(r)
+        return (span.rows(), span.label) if span is not None else None
 
-    def _rebuild_cached_aux(self, r: ServingRequest) -> tuple[torch.Tensor, str] | None:
+    def _find_cached_span(self, r: ServingRequest) -> _CachedSpan | None:
         c = r.aux_start
         if c == 0:
-            return torch.zeros(0, 0), "none"
+            return _CachedSpan(c, "none", training=torch.zeros(0, 0))
         want = np.asarray(r.tokens[:c])
         # Each cached row is fed the request's own successor token (`prefix_of`): SGLang's
         # EAGLE radix cache reuses position i only when tokens i and i+1 both match (bigram
@@ -107,29 +150,30 @@ class DrafterRunner:
             if not np.array_equal(np.asarray(o.tokens[:c]), want):
                 continue
             if o.aux_start == 0:
-                return o.aux[:c], f"recorded capture of {o.name}"
-            head = self.cached_aux(o)  # strictly shorter span: the recursion ends
+                return _CachedSpan(c, f"recorded capture of {o.name}", source=o)
+            head = self.cached_span(o)  # strictly shorter span: the recursion ends
             if head is not None:
-                rows = torch.cat([head[0].to(o.aux.dtype), o.aux])[:c]
-                return rows, f"recorded capture of {o.name} (its cached span: {head[1]})"
+                label = f"recorded capture of {o.name} (its cached span: {head.label})"
+                return _CachedSpan(c, label, source=o, head=head)
         fc_in = self.alignment.fc_in
         for a in self.alignment.aligned:
             if a.serving is r:
                 aux = a.sample.aux_concat if hasattr(a.sample, "aux_concat") else None
                 if aux is not None and a.n >= c and aux.shape[-1] == fc_in:
-                    dtype = r.aux.dtype if r.aux is not None else aux.dtype
-                    return aux[:c].to(dtype), "training sample"
+                    dtype = r.dtype("aux") if r.has_aux else aux.dtype
+                    return _CachedSpan(c, "training sample", training=aux[:c].to(dtype))
         return None
 
-    def prefix_of(self, r: ServingRequest) -> Step0Input | None:
+    def prefix_of(self, r: ServingRequest, read: bool = True) -> Step0Input | None:
         """The drafter's context over a cache hit's cached span: aux rows rebuilt by
-        `cached_aux`, each fed its successor token, at the engine's positions."""
+        `cached_aux`, each fed its successor token, at the engine's positions. read=False:
+        the same without its rows (aux None), to plan batches before anything is read."""
         c = r.aux_start
         if c == 0 or r.draft is None or not len(r.draft.positions):
             return None
-        got = self.cached_aux(r)
-        if got is None:
+        span = self.cached_span(r)
+        if span is None:
             return None
         offset = int(r.draft.positions[0]) - int(r.draft.index[0])
         tok = torch.as_tensor(r.tokens).long()
-        return Step0Input(tok[1 : c + 1], got[0], torch.arange(c) + offset)
+        return Step0Input(tok[1 : c + 1], span.rows() if read else None, torch.arange(c) + offset)

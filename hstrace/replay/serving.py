@@ -9,10 +9,18 @@ The narrow columns (ids, positions, counts) are read whole to decide which rows 
 keeps; the wide ones (aux rows, the drafter's hidden input, its top-k) are then read only at
 those rows, chunk by chunk (`hstrace.trace.rows.gather`): rejected drafts left on disk, and
 never a whole wide column in memory.
+
+The widest of them, the aux rows (or their sketches) and the drafter's hidden input, are not
+held: `read_serving(trace, lazy=True)` keeps only where each request's rows are
+(`WideReader`), and a request's wide tensors are read while a piece of evidence works on it
+(`ServingData.holding`) and released after, so replay's memory follows the largest request,
+not the whole trace. The top-k columns (k values a row) are read at the kept rows and held.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,13 +32,90 @@ from hstrace.trace.rows import gather
 from hstrace.trace.schema import MODE_VERIFY, REQUEST_ROW_COUNTS
 
 
-@dataclass
-class DraftRows:
+class WideReader:
+    """The wide columns of one rank of an open trace, read at given table rows when asked.
+
+    A request keeps only its table rows (`ServingRequest.target_rows`, `DraftRows.rows`); the
+    tensors are read through `hstrace.trace.rows.gather` (whole stored chunks, a window at a
+    time) while the trace is open. `reads` counts the rows read per kind (a second read of a
+    row shows there)."""
+
+    # kind -> (table, column) and whether the column is stored as float16/32 (sketches, stats)
+    KINDS = {
+        "aux": ("target", "aux_hidden", False),
+        "aux_sketch": ("target", "aux_hidden_sketch", True),
+        "aux_stats": ("target", "aux_hidden_stats", True),
+        "hidden_in": ("draft_extend", "hidden_in", False),
+    }
+
+    def __init__(self, tables: dict[str, Any], present: dict[str, str]) -> None:
+        self._tables = tables
+        self.present = present  # kind -> column name, for the kinds this trace has
+        self.reads: dict[str, int] = {}
+        # (row width, dtype) of each kind, from an empty read (no rows decoded)
+        self.shape: dict[str, tuple[int, torch.dtype]] = {}
+        for kind in present:
+            table, name, to_float = self.KINDS[kind]
+            empty = _torch(tables[table].column("tok", name, 0, 0))  # no row decoded
+            empty = empty.float() if to_float else empty
+            self.shape[kind] = (int(empty.shape[-1]) if empty.dim() > 1 else 1, empty.dtype)
+
+    def _read(self, kind: str, rows: np.ndarray) -> torch.Tensor:
+        table, name, to_float = self.KINDS[kind]
+        data = _torch(gather(self._tables[table], "tok", name, rows))
+        self.reads[kind] = self.reads.get(kind, 0) + len(rows)
+        return data.float() if to_float else data
+
+    def read(self, kind: str, parts: Sequence[np.ndarray]) -> list[torch.Tensor]:
+        """The rows of each part (one read for all: requests of one batch share chunks)."""
+        if not parts:
+            return []
+        data = self._read(kind, np.concatenate([np.asarray(p, np.int64) for p in parts]))
+        bounds = np.cumsum([0, *(len(p) for p in parts)])
+        return [data[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+class _Wide:
+    """Wide tensors of one request or draft: held ones, else read from the trace at each access
+    (the caller keeps what it needs; `ServingData.holding` holds them for a while)."""
+
+    def _get(self, kind: str, stop: int | None = None) -> torch.Tensor | None:
+        """The tensor (its first `stop` rows only, when given: only those are read)."""
+        if kind in self.held:
+            return self.held[kind] if stop is None else self.held[kind][:stop]
+        if self.wide is None or kind not in self.wide.present:
+            return None
+        return self.wide.read(kind, [self._rows_of(kind)[:stop]])[0]
+
+    def _set(self, kind: str, value: torch.Tensor | None) -> None:
+        if value is None:
+            self.held.pop(kind, None)
+        else:
+            self.held[kind] = value
+
+    def has(self, kind: str) -> bool:
+        return kind in self.held or (self.wide is not None and kind in self.wide.present)
+
+    def width(self, kind: str) -> int | None:
+        if kind in self.held:
+            return int(self.held[kind].shape[-1])
+        return self.wide.shape[kind][0] if self.has(kind) else None
+
+    def dtype(self, kind: str) -> torch.dtype | None:
+        if kind in self.held:
+            return self.held[kind].dtype
+        return self.wide.shape[kind][1] if self.has(kind) else None
+
+    def _rows_of(self, kind: str) -> np.ndarray:
+        raise NotImplementedError
+
+
+@dataclass(eq=False)
+class DraftRows(_Wide):
     """Draft-extend rows of one request, one per position, sorted by position."""
 
     positions: np.ndarray  # [R] int64, the positions the engine fed
     input_ids: np.ndarray  # [R] int64, the token ids the engine fed
-    hidden_in: torch.Tensor | None  # [R, W] the drafter's hidden input (None: not recorded)
     topk_draft_ids: torch.Tensor | None = None  # [R, k]
     topk_target_ids: torch.Tensor | None = None  # [R, k]
     topk_logprobs: torch.Tensor | None = None  # [R, k]
@@ -40,6 +125,24 @@ class DraftRows:
     steps: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # The draft-extend table row of each row (where the wide columns were read from).
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    wide: WideReader | None = None
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def _rows_of(self, kind: str) -> np.ndarray:
+        return self.rows
+
+    @property
+    def hidden_in(self) -> torch.Tensor | None:
+        """[R, W] the drafter's hidden input (None: not recorded)."""
+        return self._get("hidden_in")
+
+    @hidden_in.setter
+    def hidden_in(self, value: torch.Tensor | None) -> None:
+        self._set("hidden_in", value)
+
+    @property
+    def has_hidden(self) -> bool:
+        return self.has("hidden_in")
 
 
 @dataclass
@@ -53,17 +156,12 @@ class DraftChain:
     topk_logprobs: np.ndarray | None = None  # [S, k] their log-probs
 
 
-@dataclass
-class ServingRequest:
+@dataclass(eq=False)
+class ServingRequest(_Wide):
     key: int
     tokens: np.ndarray  # committed token ids, by sequence index
-    aux: torch.Tensor | None  # [P, K*H] target capture of the first P committed positions
     position_base: int = 0  # the position of tokens[0]
     draft: DraftRows | None = None
-    # A `--redact hidden` bundle keeps, instead of aux, per-slot sketches [P, K*D] (seeded
-    # random projections, `hstrace.redaction.sketch_slots`) and stats [P, K*3].
-    aux_sketch: torch.Tensor | None = None
-    aux_stats: torch.Tensor | None = None
     # The recorded chains (`draft_step`), in round order; empty when not recorded.
     chains: list[DraftChain] = field(default_factory=list)
     # Prefix caching: the first `aux_start` tokens were served from the cache (no target rows
@@ -82,14 +180,67 @@ class ServingRequest:
     # recorded rows, and cached-prefix rows beyond the declared `n_cached`. Rows after the
     # first gap are not part of the aligned sequence.
     missing: list[list[int]] = field(default_factory=list)
+    # The target table row of each captured row (where the wide columns are read from).
+    target_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    wide: WideReader | None = None
+    held: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def _rows_of(self, kind: str) -> np.ndarray:
+        return self.target_rows
+
+    # The wide tensors, read when asked unless held (`ServingData.holding`).
+    @property
+    def aux(self) -> torch.Tensor | None:
+        """[P, K*H] target capture of the first P committed positions (None: not recorded)."""
+        return self._get("aux")
+
+    @aux.setter
+    def aux(self, value: torch.Tensor | None) -> None:
+        self._set("aux", value)
+
+    @property
+    def aux_sketch(self) -> torch.Tensor | None:
+        """A `--redact hidden` bundle keeps, instead of aux, per-slot sketches [P, K*D] (seeded
+        random projections, `hstrace.redaction.sketch_slots`), as float32."""
+        return self._get("aux_sketch")
+
+    @aux_sketch.setter
+    def aux_sketch(self, value: torch.Tensor | None) -> None:
+        self._set("aux_sketch", value)
+
+    @property
+    def aux_stats(self) -> torch.Tensor | None:
+        """The bundle's per-slot stats [P, K*3], as float32."""
+        return self._get("aux_stats")
+
+    @aux_stats.setter
+    def aux_stats(self, value: torch.Tensor | None) -> None:
+        self._set("aux_stats", value)
+
+    def aux_head(self, stop: int | None) -> torch.Tensor | None:
+        """aux[:stop], reading only those rows when not held."""
+        return self._get("aux", stop)
+
+    def sketch_head(self, stop: int | None) -> torch.Tensor | None:
+        """aux_sketch[:stop], reading only those rows when not held."""
+        return self._get("aux_sketch", stop)
+
+    @property
+    def has_aux(self) -> bool:
+        return self.has("aux")
+
+    @property
+    def has_sketch(self) -> bool:
+        return self.has("aux_sketch")
 
     @property
     def aux_rows(self) -> int:
         """Rows with a recorded capture (full, or sketched)."""
-        for x in (self.aux, self.aux_sketch):
-            if x is not None:
-                return len(x)
-        return 0
+        if "aux" in self.held:
+            return len(self.held["aux"])
+        if "aux_sketch" in self.held:
+            return len(self.held["aux_sketch"])
+        return len(self.target_rows) if self.has_aux or self.has_sketch else 0
 
     @property
     def aux_end(self) -> int:
@@ -111,6 +262,10 @@ class ServingRequest:
         return [end - 1 for _start, end in self.prefill_chunks[:-1]]
 
 
+# What `ServingData.holding` reads by default: every wide tensor a request has.
+WIDE_KINDS = ("aux", "aux_sketch", "aux_stats", "hidden_in")
+
+
 @dataclass
 class ServingData:
     requests: list[ServingRequest]
@@ -128,6 +283,8 @@ class ServingData:
     # of the verify step each came from.
     accept_by_key: dict[int, list[int]] = field(default_factory=dict)
     verify_batch_sizes: dict[int, list[int]] = field(default_factory=dict)
+    # Where the wide tensors are read from (None: all held, or none recorded).
+    wide: WideReader | None = None
 
     def by_key(self) -> dict[int, ServingRequest]:
         return {r.key: r for r in self.requests}
@@ -135,6 +292,61 @@ class ServingData:
     @property
     def static(self) -> dict[str, Any]:
         return self.meta.get("static") or {}
+
+    @contextlib.contextmanager
+    def holding(
+        self, requests: Sequence[ServingRequest], kinds: Sequence[str] = WIDE_KINDS
+    ) -> Iterator[list[ServingRequest]]:
+        """Hold the wide tensors of `requests` (one read per kind for all of them) while the
+        block runs; released after, except those already held before."""
+        added: list[tuple[Any, str]] = []
+        if self.wide is not None:
+            for kind in kinds:
+                owners = [
+                    (r.draft if kind == "hidden_in" else r)
+                    for r in requests
+                    if (r.draft if kind == "hidden_in" else r) is not None
+                ]
+                owners = [o for o in dict.fromkeys(owners) if kind not in o.held and o.has(kind)]
+                got = self.wide.read(kind, [o._rows_of(kind) for o in owners])
+                for o, x in zip(owners, got, strict=True):
+                    o.held[kind] = x
+                    added.append((o, kind))
+        try:
+            yield list(requests)
+        finally:
+            for o, kind in added:
+                o.held.pop(kind, None)
+
+    def rows_of(
+        self, kind: str, parts: Sequence[tuple[ServingRequest, np.ndarray]]
+    ) -> list[torch.Tensor]:
+        """Some rows of some requests' `kind` tensors ((request, local row indices) each), held
+        ones indexed, the others read together in one windowed read."""
+        out: list[torch.Tensor | None] = [None] * len(parts)
+        todo = []
+        for i, (r, rows) in enumerate(parts):
+            if kind in r.held:
+                out[i] = r.held[kind][torch.as_tensor(np.asarray(rows, np.int64))]
+            else:
+                todo.append(i)
+        if todo:
+            got = self.wide.read(kind, [parts[i][0].target_rows[parts[i][1]] for i in todo])
+            for i, x in zip(todo, got, strict=True):
+                out[i] = x
+        return out
+
+    def hold_all(self) -> None:
+        """Read every request's wide tensors now and keep them (the trace may then close)."""
+        with self.holding(self.requests) as reqs:
+            pinned = [(o, dict(o.held)) for r in reqs for o in (r, r.draft) if o is not None]
+        for o, held in pinned:
+            o.held.update(held)
+        self.wide = None
+        for r in self.requests:
+            r.wide = None
+            if r.draft is not None:
+                r.draft.wide = None
 
 
 def _col(table: Any, axis: str, name: str) -> Any:
@@ -167,8 +379,12 @@ def _per_request_blocks(table: Any, count_col: str | None = None):
             start += int(counts[r])
 
 
-def read_serving(trace: Any, rank: int = 0) -> ServingData:
-    """Per-request serving data of one rank of an open trace (`hstrace.trace.open_trace`)."""
+def read_serving(trace: Any, rank: int = 0, lazy: bool = False) -> ServingData:
+    """Per-request serving data of one rank of an open trace (`hstrace.trace.open_trace`).
+
+    lazy: the wide tensors (aux rows, sketches, the drafter's hidden input) stay on disk and
+    are read while the trace is open, request by request (`ServingData.holding`); else they
+    are all read now (one windowed read per column) and held, and the trace may be closed."""
     if rank not in trace.ranks:
         raise TraceError(f"trace has no rank {rank} (ranks: {trace.ranks})")
     view = trace.rank(rank)
@@ -180,8 +396,8 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
     modes = _np(target.column("step", "mode")).astype(np.int64)
     ids = _np(target.column("tok", "input_ids")).astype(np.int64)
     pos = _np(target.column("tok", "positions")).astype(np.int64)
-    # The wide columns are read later, only at the committed rows (`_wide`): not the rejected
-    # drafts, and never the whole column at once.
+    # The wide columns are read later, only at the committed rows (`WideReader`): not the
+    # rejected drafts, and never the whole column at once.
     tok_cols = target.columns.get("tok", [])
     aux_name = "aux_hidden" if "aux_hidden" in tok_cols else None
     sketch_name = (
@@ -229,7 +445,6 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
     chains = _draft_chains(ext, view.table("draft_step"))
     prompts = _prompts(view.table("requests"))
     requests = []
-    picked: list[np.ndarray] = []  # the target rows of each request, in request order
     for key, by_pos in rows.items():
         positions = np.array(sorted(by_pos), dtype=np.int64)
         # Positions between the first and the last target row that have none: a capture that
@@ -243,7 +458,6 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         if contiguous.size:
             positions = positions[: contiguous[0] + 1]
         idx = np.array([by_pos[p] for p in positions], dtype=np.int64)
-        picked.append(idx)
         tokens, base, start = ids[idx], int(positions[0]) if len(positions) else 0, 0
         info = prompts.get(key, {})
         prompt = info.get("prompt")
@@ -257,7 +471,6 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         req = ServingRequest(
             key=key,
             tokens=tokens,
-            aux=None,
             position_base=base,
             aux_start=start,
             n_cached=info.get("n_cached"),
@@ -265,19 +478,28 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
             prefill_chunks=chunks.get(key, []),
             aux_steps=step_of_row[idx],
             missing=gaps,
+            target_rows=idx,
         )
         if key in drafts:
             req.draft = _index_draft(drafts[key], req)
             req.chains = chains.get(key, [])
         requests.append(req)
-    for name, attr, to_float in (
-        (aux_name, "aux", False),
-        (sketch_name, "aux_sketch", True),
-        (stats_name, "aux_stats", True),
-    ):
-        if name is not None:
-            for req, part in zip(requests, _wide(target, name, picked), strict=True):
-                setattr(req, attr, part.float() if to_float else part)
+    present = {
+        kind: name
+        for kind, name in (
+            ("aux", aux_name),
+            ("aux_sketch", sketch_name),
+            ("aux_stats", stats_name),
+        )
+        if name is not None
+    }
+    if ext is not None and "hidden_in" in ext.columns.get("tok", []):
+        present["hidden_in"] = "hidden_in"
+    wide = WideReader({"target": target, "draft_extend": ext}, present) if present else None
+    for req in requests:
+        req.wide = wide
+        if req.draft is not None:
+            req.draft.wide = wide
     if ext is not None:
         _fill_draft_columns(ext, [r.draft for r in requests])
 
@@ -291,7 +513,7 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
     if sketch_name is not None:
         sketch_attrs = dict(target.column_attrs("tok", "aux_hidden_sketch"))
     flat_accept = [a for v in accept.values() for a in v]
-    return ServingData(
+    data = ServingData(
         requests=requests,
         meta=dict(trace.meta),
         aux_attrs=attrs,
@@ -302,7 +524,11 @@ def read_serving(trace: Any, rank: int = 0) -> ServingData:
         draft_batches=_batches(ext) if ext is not None else [],
         accept_by_key=accept,
         verify_batch_sizes=_verify_batch_sizes(view.table("verify")),
+        wide=wide,
     )
+    if not lazy:
+        data.hold_all()
+    return data
 
 
 def accept_len_by_rank(trace: Any) -> dict[str, dict[str, float | int]]:
@@ -424,28 +650,23 @@ def _draft_rows(table: Any) -> dict[int, dict[str, Any]]:
     return out
 
 
-# Draft-extend columns read only at the rows a request keeps (one per position, within the
-# committed sequence), after `_index_draft` has cut them.
-DRAFT_WIDE = ("hidden_in", "topk_draft_ids", "topk_target_ids", "topk_logprobs")
-
-
-def _wide(table: Any, name: str, picked: list[np.ndarray]) -> list[Any]:
-    """Column `name` of `table` at each request's rows (`picked`), one read for all of them
-    (requests share chunks: one batch's rows are neighbours), as torch tensors."""
-    if not picked:
-        return []
-    data = _torch(gather(table, "tok", name, np.concatenate(picked)))
-    bounds = np.cumsum([0, *(len(p) for p in picked)])
-    return [data[int(a) : int(b)] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+# Draft-extend columns read at the rows a request keeps (one per position, within the committed
+# sequence), after `_index_draft` has cut them, and held: k values a row. `hidden_in` is read
+# later, request by request (`WideReader`).
+DRAFT_TOPK = ("topk_draft_ids", "topk_target_ids", "topk_logprobs")
 
 
 def _fill_draft_columns(table: Any, drafts: list[DraftRows | None]) -> None:
     kept = [d for d in drafts if d is not None]
     have = table.columns.get("tok", [])
-    for name in DRAFT_WIDE:
+    if not kept:
+        return
+    bounds = np.cumsum([0, *(len(d.rows) for d in kept)])
+    for name in DRAFT_TOPK:
         if name in have:
-            for d, part in zip(kept, _wide(table, name, [d.rows for d in kept]), strict=True):
-                setattr(d, name, part)
+            data = _torch(gather(table, "tok", name, np.concatenate([d.rows for d in kept])))
+            for d, a, b in zip(kept, bounds[:-1], bounds[1:], strict=True):
+                setattr(d, name, data[int(a) : int(b)])
 
 
 def _draft_chains(ext: Any, steps: Any) -> dict[int, list[DraftChain]]:
@@ -525,7 +746,6 @@ def _index_draft(cols: dict[str, Any], req: ServingRequest) -> DraftRows:
     return DraftRows(
         positions=_np(cols["positions"][:n]).astype(np.int64),
         input_ids=_np(cols["input_ids"][:n]).astype(np.int64),
-        hidden_in=None,  # the DRAFT_WIDE columns: `_fill_draft_columns`, at `rows`
         index=req.aux_start + np.arange(n, dtype=np.int64),
         steps=_np(cols["steps"][:n]).astype(np.int64),
         rows=np.asarray(cols["rows"][:n], dtype=np.int64),

@@ -62,9 +62,7 @@ class Alignment:
                 aligned.append(Aligned(req, sample, n, start=req.aux_start))
         reqs = serving.requests
         sketched = (
-            bool(reqs)
-            and all(r.aux is None for r in reqs)
-            and any(r.aux_sketch is not None for r in reqs)
+            bool(reqs) and not any(r.has_aux for r in reqs) and any(r.has_sketch for r in reqs)
         )
         w = serving.sketch_attrs.get("slot_width")
         sketch_slot_width = int(w) if w else None
@@ -94,9 +92,9 @@ class Alignment:
         from r.aux_start on), or [m, K, D] sketches when redacted."""
         stop = None if n is None else max(0, n - r.aux_start)
         if self.sketched:
-            x = r.aux_sketch[:stop]
+            x = r.sketch_head(stop)
             return x.reshape(len(x), -1, int(self.serving.sketch_attrs.get("sketch_dim", 32)))
-        x = r.aux[:stop].float()
+        x = r.aux_head(stop).float()
         return x.reshape(len(x), -1, self.slot_width)
 
     def training_slots_of(self, a: Aligned) -> torch.Tensor:
@@ -117,17 +115,15 @@ def _serving_width(serving: ServingData, sketched: bool, slot_width: int | None)
         from hstrace.redaction import SKETCH_DIM
 
         dim = int(serving.sketch_attrs.get("sketch_dim") or SKETCH_DIM)
-        widths = {
-            int(r.aux_sketch.shape[-1]) // dim for r in serving.requests if r.aux_sketch is not None
-        }
+        widths = {r.width("aux_sketch") // dim for r in serving.requests if r.has_sketch}
         return widths.pop() * slot_width if len(widths) == 1 and slot_width else None
-    widths = {int(r.aux.shape[-1]) for r in serving.requests if r.aux is not None}
+    widths = {r.width("aux") for r in serving.requests if r.has_aux}
     return widths.pop() if len(widths) == 1 else None
 
 
 def _serving_dtype(serving: ServingData, sketched: bool) -> torch.dtype:
     if not sketched:
         for r in serving.requests:
-            if r.aux is not None and r.aux.dtype.is_floating_point:
-                return r.aux.dtype
+            if r.has_aux and r.dtype("aux").is_floating_point:
+                return r.dtype("aux")
     return torch.bfloat16

@@ -23,9 +23,9 @@ from hstrace.replay.fingerprint import (
     SlotMatrix,
     layer_fingerprint,
     rows_of_other_requests,
-    slot_health,
     slot_matrix,
 )
+from hstrace.replay.scan import CaptureScan
 from hstrace.replay.sides import Alignment
 from hstrace.replay.unavailable import Unavailable
 
@@ -36,6 +36,9 @@ class Slots:
     training: torch.Tensor | None  # [N, Kt, Ht]
     matrix: SlotMatrix | None
     health: list[SlotHealth] | None  # per serving slot, over every captured row
+    # Per request, captured rows that cannot be hidden states (a slot all zero or not finite)
+    # and positions that have no target row although they should (`hidden-corrupt`).
+    dead_rows: list[dict[str, Any]]
     # (serving request, training request, cos); looked for only when the slots differ
     crossed: list[tuple[int, int, float]]
     target_layers: torch.Tensor | None  # [N, L+1, Ht] reference target forward, aligned rows
@@ -56,11 +59,13 @@ def build_slots(
     load_report: Any,
     target: ReferenceTarget | None,
     tick: Callable[[str, int], None],
+    scan: CaptureScan,
 ) -> Slots:
     u = Unavailable()
     pair = u.guarded("slot fingerprints", lambda: _slot_pair(al, u))
     matrix = slot_matrix(*pair) if pair is not None else None
-    health = u.guarded("slot health", lambda: _serving_health(al))
+    health = u.guarded("slot health", scan.health)  # one read of every request's rows
+    dead = u.guarded("dead rows", scan.dead_rows) or []
     # Rows crossed between requests explain slots that differ on the same tokens: looked for
     # only then (a cosine of every request's rows against every sample's).
     differ = matrix is not None and not (np.diag(matrix.cos) >= SAME_COS).all()
@@ -84,6 +89,7 @@ def build_slots(
         training=pair[1] if pair is not None else None,
         matrix=matrix,
         health=health,
+        dead_rows=dead,
         crossed=crossed,
         target_layers=layers,
         fingerprints=fps,
@@ -118,18 +124,6 @@ def _slot_pair(al: Alignment, u: Unavailable) -> tuple[torch.Tensor, torch.Tenso
     s = torch.cat([al.serving_slots_of(a.serving, a.n) for a in al.aligned])
     t = torch.cat([al.training_slots_of(a) for a in al.aligned])
     return s, t
-
-
-def _serving_health(al: Alignment) -> list[SlotHealth] | None:
-    ht = al.slot_width
-    if al.sketched:  # a zero slot sketches to zero, identical rows to identical sketches
-        rows = [al.serving_slots_of(r) for r in al.serving.requests if r.aux_rows]
-        return slot_health(torch.cat(rows)) if rows else None
-    rows = [r.aux.float() for r in al.serving.requests if r.aux is not None]
-    if not rows or ht is None or al.serving_width is None or al.serving_width % ht:
-        return None
-    x = torch.cat(rows)
-    return slot_health(x.reshape(len(x), -1, ht))
 
 
 def _crossed(al: Alignment) -> list[tuple[int, int, float]]:

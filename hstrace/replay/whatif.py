@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from hstrace.replay.compare import AGREE_TOP1, WHATIF_MARGIN, agreement, logprob_gap, with_topk
+from hstrace.replay.compare import (
+    AGREE_TOP1,
+    WHATIF_MARGIN,
+    RefRows,
+    agreement,
+    gap_at,
+    with_topk,
+)
 
 
 @dataclass(frozen=True)
@@ -54,10 +61,6 @@ def search(
     """Every hypothesis scored against the engine's recorded top-k, best first (smallest
     log-prob difference, then highest argmax agreement). Rows without a top-k (id -1) are not
     scored; NaN log-probs are unknown (those rows count by their ids only)."""
-    keep = with_topk(engine_ids)
-    engine_ids = engine_ids[keep]
-    if engine_logprobs is not None:
-        engine_logprobs = engine_logprobs[keep]
     results = []
     for w in whatifs:
         try:
@@ -66,10 +69,31 @@ def search(
             # A hypothesis that cannot even run on this drafter (e.g. mutually exclusive
             # flags) cannot be what the engine did.
             continue
-        logits = logits[keep]
-        top1 = agreement(logits.argmax(-1), engine_ids[:, 0])
-        diff = logprob_gap(logits, engine_ids, engine_logprobs)
-        results.append(WhatIfResult(w.name, w.code, w.fix, top1, diff))
+        ref = RefRows.of(logits, engine_ids, topk=False)
+        results.append(score(w.name, w.code, w.fix, ref, engine_ids, engine_logprobs))
+    return ranked(results)
+
+
+def score(
+    name: str,
+    code: str,
+    fix: str,
+    ref: RefRows,
+    engine_ids: torch.Tensor,
+    engine_logprobs: torch.Tensor | None = None,
+) -> WhatIfResult:
+    """One hypothesis's reference rows (`RefRows`, every recorded row) against the engine's
+    top-k, on the rows where the engine recorded one."""
+    keep = with_topk(engine_ids)
+    ids = engine_ids[keep]
+    lps = engine_logprobs[keep] if engine_logprobs is not None else None
+    top1 = agreement(ref.argmax[keep], ids[:, 0])
+    diff = gap_at(ref.logprobs[keep], ids, lps) if lps is not None else float("nan")
+    return WhatIfResult(name, code, fix, top1, diff)
+
+
+def ranked(results: Sequence[WhatIfResult]) -> list[WhatIfResult]:
+    """Best first: smallest log-prob difference, then highest argmax agreement."""
     return sorted(
         results,
         key=lambda r: (
