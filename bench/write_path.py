@@ -12,7 +12,10 @@ rows of top-64 ids/log-probs + lse + full 32000-vocab bf16 logits, ids and posit
   copy_only    the same bytes memmoved into a preallocated staging buffer (the producer's floor)
   torch_save   torch.save of a dict per step, one file per step (SGLang's dumper style)
   safetensors  safetensors.torch.save_file per step, one file per step
-  raw_write    the same bytes appended to one open file, unbuffered (the disk's limit)
+  raw_write    the same bytes appended to one open file, unbuffered (through the page cache:
+               a memory copy while the dirty pages fit, as in a short run)
+  raw_write_direct  the same bytes copied into a 16 MiB page-aligned buffer and appended with
+               O_DIRECT (the device's own sequential write, as hstrace's shards are written)
 
 Two modes: "paced" runs 10 ms of GIL-holding busy work per step (a scheduler loop) and times
 only the record call (the producer-side cost); "firehose" records back to back and measures
@@ -257,7 +260,82 @@ class RawWrite:
         return self.file
 
 
-METHODS = [Hstrace, Hstrace1T, Hstrace2T, CopyOnly, TorchSave, Safetensors, RawWrite]
+class RawWriteDirect:
+    """The same bytes, sequentially, with O_DIRECT: copied into a page-aligned 16 MiB buffer
+    and written a buffer at a time (O_DIRECT needs aligned memory and lengths), the file cut
+    to its exact length at close. The device's sequential write, without the page cache."""
+
+    name = "raw_write_direct"
+    BUF = 16 << 20
+
+    def __init__(self, out: Path) -> None:
+        import mmap
+
+        self.file = out / "raw.bin"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        try:
+            self.fd = os.open(self.file, flags | os.O_DIRECT, 0o644)
+        except OSError:  # a file system without O_DIRECT: through the page cache
+            self.fd = os.open(self.file, flags, 0o644)
+        self.buf = mmap.mmap(-1, self.BUF)
+        self.addr = ctypes.addressof(ctypes.c_char.from_buffer(self.buf))
+        self.fill = self.total = 0
+
+    def _flush(self, n: int) -> None:
+        view, got = memoryview(self.buf)[:n], 0
+        while got < n:
+            got += os.write(self.fd, view[got:])
+
+    def record(self, step: dict) -> None:
+        for p in STEP_PARTS:
+            for t in step[p].values():
+                src, n = t.data_ptr(), t.numel() * t.element_size()
+                while n:
+                    k = min(n, self.BUF - self.fill)
+                    ctypes.memmove(self.addr + self.fill, src, k)
+                    self.fill += k
+                    self.total += k
+                    src += k
+                    n -= k
+                    if self.fill == self.BUF:
+                        self._flush(self.BUF)
+                        self.fill = 0
+
+    def close(self) -> None:
+        if self.fill:
+            self._flush(-(-self.fill // 4096) * 4096)
+        os.ftruncate(self.fd, self.total)
+        os.close(self.fd)
+
+    def root(self) -> Path:
+        return self.file
+
+
+METHODS = [
+    Hstrace,
+    Hstrace1T,
+    Hstrace2T,
+    CopyOnly,
+    TorchSave,
+    Safetensors,
+    RawWrite,
+    RawWriteDirect,
+]
+
+
+def drop_cache(root: Path) -> None:
+    """Evict the files under root from the page cache (fsync, then POSIX_FADV_DONTNEED: the
+    pages are clean, the kernel drops them), so the next read comes from the device."""
+    paths = (
+        [root] if root.is_file() else [Path(d) / n for d, _, names in os.walk(root) for n in names]
+    )
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def disk_usage(root: Path | None) -> tuple[int, int, int]:
@@ -327,13 +405,19 @@ def run_one(
         "load_1min": os.getloadavg()[0],  # the host's load next to every number (2 shared vCPUs)
     }
     if issubclass(cls, Hstrace):
-        if read:  # right after the write, like the raw file's read: both in the page cache
+        if read:
+            # From the device first (nothing in the page cache: its shards were written with
+            # O_DIRECT, the rest is evicted), then again from the page cache, checked.
+            drop_cache(m.root())
+            result["read_cold_s"], _, _ = read_hstrace(m.root(), pool, steps, check=False)
             result["read_s"], result["read_cpu_s"], ok = read_hstrace(m.root(), pool, steps)
         else:
             ok = check_hstrace(m.root(), pool, steps)
         result["lossless"] = ok
         result["uncompressed_chunks"], result["chunks"] = chunk_counts(m.root())
-    elif cls is RawWrite and read:
+    elif cls in (RawWrite, RawWriteDirect) and read:
+        drop_cache(m.root())
+        result["read_cold_s"] = read_raw(m.root(), fresh=True)  # new memory, as hstrace's
         c0 = _cpu_s()[0]
         result["read_s"] = read_raw(m.root())
         result["read_cpu_s"] = _cpu_s()[0] - c0
@@ -367,9 +451,12 @@ def read_raw(path: Path, fresh: bool = False) -> float:
     return time.perf_counter() - t0
 
 
-def read_hstrace(path: Path, pool: list[dict], steps: int) -> tuple[float, float, bool]:
+def read_hstrace(
+    path: Path, pool: list[dict], steps: int, check: bool = True
+) -> tuple[float, float, bool]:
     """Seconds to read every column of both tables through hstrace's reader (what `show`,
-    `diff` and replay call), then a bit-exact check of every step against what was written."""
+    `diff` and replay call), then (check) a bit-exact check of every step against what was
+    written."""
     c0 = _cpu_s()[0]
     t0 = time.perf_counter()
     with open_trace(path) as tr:
@@ -384,6 +471,8 @@ def read_hstrace(path: Path, pool: list[dict], steps: int) -> tuple[float, float
     dt = time.perf_counter() - t0
     cpu = _cpu_s()[0] - c0
     ok = True
+    if not check:
+        return dt, cpu, ok
     for name, part in (("target", "target"), ("draft_step", "draft")):
         n, off, cols = got[name]
         ok &= n == steps
@@ -579,6 +668,20 @@ def run_large(pool: list[dict], steps: int, workdir: Path, window: int, step_ms:
         show_s = time.perf_counter() - t
         rounds.append((raw_s, raw_bytes, hs_s, hs_bytes, show_s, fresh_s, os.getloadavg()[0]))
     raw_s, raw_bytes, hs_s, hs_bytes, show_s, fresh_s, _ = rounds[-1]
+    # From the device: the same files read raw into new memory, then through hstrace's
+    # reader, each after evicting them from the page cache.
+    drop_cache(m.root())
+    cold_raw_s, _ = _read_files_raw_fresh(m.root())
+    drop_cache(m.root())
+    cold_hs_s, _ = _read_hstrace_all(m.root())
+    res.update(
+        {
+            "raw_read_cold_mb_s": raw_bytes / 1e6 / cold_raw_s,
+            "hstrace_read_cold_logical_mb_s": hs_bytes / 1e6 / cold_hs_s,
+            "hstrace_read_cold_logical_vs_raw_cold": (hs_bytes / cold_hs_s)
+            / (raw_bytes / cold_raw_s),
+        }
+    )
     res.update(
         {
             "raw_read_disk_mb_s": raw_bytes / 1e6 / raw_s,
@@ -804,6 +907,10 @@ def main(argv: list[str] | None = None) -> dict:
             entry["read_fresh_mb_s"] = med(
                 args.firehose_steps * sb / 1e6 / f["read_fresh_s"] for f in fire
             )
+        if all("read_cold_s" in f for f in fire):
+            entry["read_cold_mb_s"] = med(
+                args.firehose_steps * sb / 1e6 / f["read_cold_s"] for f in fire
+            )
         if all("read_cpu_s" in f for f in fire):
             entry["read_mb_per_cpu_s"] = med(
                 args.firehose_steps * sb / 1e6 / max(1e-9, f["read_cpu_s"]) for f in fire
@@ -823,6 +930,10 @@ def main(argv: list[str] | None = None) -> dict:
                 codec[f"codec_{k}t"]["mb_s_vs_raw"] = (
                     codec[f"codec_{k}t"]["mb_s"] / base["sustained_mb_s"]
                 )
+            if "raw_write_direct" in results:
+                codec[f"codec_{k}t"]["mb_s_vs_raw_direct"] = (
+                    codec[f"codec_{k}t"]["mb_s"] / results["raw_write_direct"]["sustained_mb_s"]
+                )
     for name, e in results.items():
         # The writer against the codec alone with as many threads (1 for hstrace_1t, else 2).
         c = codec.get("codec_1t" if name == "hstrace_1t" else "codec_2t")
@@ -841,6 +952,12 @@ def main(argv: list[str] | None = None) -> dict:
             e["read_vs_raw"] = e["read_mb_s"] / base["read_mb_s"]
             if "read_fresh_mb_s" in base:  # both land in new memory
                 e["read_vs_raw_fresh"] = e["read_mb_s"] / base["read_fresh_mb_s"]
+        if base and "read_cold_mb_s" in e and "read_cold_mb_s" in base:
+            # Both from the device (page cache evicted), both into new memory.
+            e["read_cold_vs_raw_cold"] = e["read_cold_mb_s"] / base["read_cold_mb_s"]
+        direct = results.get("raw_write_direct")
+        if direct:
+            e["mb_s_vs_raw_direct"] = e["sustained_mb_s"] / direct["sustained_mb_s"]
         if base:
             e["mb_per_cpu_s_vs_raw"] = e["mb_per_cpu_s"] / base["mb_per_cpu_s"]
     report = {

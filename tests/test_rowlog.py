@@ -141,3 +141,111 @@ def test_far_behind_writer_stores_raw_beyond_the_budget(tmp_path):
     chunks = want.shape[0] // arr.chunks[0]
     assert entry["uncompressed_chunks"]["tok/aux_hidden"] == chunks, entry
     assert _column_bytes(path, "target", "aux_hidden") / (want.numel() * 2) > 0.99
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "kind"),
+    [
+        (np.uint16, (64, 21504), "activations"),
+        (np.uint16, (3, 7), "random"),
+        (np.int32, (1000,), "random"),
+        (np.float64, (5, 3), "constant"),
+        (np.uint8, (1 << 20,), "random"),  # incompressible: Blosc stores it as is
+    ],
+)
+def test_compress_into_is_numcodecs_encode(dtype, shape, kind):
+    """The writer's encode into its own aligned buffer (blosc_into.py) gives the very frame
+    numcodecs' Blosc.encode gives, so plain zarr and numcodecs read it."""
+    from hstrace.trace import blosc_into
+
+    if not blosc_into.AVAILABLE:
+        pytest.skip("this numcodecs build does not export blosc_compress_ctx")
+    numcodecs.blosc.use_threads = False
+    rng = np.random.default_rng(7)
+    if kind == "activations":
+        g = torch.Generator().manual_seed(1)
+        scale = torch.exp(torch.randn(shape[1], generator=g) * 0.5)
+        chunk = _activations(g, shape[0], shape[1], scale).view(torch.uint16).numpy()
+    elif kind == "random":
+        chunk = rng.integers(0, np.iinfo(dtype).max, size=shape, dtype=dtype)
+    else:
+        chunk = np.full(shape, 3.5, dtype=dtype)
+    out = blosc_into.aligned_buffer(chunk.nbytes + blosc_into.MAX_OVERHEAD)
+    assert out.ctypes.data % blosc_into.ALIGN == 0 and out.nbytes % blosc_into.ALIGN == 0
+    n = blosc_into.compress_into(
+        chunk, out, rowlog.CNAME, rowlog.CLEVEL, Blosc.SHUFFLE, rowlog.BLOCKSIZE
+    )
+    want = rowlog.ENCODER.codec(chunk.dtype.itemsize, False).encode(chunk)
+    assert bytes(out[:n]) == want
+    with pytest.raises(ValueError, match="C-contiguous"):
+        blosc_into.compress_into(
+            chunk[::2], out, rowlog.CNAME, rowlog.CLEVEL, Blosc.SHUFFLE, rowlog.BLOCKSIZE
+        )
+
+
+def _shard_index(path):
+    """(offset, nbytes) of every inner chunk of a shard file, and the file's size."""
+    data = path.read_bytes()
+    return data, np.frombuffer(data[-(4 + 16 * _inner(path)) : -4], dtype="<u8").reshape(-1, 2)
+
+
+def _inner(path) -> int:
+    meta = zarr.open_array(str(path.parents[2]), mode="r").metadata.to_dict()
+    cfg = meta["codecs"][0]["configuration"]
+    return meta["chunk_grid"]["configuration"]["chunk_shape"][0] // cfg["chunk_shape"][0]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "page-cache"])
+@pytest.mark.parametrize("behind", [False, True], ids=["compressed", "some-raw"])
+def test_shard_layout_with_and_without_o_direct(tmp_path, monkeypatch, direct, behind):
+    """With O_DIRECT every inner chunk of a shard starts on a 4096-byte boundary (compressed
+    chunks written direct, raw ones through the page cache, the gaps never read) and the file
+    ends with its index; through the page cache chunks are packed back to back. Either way
+    plain zarr and hstrace's reader give back every row bit for bit."""
+    monkeypatch.setattr(rowlog, "DIRECT_IO", direct)
+    path = tmp_path / "t.zarr"
+    want = _record(path, 72, behind=behind, threads=2)  # 9216 rows: a whole shard + a tail
+    shard = path / "rank0/target/tok.aux_hidden/c/0/0"
+    data, index = _shard_index(shard)
+    assert len(index) == _inner(shard) and not np.any(index[:, 0] == 2**64 - 1)
+    offsets, sizes = index[:, 0].astype(np.int64), index[:, 1].astype(np.int64)
+    if direct:
+        assert np.all(offsets % 4096 == 0), offsets
+        assert np.all(offsets[1:] - offsets[:-1] == -(-sizes[:-1] // 4096) * 4096)
+        assert len(data) == offsets[-1] + -(-sizes[-1] // 4096) * 4096 + 16 * len(index) + 4
+    else:
+        assert np.all(offsets[1:] == offsets[:-1] + sizes[:-1])
+        assert len(data) == offsets[-1] + sizes[-1] + 16 * len(index) + 4
+    for off, n in zip(offsets, sizes, strict=True):  # every chunk is a whole Blosc frame
+        assert struct.unpack("<I", data[off + 12 : off + 16])[0] == n
+    with open_trace(path) as tr:
+        got = tr.rank(0).table("target").column("tok", "aux_hidden")
+        raw = tr.rank(0).meta["commit"]["tables"]["target"].get("uncompressed_chunks", {})
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    arr = zarr.open_array(str(path / "rank0/target/tok.aux_hidden"), mode="r")
+    assert np.array_equal(arr[:], want.view(torch.uint16).numpy())
+    assert bool(raw) == behind, raw
+
+
+def test_o_direct_write_refused_goes_through_the_page_cache(tmp_path):
+    """A file system that takes O_DIRECT at open but refuses a write's alignment (EINVAL):
+    the write goes on through the page cache, the bytes where they belong."""
+    p = tmp_path / "f.bin"
+    try:
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+    except OSError:
+        pytest.skip("no O_DIRECT on this file system")
+    try:
+        payload = bytes(range(256)) * 7  # 1792 bytes from unaligned memory: EINVAL direct
+        rowlog._write_all(fd, memoryview(payload), 100)
+        assert not fcntl_flags(fd) & os.O_DIRECT
+    finally:
+        os.close(fd)
+    data = p.read_bytes()
+    assert data[100:] == payload and data[:100] == bytes(100)
+
+
+def fcntl_flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)

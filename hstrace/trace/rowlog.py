@@ -23,10 +23,21 @@ compresses just enough chunks to keep the trace at <= 0.8x its raw size and stor
 as they are. Only when the ring is more than 3/4 full (the producer is about to wait for room)
 does not blocking the server come first and chunks go raw beyond the budget. Each column counts
 its uncompressed chunks (`raw_chunks`); the commit record says so.
+
+Shards (the wide columns: nearly all the bytes) are written with O_DIRECT where the file system
+takes it: the kernel's copy into the page cache cost the writer ~0.7 CPU s per GB written, as
+much as half the codec (bench/README.md), and a recorder beside a server should not fill its
+page cache with trace either. Each chunk is compressed into one of a few page-aligned buffers
+the column reuses (blosc_into.py) and written at a block-aligned offset of its shard: the
+shard index says where each chunk is, so the few hundred bytes of padding after a chunk are
+never read. Elsewhere (tmpfs, a file system without O_DIRECT) the same files are written
+through the page cache, packed.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import math
 import os
 import struct
@@ -36,6 +47,7 @@ import uuid
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from typing import Any
 
 import google_crc32c
 import numcodecs.blosc
@@ -45,6 +57,8 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 from zarr.storage import LocalStore
 
+from hstrace.trace import blosc_into
+from hstrace.trace.blosc_into import aligned_buffer, padded
 from hstrace.trace.schema import unit_rows
 
 # Blosc zstd-1, byte shuffle, 1 MiB blocks: ~1.4x on bf16, releases the GIL (§3).
@@ -63,6 +77,25 @@ DISK_BUDGET = 0.8
 _FIRST_RATIO = 0.7
 # An empty inner chunk in a shard index (zarr's sharding codec).
 _EMPTY = np.uint64(2**64 - 1)
+# Shards written with O_DIRECT where the file system takes it (False: always the page cache).
+DIRECT_IO = os.environ.get("HSTRACE_DIRECT_IO", "1") != "0"
+# Room before a chunk buffer's rows for a Blosc header: a raw chunk is then a frame in place.
+_HEAD = 16
+
+
+class Aligned:
+    """An encoded chunk in page-aligned memory: the frame is block[:nbytes], and block holds
+    at least padded(nbytes) bytes (what an O_DIRECT write of it needs). `cached`: write it
+    through the page cache (a raw chunk of a writer that is behind: the page cache takes it at
+    memory speed and the device catches up later; an O_DIRECT write would wait for the device
+    exactly when the writer can least afford it)."""
+
+    __slots__ = ("block", "nbytes", "cached")
+
+    def __init__(self, block: np.ndarray, nbytes: int, cached: bool = False) -> None:
+        self.block = block
+        self.nbytes = nbytes
+        self.cached = cached
 
 
 class Encoder:
@@ -144,24 +177,40 @@ class Encoder:
                 )
         return c
 
-    def submit(self, chunk: np.ndarray) -> tuple[Future, bool]:
-        """Encode a chunk (C-contiguous, little-endian); (future of the bytes, stored raw?)."""
+    def submit(
+        self, chunk: np.ndarray, block: np.ndarray | None = None, out: np.ndarray | None = None
+    ) -> tuple[Future, bool]:
+        """Encode a chunk (C-contiguous, little-endian); (future of the encoded chunk, stored
+        raw?). `block`: page-aligned memory holding _HEAD bytes and then the chunk (a raw
+        chunk becomes a frame in place); `out`: a page-aligned buffer to compress into (room
+        for chunk.nbytes + 16). Without them: bytes, or a raw frame's parts."""
         n = chunk.nbytes
         raw = self.may_store_raw(n)
-        codec = self.codec(chunk.dtype.itemsize, raw)
         with self._lock:
             self.bytes_in += n
             if raw:
                 self.bytes_stored += n + 16  # a level-0 Blosc frame: the bytes and its header
             else:
                 self.bytes_pending += n
-        if raw or self._pool is None:
+        if raw:
             f: Future = Future()
-            f.set_result(raw_frame(chunk) if raw else codec.encode(chunk))
+            f.set_result(
+                raw_frame_in_place(chunk, block) if block is not None else raw_frame(chunk)
+            )
+            return f, raw
+        work = (
+            partial(_compress_into, chunk, out)
+            if out is not None and blosc_into.AVAILABLE
+            else self.codec(chunk.dtype.itemsize, False).encode
+        )
+        if self._pool is None:
+            f = Future()
+            f.set_result(work() if out is not None and blosc_into.AVAILABLE else work(chunk))
+        elif out is not None and blosc_into.AVAILABLE:
+            f = self._pool.submit(work)
         else:
-            f = self._pool.submit(codec.encode, chunk)
-        if not raw:
-            f.add_done_callback(partial(self._finished, n))
+            f = self._pool.submit(work, chunk)
+        f.add_done_callback(partial(self._finished, n))
         return f, raw
 
 
@@ -177,9 +226,33 @@ def raw_frame(chunk: np.ndarray) -> list:
     return [head, memoryview(chunk).cast("B")]
 
 
+def raw_frame_in_place(chunk: np.ndarray, block: np.ndarray) -> Aligned:
+    """The same frame as raw_frame, in place: `block` holds _HEAD bytes before the chunk's
+    rows, and the header goes there."""
+    n = chunk.nbytes
+    head = struct.pack("<BBBBIII", 2, 1, 0x93, chunk.dtype.itemsize, n, min(BLOCKSIZE, n), n + 16)
+    block[:_HEAD] = np.frombuffer(head, dtype=np.uint8)
+    return Aligned(block, n + _HEAD, cached=True)
+
+
+def _compress_into(chunk: np.ndarray, out: np.ndarray) -> Aligned:
+    return Aligned(
+        out, blosc_into.compress_into(chunk, out, CNAME, CLEVEL, Blosc.SHUFFLE, BLOCKSIZE)
+    )
+
+
 def _nbytes(data) -> int:
-    """Size of an encoded chunk: bytes, or the parts of a raw frame."""
+    """Size of an encoded chunk: bytes, the parts of a raw frame, or an aligned frame."""
+    if isinstance(data, Aligned):
+        return data.nbytes
     return sum(len(p) for p in data) if isinstance(data, list) else len(data)
+
+
+def _parts(data) -> list:
+    """The encoded chunk as bytes-likes to write in order."""
+    if isinstance(data, Aligned):
+        return [memoryview(data.block)[: data.nbytes]]
+    return data if isinstance(data, list) else [data]
 
 
 def configure(threads: int = 0, raw_when_behind: bool = False) -> None:
@@ -207,36 +280,110 @@ def _index_bytes(index: np.ndarray) -> list:
     return [raw, np.uint32(google_crc32c.value(raw)).astype("<u4").tobytes()]
 
 
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    """pwrite all of view at offset. An O_DIRECT file whose file system refuses this alignment
+    (EINVAL) goes on through the page cache: the bytes land at the same offsets."""
+    got = 0
+    while got < len(view):
+        try:
+            n = os.pwrite(fd, view[got:], offset + got)
+        except OSError as exc:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if exc.errno != errno.EINVAL or not flags & getattr(os, "O_DIRECT", 0):
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            continue
+        if n == 0:
+            raise OSError(errno.EIO, "a write made no progress")
+        got += n
+
+
+def _open_shard_file(path: str) -> tuple[int, bool]:
+    """(fd, direct?): a new temp file, with O_DIRECT where DIRECT_IO and the file system
+    allow it (tmpfs and some others refuse it at open: EINVAL)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    direct = getattr(os, "O_DIRECT", 0)
+    if DIRECT_IO and direct:
+        try:
+            return os.open(path, flags | direct, 0o644), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o644), False
+
+
 class _Shard:
-    """A shard being filled: encoded inner chunks appended to a temp file, index in RAM."""
+    """A shard being filled: encoded inner chunks written to a temp file, index in RAM.
+
+    With O_DIRECT every chunk starts at a multiple of ALIGN (the index holds where each chunk
+    is and how long it is; the padding after it is never read), and the index goes last, the
+    file then cut to end with it. Without, chunks are packed back to back."""
 
     def __init__(self, path: str, n_inner: int) -> None:
         self.path = path
         self.tmp = f"{path}.{uuid.uuid4().hex}.partial"
-        self.f = open(self.tmp, "wb")  # noqa: SIM115 - held open while the shard fills
+        self.fd, self.direct = _open_shard_file(self.tmp)
+        self._cached_fd = -1  # the same file without O_DIRECT, for chunks marked `cached`
         self.index = np.full((n_inner, 2), _EMPTY, dtype="<u8")
         self.pos = 0
         self.done = 0  # inner chunks in the file
+        self._bounce: np.ndarray | None = None  # aligned copy of a chunk not in aligned memory
 
     def add(self, data) -> None:
-        """Append an encoded chunk (bytes, or the parts of a raw frame)."""
+        """Append an encoded chunk (bytes, the parts of a raw frame, or an aligned frame)."""
         n = _nbytes(data)
-        if isinstance(data, list):
-            self.f.writelines(data)
+        if self.direct and isinstance(data, Aligned) and data.cached:
+            if self._cached_fd < 0:
+                self._cached_fd = os.open(self.tmp, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+            # The next chunk still starts block-aligned: the bytes between are a hole (the
+            # file is extended over it, so that a snapshot finds every byte up to pos).
+            _write_all(self._cached_fd, memoryview(data.block)[:n], self.pos)
+            step = padded(n)
+            os.ftruncate(self._cached_fd, self.pos + step)
+        elif self.direct:
+            if isinstance(data, Aligned):
+                block = data.block
+            else:  # not in aligned memory (the numcodecs fallback): through a bounce buffer
+                if self._bounce is None or self._bounce.nbytes < n:
+                    self._bounce = aligned_buffer(n)
+                block, at = self._bounce, 0
+                for p in _parts(data):
+                    m = len(p) if not isinstance(p, memoryview) else p.nbytes
+                    block[at : at + m] = np.frombuffer(p, dtype=np.uint8)
+                    at += m
+            _write_all(self.fd, memoryview(block)[: padded(n)], self.pos)
+            step = padded(n)
         else:
-            self.f.write(data)
+            at = self.pos
+            for p in _parts(data):
+                v = memoryview(p).cast("B")
+                _write_all(self.fd, v, at)
+                at += v.nbytes
+            step = n
         self.index[self.done] = (self.pos, n)
-        self.pos += n
+        self.pos += step
         self.done += 1
 
     def finish(self) -> None:
-        self.f.writelines(_index_bytes(self.index))
-        self.f.close()
+        index = b"".join(_index_bytes(self.index))
+        if self.direct:
+            block = aligned_buffer(len(index))
+            block[: len(index)] = np.frombuffer(index, dtype=np.uint8)
+            _write_all(self.fd, memoryview(block)[: padded(len(index))], self.pos)
+            os.ftruncate(self.fd, self.pos + len(index))
+        else:
+            _write_all(self.fd, memoryview(index), self.pos)
+        self._close()
         os.replace(self.tmp, self.path)
+
+    def _close(self) -> None:
+        for fd in (self.fd, self._cached_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.fd = self._cached_fd = -1
 
     def snapshot(self, tail: bytes | None) -> None:
         """The key holds the chunks so far plus `tail` (a partly filled chunk), atomically."""
-        self.f.flush()
         index = self.index.copy()
         if tail is not None:
             index[self.done] = (self.pos, len(tail))
@@ -258,7 +405,7 @@ class _Shard:
 
     def discard(self) -> None:
         try:
-            self.f.close()
+            self._close()
             os.unlink(self.tmp)
         except OSError:
             pass
@@ -303,6 +450,11 @@ class RowLog:
         )
         self._made: set[str] = set()
         self.buf: np.ndarray | None = None  # the chunk being filled (allocated on first rows)
+        # Shards: buf lives in page-aligned memory after _HEAD bytes (block), and chunks are
+        # compressed into reused page-aligned buffers (outs), for O_DIRECT writes.
+        self.block: np.ndarray | None = None
+        self._aligned = self.sharded and self.dir is not None
+        self._outs: list[np.ndarray] = []
         self.fill = 0  # rows in buf
         self.encoded = 0  # rows handed to the encoder (whole chunks)
         self.flushed = 0  # rows on disk as whole units
@@ -311,8 +463,9 @@ class RowLog:
         self.dirty_since: float | None = None  # monotonic time of the oldest unwritten row
         self.units_written = 0
         self.raw_chunks = 0  # chunks stored uncompressed (Blosc level 0) while behind
-        self._free: list[np.ndarray] = []
-        self._inflight: deque[tuple[int, Future, np.ndarray]] = deque()  # (chunk no., bytes)
+        self._free: list[tuple[np.ndarray, np.ndarray | None]] = []  # (buf, block)
+        # (chunk no., encoded chunk, buf, block, out)
+        self._inflight: deque[tuple[int, Future, np.ndarray, Any, Any]] = deque()
         self._shard: _Shard | None = None
         self._shard_no = -1
 
@@ -353,7 +506,7 @@ class RowLog:
         i = 0
         while i < n:
             if self.buf is None:
-                self.buf = self._free.pop() if self._free else self._new_buf()
+                self.buf, self.block = self._free.pop() if self._free else self._new_buf()
             k = min(self.chunk_rows - self.fill, n - i)
             self.buf[self.fill : self.fill + k] = rows[i : i + k]
             self.fill += k
@@ -362,34 +515,50 @@ class RowLog:
                 self._submit()
         self._drain(block=False)
 
-    def _new_buf(self) -> np.ndarray:
-        return np.empty((self.chunk_rows, *self.row_shape), dtype=self.dtype)
+    def _new_buf(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(a chunk buffer, the aligned block it sits in after _HEAD bytes, or None)."""
+        shape = (self.chunk_rows, *self.row_shape)
+        if not self._aligned:
+            return np.empty(shape, dtype=self.dtype), None
+        n = self.chunk_rows * self.row_items * self.dtype.itemsize
+        block = aligned_buffer(_HEAD + n)
+        return block[_HEAD : _HEAD + n].view(self.dtype).reshape(shape), block
+
+    def _out(self) -> np.ndarray | None:
+        """A page-aligned buffer to compress a chunk into (reused once its chunk is written)."""
+        if not self._aligned or not blosc_into.AVAILABLE:
+            return None
+        if self._outs:
+            return self._outs.pop()
+        n = self.chunk_rows * self.row_items * self.dtype.itemsize
+        return aligned_buffer(n + blosc_into.MAX_OVERHEAD)
 
     def _submit(self) -> None:
         """Hand the full chunk in buf to the encoder (or to zarr when not a local store)."""
         chunk_no = self.encoded // self.chunk_rows
         self._ensure_capacity(self.encoded + self.chunk_rows)
-        buf, self.buf, self.fill = self.buf, None, 0
+        buf, block, self.buf, self.block, self.fill = self.buf, self.block, None, None, 0
         self.encoded += self.chunk_rows
         if self.dir is None:
             start = chunk_no * self.chunk_rows
             self.arr[start : start + self.chunk_rows] = buf
-            self._free.append(buf)
+            self._free.append((buf, block))
             if self.encoded % self.unit == 0:
                 self.flushed = self.encoded
                 self.units_written += 1
             return
         while len(self._inflight) >= MAX_INFLIGHT:
             self._drain(block=True, upto=1)
-        fut, raw = ENCODER.submit(buf)
+        out = self._out()
+        fut, raw = ENCODER.submit(buf, block, out)
         self.raw_chunks += raw
-        self._inflight.append((chunk_no, fut, buf))
+        self._inflight.append((chunk_no, fut, buf, block, out))
 
     def _drain(self, block: bool, upto: int | None = None) -> None:
         """Write encoded chunks in order: append to their shard, or write the chunk file."""
         done = 0
         while self._inflight and (upto is None or done < upto):
-            chunk_no, fut, buf = self._inflight[0]
+            chunk_no, fut, buf, mem, out = self._inflight[0]
             if not block and not fut.done():
                 return
             data = fut.result()  # a raw frame still points into buf: free it once written
@@ -398,15 +567,17 @@ class RowLog:
             per_unit = self.unit // self.chunk_rows
             unit_no, inner = divmod(chunk_no, per_unit)
             if not self.sharded:
-                _write_file(self._key_path(unit_no), data if isinstance(data, list) else [data])
-                self._free.append(buf)
+                _write_file(self._key_path(unit_no), _parts(data))
+                self._free.append((buf, mem))
             else:
                 if self._shard is None or self._shard_no != unit_no:
                     self._shard = _Shard(self._key_path(unit_no), per_unit)
                     self._shard_no = unit_no
                 assert self._shard.done == inner
                 self._shard.add(data)
-                self._free.append(buf)
+                self._free.append((buf, mem))
+                if out is not None:
+                    self._outs.append(out)
                 if inner < per_unit - 1:
                     continue
                 self._shard.finish()
@@ -474,5 +645,6 @@ class RowLog:
         self.fill = 0
         self.arr.resize((self.flushed, *self.row_shape))
         self.capacity = self.flushed
-        self.buf = None
+        self.buf = self.block = None
         self._free.clear()
+        self._outs.clear()
