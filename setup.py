@@ -4,7 +4,7 @@ The design card keeps `hooks/` and `cli/` at the top level of the repository; th
 `hstrace.hooks` and `hstrace.cli`, so nothing named plain `cli` or `hooks` lands in site-packages.
 """
 
-from setuptools import find_packages, setup
+from setuptools import Extension, find_packages, setup
 
 MAPPED = {"hstrace.cli": "cli", "hstrace.hooks": "hooks"}
 
@@ -15,4 +15,12 @@ for name, folder in MAPPED.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(where=folder)]
 
-setup(packages=packages, package_dir=package_dir)
+# The producer's one-call step (hstrace/trace/_native.c): optional, so an install without a C
+# compiler or Python headers still succeeds and hstrace takes the pure-Python route.
+native = Extension(
+    "hstrace.trace._native",
+    ["hstrace/trace/_native.c"],
+    optional=True,
+)
+
+setup(packages=packages, package_dir=package_dir, ext_modules=[native])

@@ -216,3 +216,161 @@ def test_round_trip_through_the_pipe_alone(tmp_path, monkeypatch):
     assert published == 0
     with open_trace(path) as tr:
         assert tr.rank(0).table("target").column("step", "seq").tolist() == list(range(30))
+
+
+def _route_steps(s: int) -> tuple[str, dict]:
+    """Step s of a run that mixes what the native step takes (plain tensors, views at an
+    offset, Python ints at the int64 edges, a 0-d tensor for an int column, requires_grad)
+    with what it hands to the Python route (numpy, lists, strided, a Parameter, a prefill of
+    several parts)."""
+    if s % 4 == 1:  # a second table with an axis of its own and 2-d rows
+        g = torch.Generator().manual_seed(s)
+        kv = torch.randn(3, 2, 8, generator=g).to(torch.bfloat16)
+        if s % 8 == 5:
+            kv.requires_grad_(True)
+        step = {"layer": torch.tensor(s) if s % 16 == 9 else s, "t_ns": 1000 + s}
+        return "blocks", {"step": step, "blk": {"kv": kv}, "tok": {"ids": torch.arange(s, s + 2)}}
+    # numpy, strided, lists (s % 5 in 1, 2, 3); s = 7, 47, 87: 3000-token prefills
+    d = step_data(s) if s % 40 == 7 and s > 40 else _variant(s)
+    d["step"]["t_ns"] = 10**12 + s  # the writer's own clock would differ between the two runs
+    if s % 11 == 4:
+        pos = d["tok"]["positions"]
+        d["tok"]["positions"] = torch.cat([pos[:1], pos])[1:]  # contiguous, at an offset
+    elif s % 11 == 6:
+        d["tok"]["aux_hidden"] = torch.nn.Parameter(d["tok"]["aux_hidden"], requires_grad=False)
+    elif s % 11 == 8:
+        d["step"]["mode"] = (1 << 63) - 1 if s % 2 else -(1 << 63)
+    return "target", d
+
+
+def _store_files(root) -> dict[str, object]:
+    """Every file of a trace, the commit's time stamps left out of the JSON ones."""
+    import json
+    from pathlib import Path
+
+    out: dict[str, object] = {}
+    for f in sorted(Path(root).rglob("*")):
+        if f.is_file():
+            data = f.read_bytes()
+            if f.name == "zarr.json":
+                doc = json.loads(data)
+                h = doc.get("attributes", {}).get("hstrace", {})
+                h.pop("created", None)
+                h.get("commit", {}).pop("updated_ns", None)
+                data = doc
+            out[str(f.relative_to(root))] = data
+    return out
+
+
+def test_native_and_python_routes_write_byte_identical_traces(tmp_path, monkeypatch):
+    """The same 120 steps (and the same refused ones) through the native one-call step and the
+    pure-Python route: identical trace files, identical errors; the native route took every
+    step it may take and none of the others."""
+    from helpers.native_route import use_route
+
+    traces, errors, taken = {}, {}, {}
+    for route in ("native", "python"):
+        use_route(monkeypatch, route)
+        path = tmp_path / f"{route}.zarr"
+        create_trace(path, engine={"name": "test"})
+        errs = []
+        with TraceWriter(path, rank=0, max_part_bytes=64 << 10) as w:
+            for s in range(120):
+                table, d = _route_steps(s)
+                assert w.write(table, **d)
+                if s % 30 == 29:  # refused: a dtype, a ragged axis, a missing column
+                    bad = _route_steps(s + 1)[1]
+                    for how in ("dtype", "ragged", "missing"):
+                        b = {a: dict(v) for a, v in bad.items()}
+                        if how == "dtype":
+                            b["tok"]["input_ids"] = b["tok"]["input_ids"].long()
+                        elif how == "ragged":
+                            b["req"]["req_key"] = torch.tensor([1, 2, 3])
+                        else:
+                            del b["tok"]["positions"]
+                        with pytest.raises(TraceError) as e:
+                            w.write("target", **b)
+                        errs.append(str(e.value))
+            cur = w.sink._cur
+            taken[route] = getattr(cur, "taken", None)
+        traces[route] = _store_files(path)
+        errors[route] = errs
+    assert traces["native"].keys() == traces["python"].keys()
+    for name, data in traces["native"].items():
+        assert data == traces["python"][name], f"{name} differs between the routes"
+    assert errors["native"] == errors["python"] and len(errors["native"]) == 12
+    # The Python route has no native cursor. The native one took exactly the steps after each
+    # table's first whose every column is a contiguous torch.Tensor or an int.
+    # (A strided view of one row is contiguous: one-token strided steps count as plain.)
+    plain = [
+        s
+        for s in range(2, 120)  # 0 and 1: each table's first step
+        if s % 40 != 7  # the prefills: several ring parts
+        and all(
+            type(v) is int or (type(v) is torch.Tensor and v.is_contiguous())
+            for cols in _route_steps(s)[1].values()
+            for v in cols.values()
+        )
+    ]
+    assert taken["python"] is None and taken["native"] == len(plain)
+    with open_trace(tmp_path / "native.zarr") as tr:
+        b = tr.rank(0).table("blocks")
+        assert b.num_steps == 30 and b.column("step", "layer").tolist() == list(range(1, 120, 4))
+
+
+def test_the_native_step_refuses_without_a_trace_and_only_what_python_refuses(tmp_path):
+    """The native call either stages a step whole (and the writer's own checks would pass it
+    with the same rows) or hands it back with the ring cursor untouched."""
+    from hstrace.trace import process_sink
+
+    if not process_sink.NATIVE:
+        pytest.skip("the native step is not built here")
+    path = tmp_path / "n.zarr"
+    create_trace(path, engine={"name": "test"})
+    with TraceWriter(path, rank=0) as w:
+        w.write("target", **step_data(1))
+        m, cur = w._matchers["target"], w.sink._cur
+        assert m.fast is not None
+        ok = step_data(2)
+        strided = step_data(2)
+        strided["tok"]["input_ids"] = torch.arange(
+            2 * len(ok["tok"]["input_ids"]), dtype=torch.int32
+        )[::2]
+        cases = {
+            "ok": (ok, True),
+            "numpy": (
+                {**ok, "tok": {**ok["tok"], "positions": ok["tok"]["positions"].numpy()}},
+                None,
+            ),
+            "strided": (strided, None),
+            "float": ({**ok, "req": {**ok["req"], "n_tok": ok["req"]["n_tok"].float()}}, None),
+            "ragged": ({**ok, "req": {**ok["req"], "n_tok": torch.tensor([1, 2, 3])}}, None),
+            "width": (
+                {**ok, "tok": {**ok["tok"], "aux_hidden": ok["tok"]["aux_hidden"][:, :8]}},
+                None,
+            ),
+            "extra": ({**ok, "tok": {**ok["tok"], "more": ok["tok"]["positions"]}}, None),
+            "bool": ({**ok, "step": {"mode": True}}, None),
+            "big int": ({**ok, "step": {"mode": 1 << 63}}, None),
+            "axis": ({**ok, "blk": {"x": torch.zeros(1)}}, None),
+            "no req": ({**ok, "req": None}, None),
+        }
+        for name, (d, want) in cases.items():
+            d = dict(d)
+            step, req, tok = d.pop("step"), d.pop("req"), d.pop("tok")
+            hit = m.match(w._seq, step, req, tok, d)
+            before = (cur.head, cur.published, cur.taken)
+            got = m.fast(w._seq, step, req, tok, d)
+            assert got is want, name
+            if got:
+                assert hit is not None, f"{name}: native took what the writer's checks refuse"
+                w._seq += 1
+                assert cur.published == before[1] + 1 and cur.taken == before[2] + 1
+            else:
+                assert (cur.head, cur.published, cur.taken) == before, f"{name}: left a trace"
+    with open_trace(path) as tr:
+        t = tr.rank(0).table("target")
+        assert t.num_steps == 2
+        assert _as_bytes(t.column("tok", "aux_hidden"))[
+            -len(_as_bytes(ok["tok"]["aux_hidden"])) :
+        ] == _as_bytes(ok["tok"]["aux_hidden"])

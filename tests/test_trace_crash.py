@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+from helpers.native_route import ROUTES, use_route
 from helpers.trace_steps import script_env, step_data, verify_prefix
 
 from hstrace.errors import TraceError
@@ -274,12 +275,15 @@ def test_steps_past_a_full_descriptor_queue_keep_their_order(tmp_path):
         assert w.sink._published > DESC_SLOTS
 
 
-def test_a_killed_writer_is_noticed_within_a_liveness_interval(tmp_path):
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_killed_writer_is_noticed_within_a_liveness_interval(tmp_path, monkeypatch, route):
     """Steps are published without a syscall, so a producer learns of a SIGKILLed writer at its
     next liveness check (every LIVENESS_EVERY descriptors), not at its next write; what it wrote
-    meanwhile was never durable anyway (nor were the steps still in the ring at the kill)."""
+    meanwhile was never durable anyway (nor were the steps still in the ring at the kill). The
+    native one-call step and the Python route check alike."""
     from hstrace.trace.process_sink import LIVENESS_EVERY
 
+    use_route(monkeypatch, route)
     path = tmp_path / "alive.zarr"
     create_trace(path, engine={"name": "test"})
     w = TraceWriter(path, rank=0)
@@ -293,6 +297,8 @@ def test_a_killed_writer_is_noticed_within_a_liveness_interval(tmp_path):
             w.write("target", **step_data(s % 40 if s % 40 != 7 else 8))  # no 3000-token step
             written += 1
     assert written < LIVENESS_EVERY
+    if route == "native":  # it took every step after the first, the one that noticed too
+        assert w.sink._cur.taken == written + 1
     with pytest.raises(TraceError):
         w.close()
     assert verify_prefix(path) == 1  # the flushed step stays

@@ -45,6 +45,11 @@ from hstrace.trace.ring import (
 )
 from hstrace.trace.sink import Sink, TablePlan, new_stats
 
+try:  # the optional C extension (setup.py); without it every step takes the Python route
+    from hstrace.trace import _native
+except ImportError:  # not built (a plain copy of the tree, a Python without a compiler)
+    _native = None
+
 # Where the hstrace package lives, so the writer process imports this very copy.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Seconds to wait for the writer process to start (it imports numpy and zarr).
@@ -57,6 +62,11 @@ DESCRIPTORS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # Every this many descriptors the producer checks that the writer is alive (one poll of the
 # ends pipe): a pipe write per step used to say so at once.
 LIVENESS_EVERY = 64
+# The native one-call step (hstrace/trace/_native.c): where it is built and descriptors are on.
+# HSTRACE_NATIVE=0 turns it off (the Python route stages the same bytes).
+NATIVE = _native is not None and DESCRIPTORS and os.environ.get("HSTRACE_NATIVE", "1") != "0"
+if NATIVE:
+    _native.bind(torch.Tensor)
 # align(n) as two integer operations (ALIGN is a power of two).
 _ALIGN_UP, _ALIGN_MASK = ALIGN - 1, -ALIGN
 assert ALIGN & (ALIGN - 1) == 0
@@ -71,6 +81,31 @@ class _Table:
         self.tid = tid
         self.codec = P.StepCodec(tid, n_axes)
         self.descriptors = DESCRIPTORS and n_axes <= DESC_AXES
+
+
+class _Cursor:
+    """The ring's cursor of the Python route (the native build's is _native.Ring)."""
+
+    __slots__ = ("head", "tail", "published", "enabled")
+
+    def __init__(self) -> None:
+        self.head = self.tail = self.published = 0
+        self.enabled = 0
+
+
+def native_plan(plan: TablePlan, columns: list) -> tuple:
+    """The writer's fast-path checks of one table (writer._Matcher.axes) with the plan's row
+    bytes, in the form _native.Step takes: per axis (kind, name, columns, auto columns)."""
+    row_bytes = dict(zip(plan.columns, plan.row_bytes, strict=True))
+    kinds = {"step": 0, "req": 1, "tok": 2}
+    out = []
+    for axis, cols, _, auto in columns:
+        spec = tuple(
+            (col, tdtype, tuple(rs), width, int(int_ok), row_bytes[(axis, col)])
+            for col, tdtype, _, rs, width, int_ok in cols
+        )
+        out.append((kinds.get(axis, 3), axis, spec, tuple(0 if c == "seq" else 1 for c in auto)))
+    return tuple(out)
 
 
 class ProcessSink(Sink):
@@ -104,17 +139,12 @@ class ProcessSink(Sink):
         at = self._ring_bytes // 8
         self._trailer = self._ring_i64[at : at + TRAILER_WORDS]
         self._desc_at = at + TRAILER_WORDS  # word index of descriptor slot 0
-        self._published = 0  # descriptors published (ring.PUBLISHED)
         self._ring = torch.from_numpy(self._ring_np)
         self._ring_addr = self._ring.data_ptr()
         self._ring.zero_()  # pre-fault the pages now, not on the serving thread's first steps
         # ... and the descriptor queue's (a first touch under memory pressure is a direct
         # reclaim: milliseconds on the serving thread; seen as the p99 of bench/write_path.py)
         whole[self._ring_bytes :] = 0
-        # FIFO byte ring: bytes [tail, head) (monotonic counters) are in flight to the writer,
-        # which hands back the counter of each part it has consumed.
-        self._head = 0
-        self._tail = 0
         self._pending: list[Any] = []  # replies read while waiting for something else
         self._pinned = False
         self._completer: _CudaCompleter | None = None
@@ -133,6 +163,11 @@ class ProcessSink(Sink):
         self._wait_poll = select.poll()
         self._wait_poll.register(self._free_r.fileno(), select.POLLIN)
         self._wait_poll.register(self._ends_r, select.POLLIN)
+        # The FIFO byte ring's cursor: bytes [tail, head) (monotonic counters) are in flight to
+        # the writer, which hands back the counter of each part it has consumed; `published`
+        # descriptors so far (ring.PUBLISHED). The native one also stages whole steps itself
+        # (fast_step); both routes move this one cursor.
+        self._cur = self._new_cursor()
         args = [path, str(rank), str(float(tail_flush_s)), self._shm.arg]
         args += [str(data_r.fileno()), str(free_w.fileno()), str(ends_w)]
         args += [str(max(0, int(compress_threads))), "1" if raw_when_behind else "0"]
@@ -160,9 +195,52 @@ class ProcessSink(Sink):
         # the producer, the writer or their whole process group can leak it (issue 12, item 6).
         self._shm.mapped_by_both()
 
+    def _new_cursor(self) -> Any:
+        if not (NATIVE and DESCRIPTORS):
+            return _Cursor()
+        # A weak reference, not the bound method: no cycle keeps a dropped sink (and its
+        # segment) alive until the garbage collector runs.
+        ref, path, rank = weakref.ref(self), self.path, self.rank
+
+        def gone() -> TraceError:
+            sink = ref()
+            if sink is None:
+                return TraceError(f"{path}: the writer process of rank {rank} is gone")
+            return sink._gone()
+
+        at = self._ring_bytes // 8
+        return _native.Ring(
+            self._ring_np.ctypes.data,
+            self._ring_bytes,
+            self._part_bytes,
+            at,
+            at + TRAILER_WORDS,
+            DESC_SLOTS,
+            DESC_WORDS,
+            self._ends_r,
+            LIVENESS_EVERY,
+            self.stats,
+            gone,
+        )
+
     @property
     def writer_pid(self) -> int | None:
         return self._proc.pid
+
+    @property
+    def _published(self) -> int:
+        return self._cur.published
+
+    def fast_step(self, plan: TablePlan, columns: list) -> Any:
+        """The native one-call write of a repeated step of `plan` (see TraceWriter.write),
+        or None where there is none: no build, no descriptor queue, a CUDA step seen."""
+        t = self._tables.get(plan.name)
+        if isinstance(self._cur, _Cursor) or t is None or not t.descriptors:
+            return None
+        try:
+            return _native.Step(self._cur, t.tid, native_plan(plan, columns)).write
+        except ValueError:  # beyond the native route's fixed limits (columns, row rank)
+            return None
 
     # --- steps ------------------------------------------------------------------------
     def write_step(
@@ -207,32 +285,32 @@ class ProcessSink(Sink):
                     self._ring_np[lo : lo + nb] = a.reshape(-1).view(np.uint8)
             off += (nb + _ALIGN_UP) & _ALIGN_MASK
         self.stats["copy_s"] += time.perf_counter() - t0  # the copy itself (bench/README.md)
-        j = self._published
+        j = self._cur.published
         if t.descriptors and j - self._trailer[TAKEN] < DESC_SLOTS:
             # A descriptor instead of a pipe write: a few stores, no syscall (ring.py).
             w = self._desc_at + (j % DESC_SLOTS) * DESC_WORDS
             i64 = self._ring_i64
             i64[w] = t.tid
             i64[w + 1] = base
-            i64[w + 2] = self._head
+            i64[w + 2] = self._cur.head
             i64[w + 3] = len(counts)
             w += 4
             for c in counts:
                 i64[w] = c
                 w += 1
-            self._published = j = j + 1
+            self._cur.published = j = j + 1
             self._trailer[PUBLISHED] = j  # after the slot (see DESCRIPTORS)
             if not j % LIVENESS_EVERY and self._ends_hung_up():
                 raise self._gone()  # the writer process is gone (its ends pipe is closed)
         else:  # no free slot (the writer is far behind), or a table of many axes
-            self._send(t.codec.frame(base, self._head, counts, j))
+            self._send(t.codec.frame(base, self._cur.head, counts, j))
         return True
 
     def _announce(self, plan: TablePlan) -> _Table:
         t = self._tables[plan.name] = _Table(len(self._tables), len(plan.axes))
         self._send(
             P.frame_control(
-                P.Table(t.tid, plan.name, plan.spec, plan.column_attrs), self._published
+                P.Table(t.tid, plan.name, plan.spec, plan.column_attrs), self._cur.published
             )
         )
         return t
@@ -286,10 +364,11 @@ class ProcessSink(Sink):
                 msg_layout.append((axis, col, offset, r1 - r0))
             self.stats["copy_s"] += time.perf_counter() - t0
             last = i == len(parts) - 1
-            msg = P.Part(t.tid, base, self._head, tuple(msg_layout), by_axis if last else None)
-            frame = P.frame_control(msg, self._published)
+            msg = P.Part(t.tid, base, self._cur.head, tuple(msg_layout), by_axis if last else None)
+            frame = P.frame_control(msg, self._cur.published)
             if cuda and self._completer is None:
                 self._completer = _CudaCompleter(self._write_frame)
+                self._cur.enabled = 0  # host steps now queue behind CUDA ones (_write_parts)
             if self._completer is not None:
                 self._completer.submit(torch.cuda.Event() if cuda else None, frame, record=cuda)
             else:
@@ -310,27 +389,28 @@ class ProcessSink(Sink):
         """Offset of n contiguous free bytes in the ring (None: full and may_drop)."""
         trailer = self._trailer  # _poll_free, inlined: this runs for every step
         tail = trailer[TAIL]
-        if tail > self._tail:
-            self._tail = tail
+        if tail > self._cur.tail:
+            self._cur.tail = tail
         if trailer[FAULT]:
             self._poll_free()
         if self._fault is not None:
             raise TraceError(self._fault)
-        head = self._head
-        if self._tail == head and head % self._ring_bytes:
+        head = self._cur.head
+        if self._cur.tail == head and head % self._ring_bytes:
             # Nothing in flight: start over at the ring's start, whose pages the last steps
             # touched and are likely still in cache (a FIFO walk copies into cold memory).
-            head = self._tail = -(-head // self._ring_bytes) * self._ring_bytes
+            head = self._cur.tail = -(-head // self._ring_bytes) * self._ring_bytes
+            self._cur.head = head  # (so tail <= head holds whatever happens next)
         pos = head % self._ring_bytes
         pad = self._ring_bytes - pos if pos + n > self._ring_bytes else 0  # never wrap a part
         need = pad + n
-        if head + need - self._tail > self._ring_bytes:
+        if head + need - self._cur.tail > self._ring_bytes:
             if may_drop:
-                self._head = head
+                self._cur.head = head
                 return None
             self.stats["blocked_parts"] += 1
             t0 = time.perf_counter()
-            while head + need - self._tail > self._ring_bytes:
+            while head + need - self._cur.tail > self._ring_bytes:
                 if self._wait_poll.poll(500):
                     if not self._drain_ends():
                         raise self._gone()  # end of file: the writer process is gone
@@ -343,16 +423,16 @@ class ProcessSink(Sink):
                     raise self._gone()
             self.stats["blocked_s"] += time.perf_counter() - t0
         self.stats["parts"] += 1
-        self._head = head + need
-        self._trailer[HEAD] = self._head
+        self._cur.head = head + need
+        self._trailer[HEAD] = self._cur.head
         return 0 if pad else pos
 
     def _poll_free(self) -> None:
         """Ring space handed back, and a fault report if there is one: two reads of shared
         memory, no syscall (the pipes are read only while waiting for room or a reply)."""
         tail = self._trailer[TAIL]
-        if tail > self._tail:
-            self._tail = tail
+        if tail > self._cur.tail:
+            self._cur.tail = tail
         if self._trailer[FAULT]:
             while self._fault is None and self._free_poll.poll(0):
                 self._take(self._recv_reply())
@@ -374,13 +454,13 @@ class ProcessSink(Sink):
             if not ends:
                 return False
             # counters only grow: the last one read says it all
-            self._tail = max(self._tail, int.from_bytes(ends[-8:], "little"))
+            self._cur.tail = max(self._cur.tail, int.from_bytes(ends[-8:], "little"))
 
     # --- control ----------------------------------------------------------------------
     def control(self, msg: P.Static | P.Error | P.Dropped) -> None:
         if self._fault is not None:
             raise TraceError(self._fault)
-        self._send(P.frame_control(msg, self._published))
+        self._send(P.frame_control(msg, self._cur.published))
 
     def flush(self, dropped: dict[str, int]) -> None:
         self.control(P.Flush(dict(dropped)))
@@ -392,7 +472,7 @@ class ProcessSink(Sink):
                 self._poll_free()
             if self._fault is not None:
                 raise TraceError(self._fault)
-            self._send(P.frame_control(P.Close(dict(dropped)), self._published))
+            self._send(P.frame_control(P.Close(dict(dropped)), self._cur.published))
             self._wait_reply((P.Closed,), None)
             self._proc.wait(timeout=60)
         finally:
@@ -439,6 +519,7 @@ class ProcessSink(Sink):
     def _take(self, reply: Any) -> None:
         if isinstance(reply, P.Fault):
             self._fault = reply.message
+            self._cur.enabled = 0  # every later step raises it (write_step)
         else:
             self._pending.append(reply)
 
@@ -462,6 +543,7 @@ class ProcessSink(Sink):
                 )
 
     def _teardown(self) -> None:
+        self._cur.enabled = 0  # the ring's memory is about to go
         if self._completer is not None:
             self._completer.stop()
         for conn in (self._data_w, self._free_r):

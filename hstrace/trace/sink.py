@@ -118,6 +118,14 @@ class Sink:
         memory. Returns False if the step was dropped (only when `may_drop`: no room)."""
         raise NotImplementedError
 
+    def fast_step(self, plan: TablePlan, columns: list) -> Any:
+        """Optional: a callable `(seq, step, req, tok, other_axes) -> True | None` that checks a
+        repeated step of `plan` against `columns` (the writer's fast-path checks, see
+        writer._Matcher) and takes it whole in one call, or returns None without a side
+        effect (then the writer does its own checks and calls write_step). None: no such
+        route (the default)."""
+        return None
+
     def control(self, msg: Static | Error | Dropped) -> None:
         """Audit items, a disabled tap, or the dropped-step counts so far."""
         raise NotImplementedError

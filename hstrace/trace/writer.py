@@ -161,7 +161,16 @@ class TraceWriter:
             if self._closed:
                 raise TraceError(f"{self.path}: rank {self.rank} writer is closed")
             m = self._matchers.get(table)
-            hit = m.match(self._seq, step, req, tok, other_axes) if m is not None else None
+            if m is not None:
+                # The sink's one-call route (the native build: checks, copy and publish in C),
+                # else the same checks here and the sink's write_step.
+                fast = m.fast
+                if fast is not None and fast(self._seq, step, req, tok, other_axes):
+                    self._seq += 1
+                    return True
+                hit = m.match(self._seq, step, req, tok, other_axes)
+            else:
+                hit = None
             if hit is not None:
                 plan, (arrays, counts), host = m.plan, hit, True
             else:
@@ -172,7 +181,9 @@ class TraceWriter:
             kept = self.sink.write_step(plan, arrays, counts, host, self._may_drop)
             if table not in self._plans:  # the sink took the table's first step
                 self._plans[table] = plan
-                self._matchers[table] = _Matcher.of(plan, step or {})
+                self._matchers[table] = m = _Matcher.of(plan, step or {})
+                if m is not None:
+                    m.fast = self.sink.fast_step(plan, m.axes)
             if not kept:
                 self.dropped[table] = self.dropped.get(table, 0) + 1
                 self.sink.control(Dropped(dict(self.dropped)))
@@ -242,10 +253,11 @@ class _Matcher:
     the first write's columns, dtypes and row shapes, contiguous on the CPU, so it goes to
     the sink as it is; anything else takes the general path, which stages it or raises."""
 
-    __slots__ = ("plan", "axes", "n_axes")
+    __slots__ = ("plan", "axes", "n_axes", "fast")
 
     def __init__(self, plan: TablePlan, axes: list) -> None:
         self.plan = plan
+        self.fast: Any = None  # the sink's one-call route for these checks (Sink.fast_step)
         # [(axis, ((column, torch dtype, numpy dtype | None, row_shape, width, int_ok), ...),
         #   n, auto)]
         self.axes = axes
