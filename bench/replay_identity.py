@@ -77,6 +77,60 @@ def record(out: Path) -> None:
     for name in ("clean", "aux-layer-shift"):
         make_bundle(EXAMPLES / f"{name}.zarr", out / f"{name}-redacted.zip",
                     BundleOptions(redact=("hidden",)))  # fmt: skip
+    _batched(out)
+
+
+def _batched(out: Path) -> None:
+    """Batched steps (batch coupling's cosine per step): the first two requests' prefill,
+    draft extend and first verify in one step each; then the second request's rows copied
+    from the first's (aux) or fed the first's tokens, its draft top-k recomputed, as
+    tests/test_field_scenarios.py builds them with the third-party producer."""
+    import importlib.util
+
+    from hstrace.drafter import load_drafter
+    from hstrace.trace import open_trace, request_key
+
+    spec = importlib.util.spec_from_file_location(
+        "field_producer", REPO / "tests" / "helpers" / "field_producer.py"
+    )
+    fp = importlib.util.module_from_spec(spec)
+    sys.modules["field_producer"] = fp  # (dataclasses look their module up)
+    spec.loader.exec_module(fp)
+    drafter, _ = load_drafter(WORLD / "drafter-speculators")
+    clean = out / "clean.zarr"
+    with open_trace(clean) as tr:
+        rids = [r.decode() if isinstance(r, bytes) else r for r in _rids(tr)]
+    a, b = request_key(rids[0]), request_key(rids[1])
+    for what in ("none", "aux", "tokens"):
+        t = fp.read(clean)
+        for table in ("target", "draft_extend", "verify"):
+            first = next(e for e in t.of(table) if e.keys == [a])
+            second = next(e for e in t.of(table) if e.keys == [b])
+            t.events[t.events.index(first)] = fp.merge_steps(first, second)
+            t.events.remove(second)
+        if what != "none":
+            table = "target" if what == "aux" else "draft_extend"
+            step = next(e for e in t.of(table) if set(e.keys) == {a, b})
+            (_, a0, a1), (_, b0, b1) = step.blocks()
+            n = min(a1 - a0, b1 - b0)
+            tok = step.axes["tok"]
+            if what == "aux":
+                tok["aux_hidden"][b0 : b0 + n] = tok["aux_hidden"][a0 : a0 + n]
+                d = next(e for e in t.of("draft_extend") if set(e.keys) == {a, b})
+                (_, da0, _), (_, db0, _) = d.blocks()
+                hid = d.axes["tok"]["hidden_in"]
+                hid[db0 : db0 + n] = hid[da0 : da0 + n]
+            else:
+                tok["input_ids"][b0 : b0 + n] = tok["input_ids"][a0 : a0 + n]
+            fp.redraft(t, b, drafter)
+        fp.write(t, out / f"batched-{what}.zarr")
+        print(f"batched-{what}", "ok", file=sys.stderr)
+
+
+def _rids(tr) -> list[str]:
+    from hstrace.replay.serving import read_serving
+
+    return [r.rid for r in read_serving(tr).requests]
 
 
 def replay_all(traces: Path) -> dict:
@@ -84,11 +138,14 @@ def replay_all(traces: Path) -> dict:
 
     paths = sorted(EXAMPLES.glob("*.zarr")) + sorted(traces.glob("*.zarr"))
     paths += sorted(traces.glob("*.zip"))
+    runs = [(f"{p.parent.name}/{p.name}", p, TRAINING) for p in paths]
+    # a second trace as the training side (its requests stand in for samples)
+    runs.append(("examples/clean.zarr@against-trace", EXAMPLES / "clean.zarr",
+                 traces / "prefix-cache.zarr"))  # fmt: skip
     out = {}
-    for p in paths:
-        key = f"{p.parent.name}/{p.name}"
+    for key, p, against in runs:
         try:
-            out[key] = replay(p, TRAINING).to_json()
+            out[key] = replay(p, against).to_json()
         except Exception as exc:  # noqa: BLE001 -- an error is a result to compare too
             out[key] = {"error": f"{type(exc).__name__}: {exc}"}
         print(key, out[key].get("verdict", {}).get("code", out[key].get("error")), file=sys.stderr)

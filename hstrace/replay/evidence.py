@@ -161,6 +161,8 @@ def build_evidence(
         draft_inputs = build_draft_inputs(serving, agreement.rows, agreement.requests, target)
         vocab = build_vocab_readings(drafter, agreement.rows)
         batch = build_batch_coupling(alignment)
+    if serving.wide is not None:
+        serving.wide.window.clear()  # the last window read: not needed by any check
     first = {"drafter forward": no_forward} if no_forward else {}
     return Evidence(
         alignment=alignment,

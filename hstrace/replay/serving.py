@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from hstrace.errors import TraceError
-from hstrace.trace.rows import gather
+from hstrace.trace.rows import LastWindow, gather
 from hstrace.trace.schema import MODE_VERIFY, REQUEST_ROW_COUNTS
 
 
@@ -52,6 +52,7 @@ class WideReader:
         self._tables = tables
         self.present = present  # kind -> column name, for the kinds this trace has
         self.reads: dict[str, int] = {}
+        self.window = LastWindow()  # neighbouring requests share chunks: decoded once
         # (row width, dtype) of each kind, from an empty read (no rows decoded)
         self.shape: dict[str, tuple[int, torch.dtype]] = {}
         for kind in present:
@@ -62,7 +63,7 @@ class WideReader:
 
     def _read(self, kind: str, rows: np.ndarray) -> torch.Tensor:
         table, name, to_float = self.KINDS[kind]
-        data = _torch(gather(self._tables[table], "tok", name, rows))
+        data = _torch(gather(self._tables[table], "tok", name, rows, self.window))
         self.reads[kind] = self.reads.get(kind, 0) + len(rows)
         return data.float() if to_float else data
 
@@ -342,6 +343,8 @@ class ServingData:
             pinned = [(o, dict(o.held)) for r in reqs for o in (r, r.draft) if o is not None]
         for o, held in pinned:
             o.held.update(held)
+        if self.wide is not None:
+            self.wide.window.clear()
         self.wide = None
         for r in self.requests:
             r.wide = None

@@ -44,10 +44,46 @@ def read_unit(table: Any, axis: str, name: str) -> int:
     return int(unit(axis, name)) if unit is not None else 1
 
 
-def gather(table: Any, axis: str, name: str, idx: np.ndarray) -> Any:
+class LastWindow:
+    """The last window `gather` read of each column, kept for the next call: replay reads a
+    request (or a batch of them) at a time, and neighbouring requests share a chunk, which is
+    then decoded once, not once per request. One window per column is held (≤
+    MAX_WINDOW_CHUNKS chunks); `clear` drops it."""
+
+    def __init__(self) -> None:
+        self._last: dict[tuple[int, str, str], tuple[int, int, Any]] = {}
+
+    def read(self, table: Any, axis: str, name: str, lo: int, hi: int) -> Any:
+        key = (id(table), axis, name)
+        got = self._last.get(key)
+        if got is not None and got[0] <= lo < got[1]:
+            c_lo, c_hi, data = got
+            if hi <= c_hi:
+                return data[lo - c_lo : hi - c_lo]
+            tail = table.column(axis, name, c_hi, hi)
+            head = data[lo - c_lo :]
+            if isinstance(tail, np.ndarray):
+                data = np.concatenate([head, tail])
+            else:
+                import torch
+
+                data = torch.cat([head, tail])
+        else:
+            data = table.column(axis, name, lo, hi)
+        self._last[key] = (lo, hi, data)
+        return data
+
+    def clear(self) -> None:
+        self._last.clear()
+
+
+def gather(
+    table: Any, axis: str, name: str, idx: np.ndarray, cache: LastWindow | None = None
+) -> Any:
     """Rows `idx` (any order, repeats allowed) of a committed column, as `table.column` returns
     them (numpy, or torch for bf16), read window by window (`windows`) straight into the
-    result: at most the result and one window are in memory."""
+    result: at most the result and one window are in memory (two with a `cache`, which
+    keeps the last window for the next call)."""
     idx = np.asarray(idx, dtype=np.int64).reshape(-1)
     n = table.num_rows(axis)
     if len(idx) and (idx.min() < 0 or idx.max() >= n):
@@ -57,7 +93,7 @@ def gather(table: Any, axis: str, name: str, idx: np.ndarray) -> Any:
     out: np.ndarray | None = None
     torch_dtype = None
     for lo, hi in windows(np.unique(ordered), read_unit(table, axis, name), n):
-        data = table.column(axis, name, lo, hi)
+        data = cache.read(table, axis, name, lo, hi) if cache else table.column(axis, name, lo, hi)
         if not isinstance(data, np.ndarray):  # torch (bf16): copied as its bits, by numpy
             torch_dtype, data = data.dtype, _bits(data)
         a, b = np.searchsorted(ordered, [lo, hi])
