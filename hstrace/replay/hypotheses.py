@@ -21,10 +21,10 @@ import torch
 
 from hstrace.reference.step0 import Step0Input
 from hstrace.reference.target import ReferenceTarget
-from hstrace.replay.compare import RefRows
+from hstrace.replay.compare import RefRows, gap_at, with_topk
 from hstrace.replay.runner import DrafterRunner
 from hstrace.replay.serving import ServingRequest
-from hstrace.replay.whatif import WhatIfResult, ranked, reproducing, score
+from hstrace.replay.whatif import WhatIfResult, ranked, reproducing
 
 # Draft-config key (as users write it) for each reference flag.
 FLAG_KEYS: dict[str, str] = {
@@ -101,9 +101,11 @@ def _search(h: _Inputs, hyps: list[Hypothesis]) -> list[WhatIfResult]:
 
     rows = h.rows
     ids = rows.topk_draft_ids.long()
-    n, k = len(ids), ids.shape[1] if ids.dim() == 2 else 0
-    argmax = [torch.zeros(n, dtype=torch.long) for _ in hyps]
-    lps = [torch.zeros(n, k) for _ in hyps]
+    keep = with_topk(ids)
+    lps = rows.topk_logprobs
+    # Per hypothesis: its argmax hit per row (one byte a row), its largest log-prob gap.
+    hits = [torch.zeros(len(ids), dtype=torch.bool) for _ in hyps]
+    gaps: list[list[float]] = [[] for _ in hyps]
     models: dict[int, torch.nn.Module] = {}
     failed: set[int] = set()
     for group, items in engine_batches(h.runner, rows, h.requests):
@@ -123,14 +125,20 @@ def _search(h: _Inputs, hyps: list[Hypothesis]) -> list[WhatIfResult]:
             for i, logits in zip(group, out, strict=True):
                 at = rows.rows_of(i)
                 got = RefRows.of(logits, ids[at], topk=False)
-                argmax[j][at], lps[j][at] = got.argmax, got.logprobs
-    return ranked(
-        [
-            score(hyp.name, hyp.code, hyp.fix, RefRows(argmax[j], lps[j]), ids, rows.topk_logprobs)
-            for j, hyp in enumerate(hyps)
-            if j not in failed
-        ]
-    )
+                hits[j][at] = got.argmax == ids[at][:, 0]
+                m = keep[at]
+                if lps is not None and m.any():
+                    gap = gap_at(got.logprobs[m], ids[at][m], lps[at][m])
+                    if gap == gap:
+                        gaps[j].append(gap)
+    results = []
+    for j, hyp in enumerate(hyps):
+        if j in failed:
+            continue
+        top1 = float(hits[j][keep].float().mean()) if keep.any() else 0.0
+        diff = max(gaps[j]) if gaps[j] else float("nan")
+        results.append(WhatIfResult(hyp.name, hyp.code, hyp.fix, top1, diff))
+    return ranked(results)
 
 
 def _no_fc(h: _Inputs) -> torch.nn.Module:

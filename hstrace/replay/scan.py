@@ -132,20 +132,29 @@ class CaptureScan:
             batches.append(rest)
 
         want_health, want_dead = self._views()
-        health = None
+        health, first = None, None
         if want_health:
+            # The spread is measured from the first captured row (in request order): its
+            # request's batch goes first (the batches' order changes no result).
             first = next((r for r in serving.requests if r.aux_rows), None)
-            row0 = al.serving_slots_of(first, first.aux_start + 1)[0] if first else None
-            k = al.serving_width // al.slot_width if not al.sketched else None
-            k = k if k is not None else (int(row0.shape[0]) if row0 is not None else 0)
-            health = SlotHealthSum(row0, k)
+            if first is not None:
+                at = next(i for i, b in enumerate(batches) if any(r is first for r in b))
+                batches.insert(0, batches.pop(at))
+            k = 0 if al.sketched else al.serving_width // al.slot_width
+            health = SlotHealthSum(None, k)  # the first row (and a sketch's k): batch 0
         dead: dict[int, dict[str, Any]] = {}
         preds: dict[int, torch.Tensor] = {}
         kinds = ("aux_sketch",) if al.sketched else ("aux",)
         index = {id(r): i for i, r in enumerate(plan.requests)} if plan is not None else {}
         order = {id(r): i for i, r in enumerate(serving.requests)}
-        for batch in batches:
+        for b, batch in enumerate(batches):
             with serving.holding(batch, kinds):
+                if b == 0 and first is not None:
+                    try:
+                        row0 = al.serving_slots_of(first, first.aux_start + 1)[0]
+                        health.first, health.slots = row0.float(), int(row0.shape[0])
+                    except Exception as exc:  # noqa: BLE001 -- re-raised to Slots
+                        parts["health"].error = exc
                 for r in batch:
                     self._per_request(r, order[id(r)], health, dead if want_dead else None, parts)
                 if parts["acc0"].error is None and plan is not None and id(batch[0]) in index:
