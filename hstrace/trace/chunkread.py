@@ -264,7 +264,9 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
                 fd = _open(lay, path)
                 fds.append(fd)
                 row0 = shard * per * cr
-                for j, (off, n) in enumerate(_shard_index(fd, path, per, lo, hi, max_chunk)):
+                spans = _shard_index(fd, path, per, lo, hi, max_chunk)
+                _prefetch(fd, spans)
+                for j, (off, n) in enumerate(spans):
                     add(fd, off, n, row0 + (lo + j) * cr, path)
                 run_group()  # before the shard's file is closed
                 _close(fds)
@@ -273,6 +275,22 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
         _close(fds)
         buf.release()
     return out
+
+
+# Ask the kernel to read a shard's wanted chunks ahead (POSIX_FADV_WILLNEED: asynchronous),
+# so that the device reads the next group while the pool decodes this one.
+PREFETCH = os.environ.get("HSTRACE_PREFETCH", "1") != "0"
+
+
+def _prefetch(fd: int, spans: list[tuple[int, int]]) -> None:
+    if not PREFETCH or not spans or not hasattr(os, "posix_fadvise"):
+        return
+    start = min(off for off, _ in spans)
+    end = max(off + n for off, n in spans)
+    try:
+        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # advice only
 
 
 def _close(fds: list[int]) -> None:
