@@ -1,6 +1,6 @@
 """Step-0 replay throughput on CPU at a realistic drafter size, side by side in one run.
 
-    python bench/replay.py [--json] [--tokens 1024] [--reps 5] [--small]
+    python bench/replay.py [--json] [--tokens 1024] [--reps 5] [--small | --kimi] [--device cuda]
 
 Contenders, interleaved rep by rep on the same inputs (one sequence of --tokens rows):
 - `hstrace`: what `hstrace replay` does per recorded row: the reference drafter's batched
@@ -15,7 +15,11 @@ Contenders, interleaved rep by rep on the same inputs (one sequence of --tokens 
 
 Sizes (Llama-3-8B-class EAGLE-3 draft): hidden 4096, 3 aux slots of 4096, 32 heads / 8 KV
 heads of 128, MLP 14336, draft vocab 32000, target vocab 128256. `--small` divides the
-widths by 8 for a quick check. Reports median seconds per forward, tokens/s, the ratios
+widths by 8 for a quick check. `--kimi`: a Kimi-K2.5-sized draft (issue 14 item 6: hidden
+7168, 3 aux slots of 7168, draft vocab 32000, target vocab 163840; 56 heads / 8 KV heads of
+128 and MLP 18432 are this bench's choice, a Llama-style EAGLE-3 layer at that width).
+`--device cuda` runs every contender on the GPU (weights built there, timed between
+synchronizes; peak memory is then the CUDA allocator's). Reports median seconds per forward, tokens/s, the ratios
 (hstrace vs the matmul bound, hstrace vs speculators) and each contender's peak RSS above the
 process's resting RSS (sampled every 2 ms), plus the whole process's peak RSS.
 """
@@ -67,7 +71,20 @@ class PeakRSS:
         self.peak = max(self.peak, rss_bytes())
 
 
-def config(small: bool) -> DrafterConfig:
+def config(small: bool, kimi: bool = False) -> DrafterConfig:
+    if kimi:
+        return DrafterConfig(
+            hidden_size=7168,
+            vocab_size=163840,
+            draft_vocab_size=32000,
+            num_attention_heads=56,
+            num_key_value_heads=8,
+            head_dim=128,
+            intermediate_size=18432,
+            num_aux=3,
+            rope_theta=50000.0,
+            rms_norm_eps=1e-5,
+        )
     d = 8 if small else 1
     return DrafterConfig(
         hidden_size=4096 // d,
@@ -98,9 +115,9 @@ def skip_init() -> Iterator[None]:
             setattr(torch.nn.init, n, f)
 
 
-def build(cfg: DrafterConfig) -> Eagle3Drafter:
+def build(cfg: DrafterConfig, device: str = "cpu") -> Eagle3Drafter:
     torch.manual_seed(0)
-    with skip_init():
+    with skip_init(), torch.device(device):  # allocated where it runs (GB of weights)
         model = Eagle3Drafter(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -115,7 +132,7 @@ def build(cfg: DrafterConfig) -> Eagle3Drafter:
     return model.eval()
 
 
-def matmul_bound(cfg: DrafterConfig, T: int) -> Callable[[], None]:
+def matmul_bound(cfg: DrafterConfig, T: int, device: str = "cpu") -> Callable[[], None]:
     """The drafter's matmuls as bare torch.mm / bmm on the same shapes."""
     H, n, Ht = cfg.hidden_size, cfg.num_aux, cfg.aux_width
     nh, nkv, hd, inter, Vd = (
@@ -125,10 +142,10 @@ def matmul_bound(cfg: DrafterConfig, T: int) -> Callable[[], None]:
         cfg.intermediate_size,
         cfg.draft_vocab_size,
     )
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(device=device).manual_seed(1)
 
     def r(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g) * 0.02
+        return torch.randn(*shape, generator=g, device=device) * 0.02
 
     w = {
         "fc": r(n * Ht, H),
@@ -159,7 +176,7 @@ def matmul_bound(cfg: DrafterConfig, T: int) -> Callable[[], None]:
 
 
 def speculators_forward(
-    model: Eagle3Drafter, cfg: DrafterConfig, ids, aux
+    model: Eagle3Drafter, cfg: DrafterConfig, ids, aux, device: str = "cpu"
 ) -> Callable[[], None] | None:
     try:
         from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -178,9 +195,9 @@ def speculators_forward(
     _missing, unexpected = theirs.load_state_dict(state, strict=False, assign=True)
     if unexpected:
         raise RuntimeError(f"speculators does not know keys {unexpected[:5]}")
-    theirs.eval()
+    theirs.to(device).eval()  # its own buffers (rotary) where the shared weights are
     T = ids.shape[0]
-    docs = torch.zeros(1, T, dtype=torch.long)
+    docs = torch.zeros(1, T, dtype=torch.long, device=device)
 
     def run() -> None:
         theirs(hidden_states=aux[None], input_ids=ids[None], document_ids=docs, ttt_steps=1)
@@ -193,18 +210,30 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--kimi", action="store_true", help="a Kimi-K2.5-sized draft (see above)")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (every contender there)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.small and args.kimi:
+        ap.error("--small and --kimi are two sizes: pick one")
+    dev = args.device
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {dev}: torch sees no CUDA device here")
+    cuda = dev.startswith("cuda")
 
-    cfg = config(args.small)
+    cfg = config(args.small, args.kimi)
     T = args.tokens
-    model = build(cfg)
+    model = build(cfg, dev)
     g = torch.Generator().manual_seed(2)
-    ids = torch.randint(0, cfg.vocab_size, (T,), generator=g)
-    aux = torch.randn(T, cfg.num_aux * cfg.aux_width, generator=g)
-    item = [Step0Input(ids, aux, torch.arange(T))]
-    engine_ids = torch.randint(0, cfg.draft_vocab_size, (T, 8), generator=g)
-    engine_lp = torch.randn(T, 8, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=g).to(dev)
+    aux = torch.randn(T, cfg.num_aux * cfg.aux_width, generator=g).to(dev)
+    item = [Step0Input(ids, aux, torch.arange(T, device=dev))]
+    engine_ids = torch.randint(0, cfg.draft_vocab_size, (T, 8), generator=g).to(dev)
+    engine_lp = torch.randn(T, 8, generator=g).to(dev)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
 
     def hstrace_step0() -> None:
         logits = step0_logits(model, item)[0]
@@ -212,11 +241,11 @@ def main() -> None:
 
     contenders: dict[str, Callable[[], None]] = {
         "hstrace": hstrace_step0,
-        "matmul-bound": matmul_bound(cfg, T),
+        "matmul-bound": matmul_bound(cfg, T, dev),
     }
     spec = None
     try:
-        spec = speculators_forward(model, cfg, ids, aux)
+        spec = speculators_forward(model, cfg, ids, aux, dev)
     except Exception as exc:  # noqa: BLE001 - reported, the other contenders still run
         print(f"speculators contender unavailable: {type(exc).__name__}: {exc}")
     if spec is not None:
@@ -225,15 +254,21 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in contenders}
     peaks: dict[str, int] = dict.fromkeys(contenders, 0)
     with torch.inference_mode():
-        for fn in contenders.values():  # warm-up (allocator, oneDNN primitives)
+        for fn in contenders.values():  # warm-up (allocator, oneDNN primitives, kernels)
             fn()
+        sync()
         for _ in range(args.reps):
             for name, fn in contenders.items():
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
                 with PeakRSS() as mem:
                     t0 = time.perf_counter()
                     fn()
+                    sync()
                     times[name].append(time.perf_counter() - t0)
-                peaks[name] = max(peaks[name], mem.peak - mem.base)
+                peak = torch.cuda.max_memory_allocated() - base if cuda else mem.peak - mem.base
+                peaks[name] = max(peaks[name], peak)
 
     flops_per_token = 2 * (
         cfg.num_aux * cfg.aux_width * cfg.hidden_size
@@ -255,6 +290,8 @@ def main() -> None:
             "tokens": T,
             "dtype": "float32",
             "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32 if cuda else None,
             "reps": args.reps,
         },
         "median_s": {k: round(v, 4) for k, v in med.items()},
@@ -264,6 +301,7 @@ def main() -> None:
         "hstrace_vs_speculators": round(med["speculators"] / med["hstrace"], 3)
         if "speculators" in med
         else None,
+        # CPU: peak RSS above the resting RSS; CUDA: peak allocated above what was allocated.
         "peak_rss_above_rest_mb": {k: round(v / 2**20, 1) for k, v in peaks.items()},
         "process_peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "weights_mb": round(

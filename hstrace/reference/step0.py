@@ -85,14 +85,16 @@ def step0_logits(
     skip = [len(it.prefix.input_ids) if it.prefix is not None else 0 for it in items]
     items = [it.with_prefix() for it in items]
     out: list[torch.Tensor | None] = [None] * len(items)
+    # The batch lives where the model's weights do (CPU in replay; a GPU in bench/replay.py).
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     for group in _batches(items, batch_tokens):
         T = max(len(items[i].input_ids) for i in group)
         B = len(group)
         width = items[group[0]].aux.shape[-1]
-        ids = torch.zeros(B, T, dtype=torch.long)
-        aux = torch.zeros(B, T, width, dtype=dtype)
-        pos = torch.zeros(B, T, dtype=torch.long)
-        docs = torch.full((B, T), -1, dtype=torch.long)
+        ids = torch.zeros(B, T, dtype=torch.long, device=device)
+        aux = torch.zeros(B, T, width, dtype=dtype, device=device)
+        pos = torch.zeros(B, T, dtype=torch.long, device=device)
+        docs = torch.full((B, T), -1, dtype=torch.long, device=device)
         for b, i in enumerate(group):
             n = len(items[i].input_ids)
             ids[b, :n] = items[i].input_ids
