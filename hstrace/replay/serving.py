@@ -318,6 +318,8 @@ class ServingData:
         finally:
             for o, kind in added:
                 o.held.pop(kind, None)
+            if added:
+                _give_back_freed()
 
     def rows_of(
         self, kind: str, parts: Sequence[tuple[ServingRequest, np.ndarray]]
@@ -350,6 +352,27 @@ class ServingData:
             r.wide = None
             if r.draft is not None:
                 r.draft.wide = None
+
+
+def _give_back_freed() -> None:
+    """Return freed heap pages to the OS (glibc `malloc_trim`). glibc raises its mmap threshold
+    to the size of each freed large block (up to 32 MiB), so a batch's rows and activations
+    land on the heap, and the heap keeps what a batch freed: without this, peak RSS grows
+    with the number of batches walked although nothing stays allocated (measured in
+    bench/replay_rows.py --requests). No-op where there is no glibc."""
+    global _TRIM
+    if _TRIM is None:
+        try:
+            import ctypes
+
+            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _TRIM = False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None
 
 
 def _col(table: Any, axis: str, name: str) -> Any:
