@@ -252,6 +252,7 @@ def many(a) -> dict:
             for n in sizes:
                 for label, tree in trees.items():
                     env = dict(os.environ, PYTHONPATH=str(tree))
+                    env.update(kv.split("=", 1) for kv in a.env)
                     trace, ckpt = traces[n]
                     res = subprocess.run(
                         [sys.executable, str(Path(__file__).resolve()), "--_replay",
@@ -287,6 +288,13 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=1024)
     ap.add_argument("--before", default="/tmp/s3before", help="the older tree (with hstrace/)")
     ap.add_argument("--_replay", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="KEY=VALUE for the replay processes (e.g. MALLOC_MMAP_THRESHOLD_=131072: glibc "
+        "then returns every large freed block, so peak RSS shows what was allocated)",
+    )
     a = ap.parse_args()
     if a._replay:
         print(json.dumps(measure_replay(Path(a._replay[0]), Path(a._replay[1]))))
