@@ -66,7 +66,11 @@ LIVENESS_EVERY = 64
 # HSTRACE_NATIVE=0 turns it off (the Python route stages the same bytes).
 NATIVE = _native is not None and DESCRIPTORS and os.environ.get("HSTRACE_NATIVE", "1") != "0"
 if NATIVE:
-    _native.bind(torch.Tensor)
+    # (sample tensors: where a tensor object keeps its TensorImpl, for the native step's
+    # prefetch; `_cdata` is that TensorImpl's address)
+    _samples = [torch.zeros(1), torch.zeros(2, 3, dtype=torch.bfloat16), torch.arange(4)[1:]]
+    _native.bind(torch.Tensor, _samples, [t._cdata for t in _samples])
+    del _samples
 # align(n) as two integer operations (ALIGN is a power of two).
 _ALIGN_UP, _ALIGN_MASK = ALIGN - 1, -ALIGN
 assert ALIGN & (ALIGN - 1) == 0
