@@ -176,9 +176,8 @@ def build_agreement(
             u.note("engine vs reference", f"recorded draft hidden input is not {fc_in} wide "
                    "(fc's input)")  # fmt: skip
             rms = _rms(runner, rows, requests)
-        else:
+        else:  # (the rows are fc's width: `fc-skipped` quotes no RMS)
             first = _first_pass(runner, rows, requests, chained)
-            rms = first.rms
             ref = first.ref
             evr = u.guarded("engine vs reference", first.compare)
             if evr is None:
@@ -245,13 +244,12 @@ def _whole(runner: DrafterRunner, item: Step0Input, r: ServingRequest) -> Step0I
 
 class _FirstPass:
     """One read of every recorded hidden input: the fp32 reference (per-row `RefRows`), the
-    bf16 reference's log-probs at the engine's ids (the noise floor), the rows' RMS, and the
-    chosen chains. Parts that fail keep their exception for the piece that asks."""
+    bf16 reference's log-probs at the engine's ids (the noise floor) and the chosen chains.
+    Parts that fail keep their exception for the piece that asks."""
 
     def __init__(self) -> None:
         self.ref: RefRows | None = None
         self.lowp: torch.Tensor | None = None
-        self.rms: float | None = None
         self.rows: EngineRows | None = None
         self.bf16_error: BaseException | None = None
         self.chain_sums = ChainSums()
@@ -285,15 +283,10 @@ def _first_pass(
     lps = torch.zeros(n, k)
     topk = torch.zeros(n, k, dtype=torch.long)
     lowp = torch.zeros(n, k)
-    squares, values = 0.0, 0
     picked: dict[int, list[Any]] = {}
     for r, chain in chosen_chains(chained, lambda r: runner.cached_span(r) is not None):
         picked.setdefault(id(r), []).append(chain)
     for group, items in engine_batches(runner, rows, requests):
-        for it in items:
-            h = it.aux.float()
-            squares += float(h.pow(2).double().sum())
-            values += h.numel()
         fp32 = runner.run_items(runner.drafter, items)
         for i, logits in zip(group, fp32, strict=True):
             at = rows.rows_of(i)
@@ -315,7 +308,6 @@ def _first_pass(
                 out.chain_error = exc
     out.ref = RefRows(argmax, lps, topk)
     out.lowp = lowp
-    out.rms = round(float((squares / values) ** 0.5), 4) if values else None
     return out
 
 

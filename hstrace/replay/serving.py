@@ -354,25 +354,46 @@ class ServingData:
                 r.draft.wide = None
 
 
+# Freed heap bytes kept before they are given back: trimming costs the next batch its page
+# faults, so a fixed amount stays.
+KEEP_FREED = 256 << 20
+
+
 def _give_back_freed() -> None:
-    """Return freed heap pages to the OS (glibc `malloc_trim`). glibc raises its mmap threshold
-    to the size of each freed large block (up to 32 MiB), so a batch's rows and activations
-    land on the heap, and the heap keeps what a batch freed: without this, peak RSS grows
-    with the number of batches walked although nothing stays allocated (measured in
-    bench/replay_rows.py --requests). No-op where there is no glibc."""
-    global _TRIM
-    if _TRIM is None:
-        try:
-            import ctypes
-
-            _TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _TRIM = False
-    if _TRIM:
-        _TRIM(0)
+    """Return freed heap pages to the OS (glibc `malloc_trim`) once more than KEEP_FREED are
+    free. glibc raises its mmap threshold to the size of each freed large block (up to 32
+    MiB), so a batch's rows and activations land on the heap, and the heap keeps what a batch
+    freed: without this, peak RSS grows with the number of batches walked although nothing
+    stays allocated (bench/replay_rows.py --requests). No-op without glibc."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = _glibc()
+    if _LIBC and _LIBC.mallinfo2().fordblks > KEEP_FREED:
+        _LIBC.malloc_trim(0)
 
 
-_TRIM: Any = None
+def _glibc() -> Any:
+    try:
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [
+                (name, ctypes.c_size_t)
+                for name in (
+                    "arena", "ordblks", "smblks", "hblks", "hblkhd",
+                    "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost",
+                )
+            ]  # fmt: skip
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        return libc
+    except (OSError, AttributeError):
+        return False
+
+
+_LIBC: Any = None
 
 
 def _col(table: Any, axis: str, name: str) -> Any:
