@@ -318,13 +318,14 @@ def test_native_and_python_routes_write_byte_identical_traces(tmp_path, monkeypa
         assert b.num_steps == 30 and b.column("step", "layer").tolist() == list(range(1, 120, 4))
 
 
-def test_the_native_step_refuses_without_a_trace_and_only_what_python_refuses(tmp_path):
+def test_the_native_step_refuses_without_a_trace_and_only_what_python_refuses(
+    tmp_path, monkeypatch
+):
     """The native call either stages a step whole (and the writer's own checks would pass it
     with the same rows) or hands it back with the ring cursor untouched."""
-    from hstrace.trace import process_sink
+    from helpers.native_route import use_route
 
-    if not process_sink.NATIVE:
-        pytest.skip("the native step is not built here")
+    use_route(monkeypatch, "native")
     path = tmp_path / "n.zarr"
     create_trace(path, engine={"name": "test"})
     with TraceWriter(path, rank=0) as w:

@@ -65,7 +65,7 @@ LIVENESS_EVERY = 64
 # The native one-call step (hstrace/trace/_native.c): where it is built and descriptors are on.
 # HSTRACE_NATIVE=0 turns it off (the Python route stages the same bytes).
 NATIVE = _native is not None and DESCRIPTORS and os.environ.get("HSTRACE_NATIVE", "1") != "0"
-if NATIVE:
+if _native is not None:  # bound even when off: a test may turn it on (helpers.native_route)
     # (sample tensors: where a tensor object keeps its TensorImpl, for the native step's
     # prefetch; `_cdata` is that TensorImpl's address)
     _samples = [torch.zeros(1), torch.zeros(2, 3, dtype=torch.bfloat16), torch.arange(4)[1:]]
