@@ -69,8 +69,11 @@ if _native is not None:  # bound even when off: a test may turn it on (helpers.n
     # (sample tensors: where a tensor object keeps its TensorImpl, for the native step's
     # prefetch; `_cdata` is that TensorImpl's address)
     _samples = [torch.zeros(1), torch.zeros(2, 3, dtype=torch.bfloat16), torch.arange(4)[1:]]
-    _native.bind(torch.Tensor, _samples, [t._cdata for t in _samples])
-    del _samples
+    _impls = [getattr(t, "_cdata", None) for t in _samples]
+    if None in _impls:  # a torch without it: no prefetch, the same checks and bytes
+        _samples, _impls = [], []
+    _native.bind(torch.Tensor, _samples, _impls)
+    del _samples, _impls
 # align(n) as two integer operations (ALIGN is a power of two).
 _ALIGN_UP, _ALIGN_MASK = ALIGN - 1, -ALIGN
 assert ALIGN & (ALIGN - 1) == 0
