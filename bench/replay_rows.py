@@ -212,15 +212,18 @@ def measure_replay(path: Path, ckpt: Path) -> dict:
         return out
 
     TableView.column = counting
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     doc = replay(path, WORLD_TRAINING, ckpt).to_json()
     wall = time.perf_counter() - t0
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    u1 = resource.getrusage(resource.RUSAGE_SELF)
+    rss0, rss1 = u0.ru_maxrss, u1.ru_maxrss
     text = json.dumps(doc, sort_keys=True)
     return {
         "tree": str(Path(hstrace.__file__).parent.parent),
         "wall_s": round(wall, 2),
+        # CPU seconds (user + system) of the replay: what the machine's load does not change
+        "cpu_s": round(u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime, 2),
         "peak_rss_mb": round(rss1 / 1024, 1),
         "rss_before_replay_mb": round(rss0 / 1024, 1),
         "verdict": doc["verdict"]["code"],
@@ -263,7 +266,9 @@ def many(a) -> dict:
                         raise SystemExit(f"{label} {n}: {res.stderr[-2000:]}")
                     got = json.loads(res.stdout.strip().splitlines()[-1])
                     runs.setdefault(f"{label}_{n}", []).append(got)
-                    print(label, n, got["wall_s"], got["peak_rss_mb"], file=sys.stderr)
+                    print(
+                        label, n, got["wall_s"], got["cpu_s"], got["peak_rss_mb"], file=sys.stderr
+                    )
         out["runs"] = runs
         out["same_json"] = {
             n: len({r["json_sha256"] for k in (f"before_{n}", f"after_{n}") for r in runs[k]}) == 1
