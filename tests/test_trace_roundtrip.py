@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -261,15 +264,21 @@ def test_drop_policy_counts_dropped_steps(tmp_path):
     create_trace(path, engine={"name": "test"})
     n_written = 300
     with TraceWriter(path, rank=0, on_full="drop", staging_bytes=1 << 20) as w:
-        kept = [
-            w.write(
-                "target",
-                step={"mode": 0},
-                req={"req_key": torch.tensor([1]), "n_tok": torch.tensor([64])},
-                tok={"aux_hidden": torch.full((64, 2048), i, dtype=torch.bfloat16)},
-            )
-            for i in range(n_written)
-        ]
+        # The writer stopped while the burst comes: the 1 MiB ring fills after a few 256 KiB
+        # steps and the rest must be dropped, however fast this host's writer is.
+        os.kill(w.writer_pid, signal.SIGSTOP)
+        try:
+            kept = [
+                w.write(
+                    "target",
+                    step={"mode": 0},
+                    req={"req_key": torch.tensor([1]), "n_tok": torch.tensor([64])},
+                    tok={"aux_hidden": torch.full((64, 2048), i, dtype=torch.bfloat16)},
+                )
+                for i in range(n_written)
+            ]
+        finally:
+            os.kill(w.writer_pid, signal.SIGCONT)
     with open_trace(path) as tr:
         r = tr.rank(0)
         t = r.table("target")
