@@ -301,9 +301,11 @@ def _first_pass(
                 out.bf16_error = exc
         if out.chain_error is None:
             try:
-                for i in group:
+                for i, it in zip(group, items, strict=True):
+                    # the batch item's prefix: a cache hit's span, read once for all its chains
+                    prefix = lambda _r, p=it.prefix: p  # noqa: E731
                     for chain in picked.get(id(requests[i]), []):
-                        out.chain_sums.run(runner.drafter, requests[i], chain, runner.prefix_of)
+                        out.chain_sums.run(runner.drafter, requests[i], chain, prefix)
             except Exception as exc:  # noqa: BLE001 -- raised to `chain_result`
                 out.chain_error = exc
     out.ref = RefRows(argmax, lps, topk)
@@ -345,9 +347,10 @@ def _chains(
     serving = runner.alignment.serving
     for r in dict.fromkeys(r for r, _c in chosen):
         with serving.holding([r], ("hidden_in",)):
+            prefix = runner.prefix_of(r)  # a cache hit's span, read once for its chains
             for q, chain in chosen:
                 if q is r:
-                    sums.run(model, r, chain, runner.prefix_of)
+                    sums.run(model, r, chain, lambda _r, p=prefix: p)
     return sums.result()
 
 
