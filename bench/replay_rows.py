@@ -71,12 +71,11 @@ def _serving_module(ref: str | None):
     return mod
 
 
-def measure(path: Path, ref: str | None, dump: Path) -> dict:
-    """One read in this process: the counts, the time, the peak RSS; tensors saved to `dump`."""
-    from hstrace.trace import open_trace
+def count_wide_reads() -> dict[str, list[int]]:
+    """From now on in this process, count the rows and bytes every read of a wide column
+    returns: {"table.column": [rows, bytes]} (one measurement per process)."""
     from hstrace.trace.reader import TableView
 
-    serving = _serving_module(ref)
     asked: dict[str, list[int]] = {}
     column = TableView.column
 
@@ -89,6 +88,15 @@ def measure(path: Path, ref: str | None, dump: Path) -> dict:
         return out
 
     TableView.column = counting
+    return asked
+
+
+def measure(path: Path, ref: str | None, dump: Path) -> dict:
+    """One read in this process: the counts, the time, the peak RSS; tensors saved to `dump`."""
+    from hstrace.trace import open_trace
+
+    serving = _serving_module(ref)
+    asked = count_wide_reads()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     t0 = time.perf_counter()
     with open_trace(path) as tr:
@@ -198,20 +206,8 @@ def measure_replay(path: Path, ckpt: Path) -> dict:
     """One whole replay in this process: wall, peak RSS, the wide rows read, the JSON digest."""
     import hstrace
     from hstrace.pipelines import replay
-    from hstrace.trace.reader import TableView
 
-    asked: dict[str, list[int]] = {}
-    column = TableView.column
-
-    def counting(self, axis, name, start=None, stop=None):
-        out = column(self, axis, name, start, stop)
-        if name in WIDE:
-            a = asked.setdefault(f"{self.name}.{name}", [0, 0])
-            a[0] += len(out)
-            a[1] += int(out.numel()) * out.element_size()
-        return out
-
-    TableView.column = counting
+    asked = count_wide_reads()
     u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     doc = replay(path, WORLD_TRAINING, ckpt).to_json()
