@@ -125,6 +125,22 @@ def test_read_only_remount_is_reported_and_the_committed_prefix_stays(tmp_path):
     assert "Traceback" not in stderr, stderr
 
 
+def _first_error(write, start: int, pause_s: float = 0.0, timeout_s: float = 30) -> str | None:
+    """Call write(s) for s = start, start + 1, ... until it raises TraceError (its text) or
+    timeout_s passes (None)."""
+    deadline = time.monotonic() + timeout_s
+    s = start
+    while time.monotonic() < deadline:
+        try:
+            write(s)
+            s += 1
+        except TraceError as exc:
+            return str(exc)
+        if pause_s:
+            time.sleep(pause_s)
+    return None
+
+
 def test_output_directory_removed_mid_run_fails_the_next_writes(tmp_path):
     path = tmp_path / "gone.zarr"
     create_trace(path, engine={"name": "test"})
@@ -133,16 +149,7 @@ def test_output_directory_removed_mid_run_fails_the_next_writes(tmp_path):
         w.write("target", **step_data(s))
     w.flush()
     shutil.rmtree(path)
-    err = None
-    deadline = time.monotonic() + 30
-    s = 10
-    while err is None and time.monotonic() < deadline:
-        try:
-            w.write("target", **step_data(s))
-            s += 1
-        except TraceError as exc:
-            err = str(exc)
-        time.sleep(0.01)
+    err = _first_error(lambda s: w.write("target", **step_data(s)), start=10, pause_s=0.01)
     assert err is not None, "writes kept succeeding into a removed trace"
     assert str(path) in err and "removed or replaced" in err, err
     assert "kept: nothing (the trace is gone)" in err, err
@@ -183,15 +190,7 @@ def test_a_directory_removed_under_a_streaming_producer_is_not_recreated(tmp_pat
         w.write("target", **steps[s % 2])
     w.flush()
     shutil.rmtree(path)
-    err = None
-    deadline = time.monotonic() + 30
-    s = 10
-    while err is None and time.monotonic() < deadline:
-        try:
-            w.write("target", **steps[s % 2])
-            s += 1
-        except TraceError as exc:
-            err = str(exc)
+    err = _first_error(lambda s: w.write("target", **steps[s % 2]), start=10)
     assert err is not None and "removed or replaced" in err, err
     with pytest.raises(TraceError, match="removed or replaced"):
         w.close()
