@@ -9,6 +9,8 @@ rows of top-64 ids/log-probs + lse + full 32000-vocab bf16 logits, ids and posit
                uncompressed as long as the trace stays within 0.8x its raw size)
   hstrace_1t   the same, one encoding thread, never uncompressed (the lossless rate)
   hstrace_2t   the same, two encoding threads, never uncompressed
+  hstrace_2t_budget  two encoding threads; while behind, chunks stored uncompressed only
+               within 0.8x the raw size, never beyond (the producer waits instead)
   copy_only    the same bytes memmoved into a preallocated staging buffer (the producer's floor)
   torch_save   torch.save of a dict per step, one file per step (SGLang's dumper style)
   safetensors  safetensors.torch.save_file per step, one file per step
@@ -119,7 +121,7 @@ class Hstrace:
     behind, chunks stored uncompressed within rowlog.DISK_BUDGET (the commit record counts them)."""
 
     name = "hstrace"
-    threads, raw_when_behind = 2, True
+    threads, raw_when_behind, raw_beyond_budget = 2, True, True
 
     def __init__(self, out: Path) -> None:
         self.path = out / "trace.zarr"
@@ -130,6 +132,7 @@ class Hstrace:
             on_full="block",
             compress_threads=self.threads,
             raw_when_behind=self.raw_when_behind,
+            raw_beyond_budget=self.raw_beyond_budget,
         )
         self.s = 0
 
@@ -168,6 +171,15 @@ class Hstrace2T(Hstrace):
 
     name = "hstrace_2t"
     threads, raw_when_behind = 2, False
+
+
+class Hstrace2TBudget(Hstrace):
+    """Two encoding threads; while behind, chunks go uncompressed only while the trace stays
+    within rowlog.DISK_BUDGET of its raw size, never beyond it (the producer waits instead):
+    the lossless rate of two threads at disk <= 0.8x raw."""
+
+    name = "hstrace_2t_budget"
+    threads, raw_when_behind, raw_beyond_budget = 2, True, False
 
 
 class CopyOnly:
@@ -315,6 +327,7 @@ METHODS = [
     Hstrace,
     Hstrace1T,
     Hstrace2T,
+    Hstrace2TBudget,
     CopyOnly,
     TorchSave,
     Safetensors,

@@ -54,13 +54,15 @@ def _column_bytes(path, table: str, column: str) -> int:
     return sum(os.path.getsize(os.path.join(a, f)) for a, _, fs in os.walk(d) for f in fs)
 
 
-def _record(path, steps: int, behind: bool, threads: int, far: bool = False) -> torch.Tensor:
+def _record(
+    path, steps: int, behind: bool, threads: int, far: bool = False, beyond: bool = True
+) -> torch.Tensor:
     create_trace(path, engine={"name": "test"})
     g = torch.Generator().manual_seed(3)
     width = 8192  # 16 KiB rows: a sharded column of 256-row (4 MiB) chunks
     scale = torch.exp(torch.randn(width, generator=g) * 0.5)
     rows = []
-    rowlog.configure(threads, raw_when_behind=True)
+    rowlog.configure(threads, raw_when_behind=True, raw_beyond_budget=beyond)
     rowlog.set_behind(behind, far=far)
     try:
         w = TraceWriter(path, process=False, tail_flush_s=60)
@@ -80,13 +82,18 @@ def _record(path, steps: int, behind: bool, threads: int, far: bool = False) -> 
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("threads", [0, 2], ids=["sync", "two-threads"])
-def test_behind_writer_stores_raw_only_within_the_disk_budget(tmp_path, threads):
+@pytest.mark.parametrize(
+    ("threads", "far"),
+    [(0, False), (2, False), (2, True)],
+    ids=["sync", "two-threads", "far-behind-budget-held"],
+)
+def test_behind_writer_stores_raw_only_within_the_disk_budget(tmp_path, threads, far):
     """Always behind: some chunks go uncompressed (counted in the commit record), but the
     column stays within DISK_BUDGET of its raw size, and every row reads back bit for bit
-    through plain zarr and hstrace's reader."""
+    through plain zarr and hstrace's reader. With raw_beyond_budget=False the budget holds
+    even when the ring is nearly full."""
     path = tmp_path / "behind.zarr"
-    want = _record(path, 48, behind=True, threads=threads)
+    want = _record(path, 48, behind=True, threads=threads, far=far, beyond=not far)
     raw_size = want.numel() * 2
     with open_trace(path) as tr:
         t = tr.rank(0).table("target")
@@ -196,15 +203,22 @@ def _inner(path) -> int:
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "page-cache"])
-@pytest.mark.parametrize("behind", [False, True], ids=["compressed", "some-raw"])
-def test_shard_layout_with_and_without_o_direct(tmp_path, monkeypatch, direct, behind):
-    """With O_DIRECT every inner chunk of a shard starts on a 4096-byte boundary (compressed
-    chunks written direct, raw ones through the page cache, the gaps never read) and the file
-    ends with its index; through the page cache chunks are packed back to back. Either way
+@pytest.mark.parametrize("kind", ["compressed", "some-raw", "mixed-cached"])
+def test_shard_layout_with_and_without_o_direct(tmp_path, monkeypatch, direct, kind):
+    """With O_DIRECT every inner chunk of a shard starts on a 4096-byte boundary and the
+    file ends with its index (the gaps never read); through the page cache chunks are packed
+    back to back. Compressed chunks and raw ones within the budget are written by the I/O
+    thread; raw chunks of a writer far behind go through the page cache on the writer's own
+    thread after the shard's earlier writes ("mixed-cached": every third chunk). Either way
     plain zarr and hstrace's reader give back every row bit for bit."""
     monkeypatch.setattr(rowlog, "DIRECT_IO", direct)
+    far = kind == "mixed-cached"
+    if far:
+        calls = iter(range(1 << 30))
+        monkeypatch.setattr(rowlog.ENCODER, "may_store_raw", lambda n: next(calls) % 3 == 1)
     path = tmp_path / "t.zarr"
-    want = _record(path, 72, behind=behind, threads=2)  # 9216 rows: a whole shard + a tail
+    # 9216 rows: a whole shard + a tail
+    want = _record(path, 72, behind=kind != "compressed", threads=2, far=far)
     shard = path / "rank0/target/tok.aux_hidden/c/0/0"
     data, index = _shard_index(shard)
     assert len(index) == _inner(shard) and not np.any(index[:, 0] == 2**64 - 1)
@@ -224,7 +238,9 @@ def test_shard_layout_with_and_without_o_direct(tmp_path, monkeypatch, direct, b
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     arr = zarr.open_array(str(path / "rank0/target/tok.aux_hidden"), mode="r")
     assert np.array_equal(arr[:], want.view(torch.uint16).numpy())
-    assert bool(raw) == behind, raw
+    assert bool(raw) == (kind != "compressed"), raw
+    if far:  # every third of the 36 chunks, as the patched encoder said
+        assert raw["tok/aux_hidden"] == 12, raw
 
 
 def test_o_direct_write_refused_goes_through_the_page_cache(tmp_path):

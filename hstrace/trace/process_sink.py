@@ -125,6 +125,7 @@ class ProcessSink(Sink):
         max_part_bytes: int = 16 << 20,
         compress_threads: int = 2,
         raw_when_behind: bool = True,
+        raw_beyond_budget: bool = True,
     ) -> None:
         self.path, self.rank = path, rank
         self.stats = new_stats()
@@ -177,7 +178,8 @@ class ProcessSink(Sink):
         self._cur = self._new_cursor()
         args = [path, str(rank), str(float(tail_flush_s)), self._shm.arg]
         args += [str(data_r.fileno()), str(free_w.fileno()), str(ends_w)]
-        args += [str(max(0, int(compress_threads))), "1" if raw_when_behind else "0"]
+        raw = ("1" if raw_beyond_budget else "b") if raw_when_behind else "0"
+        args += [str(max(0, int(compress_threads))), raw]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         # subprocess rather than multiprocessing's spawn, which would re-import the parent's

@@ -68,6 +68,8 @@ COMPRESSORS = [BloscCodec(cname=CNAME, clevel=CLEVEL, shuffle=SHUFFLE, blocksize
 GROW_UNITS = 64
 # Chunks of one column being encoded at once; the column waits for the oldest beyond this.
 MAX_INFLIGHT = 4
+# Encoded chunks of one column waiting for the I/O thread; the column waits beyond this.
+MAX_WRITES = 4
 # While behind, chunks are stored uncompressed only while the bytes on disk (compressed chunks
 # as encoded, in-flight ones estimated at the ratio seen so far) stay within this share of the
 # bytes recorded (issue 14: disk <= 0.8x raw).
@@ -104,11 +106,19 @@ class Encoder:
     def __init__(self) -> None:
         self.threads = 0
         self.raw_when_behind = False
+        # Far behind, chunks may go raw beyond DISK_BUDGET (False: the budget is a hard bound
+        # and the producer waits for ring room instead).
+        self.raw_beyond_budget = True
         self.behind = False
         # Far behind: the producer is about to wait for ring room. Not blocking the server
         # comes before the disk budget then (issue 14: store it uncompressed and say so).
         self.far_behind = False
         self._pool: ThreadPoolExecutor | None = None
+        # Shard writes, in order, off the writer's main thread (with encoding threads only):
+        # an O_DIRECT write waits for the device, and on the main thread that wait left the
+        # encoders without chunks to compress (perf: the main thread spent 0.95 of 2.4 s in
+        # shard writes while both encoders idled ~60 %, bench/README.md).
+        self.io: ThreadPoolExecutor | None = None
         self._codecs: dict[tuple[int, int], Blosc] = {}
         self._lock = threading.Lock()
         self._reset_budget()
@@ -122,20 +132,25 @@ class Encoder:
         self._done_in = 0
         self._done_out = 0
 
-    def configure(self, threads: int, raw_when_behind: bool) -> None:
+    def configure(
+        self, threads: int, raw_when_behind: bool, raw_beyond_budget: bool = True
+    ) -> None:
         """threads: encoding threads (0: encode on the caller's thread)."""
         # One Blosc thread per call, whichever thread calls: numcodecs otherwise fans a call
         # from the main thread out to blosc's global threads (behind a global lock).
         numcodecs.blosc.use_threads = False
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self.io):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self.threads = max(0, int(threads))
         self._pool = (
             ThreadPoolExecutor(self.threads, thread_name_prefix="hstrace-encode")
             if self.threads
             else None
         )
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="hstrace-io") if self.threads else None
         self.raw_when_behind = bool(raw_when_behind)
+        self.raw_beyond_budget = bool(raw_beyond_budget)
         self._reset_budget()
 
     def _ratio(self) -> float:
@@ -146,7 +161,7 @@ class Encoder:
         to), and only while the trace stays within DISK_BUDGET of its raw size with it."""
         if not (self.raw_when_behind and self.behind):
             return False
-        if self.far_behind:
+        if self.far_behind and self.raw_beyond_budget:
             return True
         with self._lock:
             on_disk = self.bytes_stored + self.bytes_pending * self._ratio() + nbytes
@@ -195,7 +210,11 @@ class Encoder:
         if raw:
             f: Future = Future()
             f.set_result(
-                raw_frame_in_place(chunk, block) if block is not None else raw_frame(chunk)
+                # Past the budget (far behind, the server about to wait) through the page
+                # cache, which takes it at memory speed; within it with O_DIRECT, as the rest.
+                raw_frame_in_place(chunk, block, cached=self.far_behind and self.raw_beyond_budget)
+                if block is not None
+                else raw_frame(chunk)
             )
             return f, raw
         work = (
@@ -226,13 +245,13 @@ def raw_frame(chunk: np.ndarray) -> list:
     return [head, memoryview(chunk).cast("B")]
 
 
-def raw_frame_in_place(chunk: np.ndarray, block: np.ndarray) -> Aligned:
+def raw_frame_in_place(chunk: np.ndarray, block: np.ndarray, cached: bool = True) -> Aligned:
     """The same frame as raw_frame, in place: `block` holds _HEAD bytes before the chunk's
-    rows, and the header goes there."""
+    rows, and the header goes there. `cached`: written through the page cache (see Aligned)."""
     n = chunk.nbytes
     head = struct.pack("<BBBBIII", 2, 1, 0x93, chunk.dtype.itemsize, n, min(BLOCKSIZE, n), n + 16)
     block[:_HEAD] = np.frombuffer(head, dtype=np.uint8)
-    return Aligned(block, n + _HEAD, cached=True)
+    return Aligned(block, n + _HEAD, cached=cached)
 
 
 def _compress_into(chunk: np.ndarray, out: np.ndarray) -> Aligned:
@@ -255,8 +274,10 @@ def _parts(data) -> list:
     return data if isinstance(data, list) else [data]
 
 
-def configure(threads: int = 0, raw_when_behind: bool = False) -> None:
-    ENCODER.configure(threads, raw_when_behind)
+def configure(
+    threads: int = 0, raw_when_behind: bool = False, raw_beyond_budget: bool = True
+) -> None:
+    ENCODER.configure(threads, raw_when_behind, raw_beyond_budget)
 
 
 def set_behind(flag: bool, far: bool = False) -> None:
@@ -317,7 +338,8 @@ class _Shard:
 
     With O_DIRECT every chunk starts at a multiple of ALIGN (the index holds where each chunk
     is and how long it is; the padding after it is never read), and the index goes last, the
-    file then cut to end with it. Without, chunks are packed back to back."""
+    file then cut to end with it. Without, chunks are packed back to back. finish, snapshot
+    and discard are called once every write `add` handed to the I/O thread is done."""
 
     def __init__(self, path: str, n_inner: int) -> None:
         self.path = path
@@ -326,43 +348,49 @@ class _Shard:
         self._cached_fd = -1  # the same file without O_DIRECT, for chunks marked `cached`
         self.index = np.full((n_inner, 2), _EMPTY, dtype="<u8")
         self.pos = 0
-        self.done = 0  # inner chunks in the file
+        self.done = 0  # inner chunks placed (in the file once their writes are done)
         self._bounce: np.ndarray | None = None  # aligned copy of a chunk not in aligned memory
 
-    def add(self, data) -> None:
-        """Append an encoded chunk (bytes, the parts of a raw frame, or an aligned frame)."""
+    def add(self, data, io: ThreadPoolExecutor | None = None) -> Future | None:
+        """Append an encoded chunk (bytes, the parts of a raw frame, or an aligned frame). Its
+        place in the file is decided here; the write itself goes to `io` (the writer's one
+        I/O thread, which writes in submission order) when given, and the future says when
+        the bytes are in the file; without `io` it is written before this returns."""
         n = _nbytes(data)
+        at = self.pos
+        self.index[self.done] = (at, n)
+        self.pos += padded(n) if self.direct else n
+        self.done += 1
+        if io is None:
+            self._write(data, at, n)
+            return None
+        return io.submit(self._write, data, at, n)
+
+    def _write(self, data, at: int, n: int) -> None:
         if self.direct and isinstance(data, Aligned) and data.cached:
             if self._cached_fd < 0:
                 self._cached_fd = os.open(self.tmp, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
             # The next chunk still starts block-aligned: the bytes between are a hole (the
             # file is extended over it, so that a snapshot finds every byte up to pos).
-            _write_all(self._cached_fd, memoryview(data.block)[:n], self.pos)
-            step = padded(n)
-            os.ftruncate(self._cached_fd, self.pos + step)
+            _write_all(self._cached_fd, memoryview(data.block)[:n], at)
+            os.ftruncate(self._cached_fd, at + padded(n))
         elif self.direct:
             if isinstance(data, Aligned):
                 block = data.block
             else:  # not in aligned memory (the numcodecs fallback): through a bounce buffer
                 if self._bounce is None or self._bounce.nbytes < n:
                     self._bounce = aligned_buffer(n)
-                block, at = self._bounce, 0
+                block, pos = self._bounce, 0
                 for p in _parts(data):
                     m = len(p) if not isinstance(p, memoryview) else p.nbytes
-                    block[at : at + m] = np.frombuffer(p, dtype=np.uint8)
-                    at += m
-            _write_all(self.fd, memoryview(block)[: padded(n)], self.pos)
-            step = padded(n)
+                    block[pos : pos + m] = np.frombuffer(p, dtype=np.uint8)
+                    pos += m
+            _write_all(self.fd, memoryview(block)[: padded(n)], at)
         else:
-            at = self.pos
             for p in _parts(data):
                 v = memoryview(p).cast("B")
                 _write_all(self.fd, v, at)
                 at += v.nbytes
-            step = n
-        self.index[self.done] = (self.pos, n)
-        self.pos += step
-        self.done += 1
 
     def finish(self) -> None:
         index = b"".join(_index_bytes(self.index))
@@ -466,6 +494,9 @@ class RowLog:
         self._free: list[tuple[np.ndarray, np.ndarray | None]] = []  # (buf, block)
         # (chunk no., encoded chunk, buf, block, out)
         self._inflight: deque[tuple[int, Future, np.ndarray, Any, Any]] = deque()
+        # Chunks handed to the I/O thread: (write, buf and block or None, out or None), the
+        # memory given back once the write is done.
+        self._writing: deque[tuple[Future, Any, Any]] = deque()
         self._shard: _Shard | None = None
         self._shard_no = -1
 
@@ -574,12 +605,29 @@ class RowLog:
                     self._shard = _Shard(self._key_path(unit_no), per_unit)
                     self._shard_no = unit_no
                 assert self._shard.done == inner
-                self._shard.add(data)
-                self._free.append((buf, mem))
-                if out is not None:
-                    self._outs.append(out)
+                # A raw chunk of a writer far behind goes through the page cache on this
+                # thread, once the shard's earlier writes are done (no O_DIRECT write of the
+                # same file in flight meanwhile). On the I/O thread that copy ran at 0.55-1.1
+                # CPU s per GB, serialized behind the device writes, and the shipped firehose
+                # fell from 1013-1725 to 721-1083 MB/s (alternated with the tree before).
+                cached = isinstance(data, Aligned) and data.cached
+                if cached:
+                    self._written(block=True)
+                write = self._shard.add(data, None if cached else ENCODER.io)
+                # A raw frame is written from buf's own block; a compressed one from out.
+                in_buf = isinstance(data, Aligned) and data.block is mem
+                if write is None or not in_buf:
+                    self._free.append((buf, mem))
+                if write is None:
+                    if out is not None:
+                        self._outs.append(out)
+                else:
+                    self._writing.append((write, (buf, mem) if in_buf else None, out))
+                    while len(self._writing) > MAX_WRITES:
+                        self._written(block=True, upto=1)
                 if inner < per_unit - 1:
                     continue
+                self._written(block=True)  # every chunk of the shard is in its file
                 self._shard.finish()
                 self._shard = None
             self.flushed = (chunk_no + 1) * self.chunk_rows
@@ -587,10 +635,28 @@ class RowLog:
             # The oldest row not on disk is now younger: age it from here, as a tail would.
             self.dirty_since = None if self.flushed >= self.total else time.monotonic()
 
+    def _written(self, block: bool, upto: int | None = None) -> None:
+        """Take back the memory of chunks the I/O thread has written, oldest first (a write
+        that failed raises here, on the writer's thread: its OSError is the writer's fault)."""
+        done = 0
+        while self._writing and (upto is None or done < upto):
+            write, held, out = self._writing[0]
+            if not block and not write.done():
+                return
+            self._writing.popleft()
+            done += 1
+            write.result()
+            if held is not None:
+                self._free.append(held)
+            if out is not None:
+                self._outs.append(out)
+
     def drain(self) -> None:
         """Write whatever the encoder has finished (the writer calls this when idle)."""
         if self._inflight:
             self._drain(block=False)
+        if self._writing:
+            self._written(block=False)
 
     def needs_tail_flush(self, now: float, max_age_s: float) -> bool:
         return self.dirty_since is not None and now - self.dirty_since >= max_age_s
@@ -602,6 +668,7 @@ class RowLog:
         if self.dirty_since is None:
             return False
         self._drain(block=True)
+        self._written(block=True)  # a snapshot copies the shard's file as written so far
         if self.fill:
             start = self.encoded
             self._ensure_capacity(start + self.fill)
@@ -630,6 +697,11 @@ class RowLog:
     def abort(self) -> None:
         """Stop after a write fault: drop this column's temp files (what the last tail flush
         or whole-unit write put at the keys stays)."""
+        while self._writing:  # the I/O thread must be done with the files and the memory
+            try:
+                self._written(block=True, upto=1)
+            except OSError:
+                pass
         if self._shard is not None:
             self._shard.discard()
             self._shard = None

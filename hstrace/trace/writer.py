@@ -100,6 +100,10 @@ class TraceWriter:
     writer process; "drop" drops the step and counts it (per table) in the trace.
     process: the writer-process sink (True) or the in-process recorder (False); sink: an
     explicit sink instead (then process and the staging keywords are not used).
+    raw_when_behind: while the writer is behind, store chunks uncompressed (counted in the
+    commit record) as long as the trace stays within rowlog.DISK_BUDGET of its raw size;
+    raw_beyond_budget: beyond that budget too once the ring is nearly full (not making the
+    server wait comes first), or (False) never: the budget holds and the producer waits.
     """
 
     def __init__(
@@ -113,6 +117,7 @@ class TraceWriter:
         max_part_bytes: int = 16 << 20,
         compress_threads: int = 2,
         raw_when_behind: bool = True,
+        raw_beyond_budget: bool = True,
         sink: Sink | None = None,
     ) -> None:
         if on_full not in ("block", "drop"):
@@ -138,6 +143,7 @@ class TraceWriter:
                 max_part_bytes=max_part_bytes,
                 compress_threads=compress_threads,
                 raw_when_behind=raw_when_behind,
+                raw_beyond_budget=raw_beyond_budget,
             )
         self.sink = sink
         self.stats = sink.stats

@@ -30,7 +30,9 @@ IDLE_POLL_MAX_S = 0.002
 
 def main(argv: list[str]) -> None:
     """Entry point: `python -m hstrace.trace.writer_process PATH RANK TAIL_S RING DATA_FD
-    FREE_FD ENDS_FD THREADS RAW_WHEN_BEHIND`; RING is `fd:N` (a memfd) or a /dev/shm name.
+    FREE_FD ENDS_FD THREADS RAW`; RING is `fd:N` (a memfd) or a /dev/shm name; RAW is 0 (never
+    uncompressed), 1 (while behind, within the disk budget, beyond it when far behind) or b
+    (while behind, within the disk budget only).
 
     Started with subprocess rather than multiprocessing's spawn, which would re-import the
     parent's __main__ (a server launcher inside SGLang, a test runner, a user script)."""
@@ -44,7 +46,8 @@ def main(argv: list[str]) -> None:
         Connection(int(free_fd)),
         int(ends_fd),
         int(threads),
-        raw_when_behind == "1",
+        raw_when_behind in ("1", "b"),
+        raw_when_behind != "b",
     )
 
 
@@ -127,13 +130,14 @@ def writer_main(
     ends_fd: int,
     threads: int = 0,
     raw_when_behind: bool = False,
+    raw_beyond_budget: bool = True,
 ) -> None:
     from hstrace.trace.recorder import RankRecorder
 
     replies = _Replies(free_w, ends_fd)
     try:
         shm = RingView(ring)
-        rowlog.configure(threads, raw_when_behind)
+        rowlog.configure(threads, raw_when_behind, raw_beyond_budget)
         rec = RankRecorder(path, rank, tail_flush_s=tail_flush_s)
         guard = _Guard(path, rank)
     except (HstraceError, OSError) as exc:
