@@ -47,10 +47,10 @@ def trace(tmp_path_factory):
 RANGES = [(0, None), (0, 1), (255, 257), (300, 3000), (1023, 1025), (4000, None)]
 
 
-@pytest.mark.parametrize("group_bytes", [32 << 20, 1], ids=["default", "one-chunk-per-group"])
-def test_any_row_range_reads_what_zarr_reads(trace, group_bytes, monkeypatch):
+@pytest.mark.parametrize("parallel_min", [1, 1 << 30], ids=["pool", "calling-thread"])
+def test_any_row_range_reads_what_zarr_reads(trace, parallel_min, monkeypatch):
     path, wide, narrow = trace
-    monkeypatch.setattr(chunkread, "GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(chunkread, "PARALLEL_MIN_CHUNKS", parallel_min)
     z_wide = zarr.open_array(str(path / "rank0/target/tok.aux_hidden"), mode="r")
     z_narrow = zarr.open_array(str(path / "rank0/target/tok.topk"), mode="r")
     assert z_wide.shards is not None and z_narrow.shards is None  # both layouts under test
@@ -69,15 +69,62 @@ def test_any_row_range_reads_what_zarr_reads(trace, group_bytes, monkeypatch):
             assert np.array_equal(got_n, z_narrow[a:b]), (a, b)
 
 
-def test_the_read_buffer_is_reused_not_reallocated(trace):
+def test_the_read_buffer_is_reused_not_reallocated(trace, monkeypatch):
     """Encoded bytes land in one per-thread buffer reused from read to read (fresh memory
-    per shard read cost more than the decode itself); it stays at GROUP_BYTES."""
+    per shard read cost more than the decode itself), no bigger than a chunk."""
     path, wide, _ = trace
+    monkeypatch.setattr(chunkread, "PARALLEL_MIN_CHUNKS", 1 << 30)  # on this thread
     with open_trace(path) as tr:
         arr = tr.rank(0).table("target")._arrays[("tok", "aux_hidden")]
         first = chunkread.read_rows(arr, 0, len(wide))
         buf = chunkread._buffer().buf
         second = chunkread.read_rows(arr, 0, len(wide))
     assert chunkread._buffer().buf is buf
-    assert len(buf) <= chunkread.GROUP_BYTES
+    assert 0 < len(buf) <= arr.chunks[0] * 8192 * 2 + 1024
     assert np.array_equal(first, wide) and np.array_equal(second, wide)
+
+
+def test_chunks_stored_raw_are_read_into_the_output_without_a_decode(trace, monkeypatch):
+    """A chunk stored uncompressed (a Blosc level-0 frame) is read straight into its output
+    rows: Blosc's decoder runs only for the compressed ones, and every row is still exact.
+    A frame of that size whose header does not say memcpyed is decoded as usual."""
+    path, wide, _ = trace
+    decoded = []
+    real = chunkread._BLOSC.decode
+
+    class Counting:
+        def decode(self, data, out=None):
+            decoded.append(len(data))
+            return real(data, out=out)
+
+    monkeypatch.setattr(chunkread, "_BLOSC", Counting())
+    with open_trace(path) as tr:
+        t = tr.rank(0).table("target")
+        raw = tr.rank(0).meta["commit"]["tables"]["target"]["uncompressed_chunks"]["tok/aux_hidden"]
+        arr = t._arrays[("tok", "aux_hidden")]
+        decoded.clear()  # opening the table read its small columns
+        got = chunkread.read_rows(arr, 0, len(wide))
+    chunks = -(-len(wide) // arr.chunks[0])
+    assert np.array_equal(got, wide)
+    assert raw > 0 and len(decoded) == chunks - raw, (len(decoded), chunks, raw)
+    assert all(n < arr.chunks[0] * 8192 * 2 for n in decoded)  # only compressed frames
+
+
+def test_a_frame_of_raw_size_without_the_memcpyed_flag_is_not_taken_as_raw(tmp_path):
+    """_read_raw_frame reads a frame into the output only when its header says memcpyed and
+    its sizes match; anything else is left to the decoder (which checks and decodes it)."""
+    import os
+    import struct
+
+    rows = np.arange(1024, dtype=np.uint16)
+    for flags, nbytes, ok in [(0x93, 2048, True), (0x91, 2048, False), (0x93, 2046, False)]:
+        p = tmp_path / f"f{flags}-{nbytes}"
+        p.write_bytes(struct.pack("<BBBBIII", 2, 1, flags, 2, nbytes, 2048, 2064) + rows.tobytes())
+        dest = np.zeros(1024, dtype=np.uint16)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            assert chunkread._read_raw_frame(fd, 0, 2064, memoryview(dest).cast("B")) is ok
+        finally:
+            os.close(fd)
+        if ok:
+            assert np.array_equal(dest, rows)

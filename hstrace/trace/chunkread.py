@@ -5,8 +5,10 @@ zarr's read path (asyncio, a task per inner chunk, copies) ran at ~165 MB/s here
 hstrace writes have one layout (rowlog.py): rows split only along the first dimension, the
 default chunk keys `c/<i>/0/...`, bytes little-endian + Blosc, inside a sharding codec with a
 crc32c'd index at the end for wide rows. For exactly that layout, in a directory store, this
-module reads the needed files itself: one `pread` per shard covering the needed inner chunks,
-decoded by a small thread pool (Blosc releases the GIL) straight into the output rows. Any
+module reads the needed files itself: each needed chunk is read and decoded by one thread of
+a small pool (Blosc and `preadv` release the GIL), so one thread reads while the other
+decodes, straight into the output rows; a chunk stored uncompressed is read into its output
+rows directly, with no decode copy. Any
 other array (another codec, a zip, another writer's layout) returns None: the caller uses
 zarr. A chunk file that is missing, a link, or fails its checks is an error here, never the
 fill value: the commit record says these rows exist.
@@ -153,16 +155,16 @@ class _Buffer:
 
     def view(self, n: int) -> memoryview:
         if len(self.buf) < n:
-            self.buf = bytearray(max(n, GROUP_BYTES))
+            self.buf = bytearray(n)
         return memoryview(self.buf)[:n]
 
     def release(self) -> None:
-        if len(self.buf) > GROUP_BYTES:  # a one-off huge chunk: do not keep its memory
+        if len(self.buf) > KEEP_BYTES:  # a one-off huge chunk: do not keep its memory
             self.buf = bytearray()
 
 
-# Encoded bytes read (and then decoded) at a time: a few chunks, so the buffer stays small.
-GROUP_BYTES = 32 << 20
+# A thread's read buffer is kept between reads up to this size (a chunk is at most ~4 MiB).
+KEEP_BYTES = 32 << 20
 _local = threading.local()
 
 
@@ -182,6 +184,22 @@ def _read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
         got += n
 
 
+_MEMCPYED = 0x02  # Blosc 1 header flag: the frame holds the bytes as they are
+
+
+def _read_raw_frame(fd: int, off: int, n: int, dest: memoryview) -> bool:
+    """Read a chunk stored uncompressed (a Blosc level-0 frame: 16 header bytes, then the
+    rows) straight into its rows of the output: one copy, from the page cache, where a decode
+    would add a second. False (dest then holds nothing meaningful) where the frame turns out
+    not to be one: the caller decodes it instead."""
+    head = bytearray(16)
+    if os.preadv(fd, [head, dest], off) != n:
+        return False  # a short read: the ordinary path reads it in a loop
+    nbytes = int.from_bytes(head[4:8], "little")
+    cbytes = int.from_bytes(head[12:16], "little")
+    return bool(head[2] & _MEMCPYED) and nbytes == dest.nbytes and cbytes == n
+
+
 def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
     """Rows [start, stop) of `arr`, or None where this module does not handle the array."""
     lay = layout_of(arr)
@@ -195,18 +213,18 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
     cr = lay.chunk_rows
     first, last = start // cr, (stop - 1) // cr
     row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
+    chunk_bytes = cr * row_bytes
     # Blosc stores at most 16 header bytes plus 4 per block beyond the data: no chunk file can
     # be bigger than this (a sparse 8 GiB "chunk" is refused before it is read).
-    max_chunk = cr * row_bytes + 16 + 4 * (cr * row_bytes // (1 << 16) + 1) + 1024
+    max_chunk = chunk_bytes + 16 + 4 * (chunk_bytes // (1 << 16) + 1) + 1024
 
-    def decode(job: tuple[Any, int]) -> None:
-        data, row0 = job
+    def decode(data: memoryview, row0: int) -> None:
         head = bytes(data[:16])  # Blosc 1 header: nbytes at 4:8, cbytes at 12:16 (LE)
         nbytes = int.from_bytes(head[4:8], "little") if len(head) == 16 else -1
         cbytes = int.from_bytes(head[12:16], "little") if len(head) == 16 else -1
-        if nbytes != cr * row_bytes or cbytes != len(data):
+        if nbytes != chunk_bytes or cbytes != len(data):
             raise ValueError(
-                f"a chunk at row {row0} holds {nbytes} bytes in {len(data)} (want {cr * row_bytes}): corrupt"
+                f"a chunk at row {row0} holds {nbytes} bytes in {len(data)} (want {chunk_bytes}): corrupt"
             )
         a, b = max(start, row0), min(stop, row0 + cr)
         if a == row0 and b == row0 + cr:  # the whole chunk is wanted: decode in place
@@ -215,31 +233,33 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
         raw = np.frombuffer(_BLOSC.decode(data), dtype=dtype)
         out[a - start : b - start] = raw.reshape(cr, *row_shape)[a - row0 : b - row0]
 
-    buf = _buffer()
-    # One group of encoded chunks at a time: read into the buffer, then decoded by the pool
-    # straight into `out` (Blosc releases the GIL), then the next group reuses the buffer.
+    def read_one(job: tuple[int, int, int, int, str]) -> None:
+        """Read one chunk and decode it into `out`, on whichever thread runs it: each thread
+        reads its next chunk while the other decodes, so the read is not a serial phase."""
+        fd, off, n, row0, path = job
+        whole = row0 >= start and row0 + cr <= stop
+        if whole and n == chunk_bytes + 16:  # the size of a chunk stored uncompressed
+            dest = memoryview(out[row0 - start : row0 - start + cr]).cast("B")
+            if _read_raw_frame(fd, off, n, dest):
+                return
+        buf = _buffer()
+        view = buf.view(n)
+        try:
+            _read_into(fd, view, off, path)
+            decode(view, row0)
+        finally:
+            del view
+            buf.release()
+
     group: list[tuple[int, int, int, int, str]] = []  # (fd, file offset, nbytes, row0, path)
 
     def run_group() -> None:
-        if not group:
-            return
-        view = buf.view(sum(g[2] for g in group))
-        jobs, pos = [], 0
-        for fd, off, n, row0, path in group:
-            _read_into(fd, view[pos : pos + n], off, path)
-            jobs.append((view[pos : pos + n], row0))
-            pos += n
-        if len(jobs) >= PARALLEL_MIN_CHUNKS:
-            list(_executor().map(decode, jobs))
+        if len(group) >= PARALLEL_MIN_CHUNKS:
+            list(_executor().map(read_one, group))
         else:
-            for job in jobs:
-                decode(job)
+            for job in group:
+                read_one(job)
         group.clear()
-
-    def add(fd: int, off: int, n: int, row0: int, path: str) -> None:
-        if group and sum(g[2] for g in group) + n > GROUP_BYTES:
-            run_group()
-        group.append((fd, off, n, row0, path))
 
     fds: list[int] = []
     try:
@@ -251,8 +271,8 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
                 size = os.fstat(fd).st_size
                 if size > max_chunk:
                     raise ValueError(f"chunk file {path} is {size} bytes, more than a chunk can be")
-                add(fd, 0, size, c * cr, path)
-                if len(fds) > 64:  # do not hold too many files open: decode what is read
+                group.append((fd, 0, size, c * cr, path))
+                if len(fds) > 64:  # do not hold too many files open: decode what is open
                     run_group()
                     _close(fds)
         else:
@@ -266,14 +286,15 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
                 row0 = shard * per * cr
                 spans = _shard_index(fd, path, per, lo, hi, max_chunk)
                 _prefetch(fd, spans)
-                for j, (off, n) in enumerate(spans):
-                    add(fd, off, n, row0 + (lo + j) * cr, path)
+                group.extend(
+                    (fd, off, n, row0 + (lo + j) * cr, path) for j, (off, n) in enumerate(spans)
+                )
                 run_group()  # before the shard's file is closed
                 _close(fds)
         run_group()
     finally:
+        group.clear()
         _close(fds)
-        buf.release()
     return out
 
 
