@@ -29,6 +29,10 @@ workload (--growth-steps, default 3000), the marginal rate: files added per furt
 steps. A paced step whose record call was preempted (an involuntary context switch of the
 serving thread, Linux) is counted, so a p99 set by the host's load shows as such.
 
+Bounds, in the same rounds: the codec alone (Blosc zstd-1 + byte shuffle on the same chunks, 1
+and 2 threads, no I/O: `codec_alone.codec_1t/2t`) for the lossless write rates, and Blosc's
+decoder alone (2 threads into new memory: `codec_alone.decode_2t`) for warm reads.
+
     python bench/write_path.py [--json] [--rounds 3] [--paced-steps 300] [--firehose-steps 1000]
                                [--growth-steps 3000]
 """
@@ -751,6 +755,40 @@ def codec_alone(chunks: list[np.ndarray], total_bytes: int, threads: int) -> dic
     return {"wall_s": wall, "cpu_s": _cpu_s()[0] - c0, "bytes": n, "out_bytes": out}
 
 
+def decode_alone(chunks: list[np.ndarray], total_bytes: int, threads: int) -> dict:
+    """Blosc's decoder alone on `total_bytes` of the same chunks, compressed as the writer
+    stores them (encoded once, not timed), each decoded into new memory of its size (as
+    hstrace's reader returns new arrays), on `threads` threads: no file, no read, no Python
+    per row. The bound a warm (page-cache) read of a compressed trace is measured against."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from numcodecs import Blosc
+
+    from hstrace.trace import rowlog
+
+    rowlog.configure(0, False)
+    frames = [rowlog.ENCODER.codec(c.itemsize, False).encode(c) for c in chunks]
+    sizes = [c.nbytes for c in chunks]
+    work, n, i = [], 0, 0
+    while n < total_bytes:
+        work.append(i % len(chunks))
+        n += sizes[work[-1]]
+        i += 1
+    dec = Blosc()
+
+    def one(j: int) -> int:
+        out = np.empty(sizes[j], np.uint8)
+        dec.decode(frames[j], out=out)
+        return out.nbytes
+
+    c0 = _cpu_s()[0]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        got = sum(ex.map(one, work))
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "cpu_s": _cpu_s()[0] - c0, "bytes": got}
+
+
 def pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q))
 
@@ -815,6 +853,7 @@ def main(argv: list[str] | None = None) -> dict:
     raw: dict[str, dict[str, list[dict]]] = {m.name: {"paced": [], "firehose": []} for m in methods}
     chunks = codec_chunks(pool)
     codec_runs: dict[int, list[dict]] = {1: [], 2: []}
+    decode_runs: list[dict] = []
     try:
         for r in range(args.rounds):
             order = methods if r % 2 == 0 else methods[::-1]  # alternate order against drift
@@ -829,6 +868,7 @@ def main(argv: list[str] | None = None) -> dict:
                 total = args.firehose_steps * sb
                 for k in (1, 2):
                     codec_runs[k].append(codec_alone(chunks, total, k))
+                decode_runs.append(decode_alone(chunks, total, 2))
         large = None
         if args.large_steps:
             large = run_large(
@@ -947,7 +987,19 @@ def main(argv: list[str] | None = None) -> dict:
                 codec[f"codec_{k}t"]["mb_s_vs_raw_direct"] = (
                     codec[f"codec_{k}t"]["mb_s"] / results["raw_write_direct"]["sustained_mb_s"]
                 )
+    if decode_runs:
+        med = statistics.median
+        codec["decode_2t"] = {
+            "mb_s": med(x["bytes"] / 1e6 / x["wall_s"] for x in decode_runs),
+            "mb_per_cpu_s": med(x["bytes"] / 1e6 / max(1e-9, x["cpu_s"]) for x in decode_runs),
+        }
+        fresh = (base or {}).get("read_fresh_mb_s")
+        if fresh:  # the decoder's bound on a warm read, against the raw read into new memory
+            codec["decode_2t"]["mb_s_vs_raw_read_fresh"] = codec["decode_2t"]["mb_s"] / fresh
     for name, e in results.items():
+        # A warm read against the decoder alone (both on two threads, into new memory).
+        if name.startswith("hstrace") and "decode_2t" in codec and "read_mb_s" in e:
+            e["read_vs_decode_alone"] = e["read_mb_s"] / codec["decode_2t"]["mb_s"]
         # The writer against the codec alone with as many threads (1 for hstrace_1t, else 2).
         c = codec.get("codec_1t" if name == "hstrace_1t" else "codec_2t")
         if name.startswith("hstrace") and c:
