@@ -710,6 +710,7 @@ class RowLog:
     def close(self) -> None:
         """Write the tail and trim the shape to the exact row count."""
         self.flush_tail()
+        self._written(block=True)  # (flush_tail waited already, unless nothing was dirty)
         if self._shard is not None:
             self._shard.discard()  # its chunks are in the key through the snapshot
             self._shard = None
