@@ -21,7 +21,8 @@ new), but only while what the writer has put on disk stays within DISK_BUDGET of
 was given: the codec is the writer's bound (bench/README.md), so a writer that is behind
 compresses just enough chunks to keep the trace at <= 0.8x its raw size and stores the rest
 as they are. Only when the ring is more than 3/4 full (the producer is about to wait for room)
-does not blocking the server come first and chunks go raw beyond the budget. Each column counts
+does not blocking the server come first and chunks go raw beyond the budget (unless
+`raw_beyond_budget` is off: then the budget holds and the producer waits). Each column counts
 its uncompressed chunks (`raw_chunks`); the commit record says so.
 
 Shards (the wide columns: nearly all the bytes) are written with O_DIRECT where the file system
@@ -31,7 +32,8 @@ page cache with trace either. Each chunk is compressed into one of a few page-al
 the column reuses (blosc_into.py) and written at a block-aligned offset of its shard: the
 shard index says where each chunk is, so the few hundred bytes of padding after a chunk are
 never read. Elsewhere (tmpfs, a file system without O_DIRECT) the same files are written
-through the page cache, packed.
+through the page cache, packed. With encoding threads, the writes themselves are made by one
+I/O thread, in order, while the writer's main thread goes on feeding the encoders.
 """
 
 from __future__ import annotations
@@ -88,9 +90,9 @@ _HEAD = 16
 class Aligned:
     """An encoded chunk in page-aligned memory: the frame is block[:nbytes], and block holds
     at least padded(nbytes) bytes (what an O_DIRECT write of it needs). `cached`: write it
-    through the page cache (a raw chunk of a writer that is behind: the page cache takes it at
-    memory speed and the device catches up later; an O_DIRECT write would wait for the device
-    exactly when the writer can least afford it)."""
+    through the page cache (a raw chunk of a writer far behind, past the disk budget: the page
+    cache takes it at memory speed and the device catches up later; an O_DIRECT write would
+    wait for the device exactly when the writer can least afford it)."""
 
     __slots__ = ("block", "nbytes", "cached")
 
