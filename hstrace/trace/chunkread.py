@@ -244,12 +244,11 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
                 return
         buf = _buffer()
         view = buf.view(n)
-        try:
-            _read_into(fd, view, off, path)
-            decode(view, row0)
-        finally:
-            del view
-            buf.release()
+        _read_into(fd, view, off, path)
+        decode(view, row0)
+        # Drops only a one-off huge chunk's buffer; it is replaced, never resized, so the
+        # view above may still be alive.
+        buf.release()
 
     group: list[tuple[int, int, int, int, str]] = []  # (fd, file offset, nbytes, row0, path)
 

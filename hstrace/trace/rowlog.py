@@ -155,6 +155,11 @@ class Encoder:
         self.raw_beyond_budget = bool(raw_beyond_budget)
         self._reset_budget()
 
+    @property
+    def past_budget(self) -> bool:
+        """Chunks may go raw beyond DISK_BUDGET now: far behind, and allowed to."""
+        return self.far_behind and self.raw_beyond_budget
+
     def _ratio(self) -> float:
         return self._done_out / self._done_in if self._done_in else _FIRST_RATIO
 
@@ -163,7 +168,7 @@ class Encoder:
         to), and only while the trace stays within DISK_BUDGET of its raw size with it."""
         if not (self.raw_when_behind and self.behind):
             return False
-        if self.far_behind and self.raw_beyond_budget:
+        if self.past_budget:
             return True
         with self._lock:
             on_disk = self.bytes_stored + self.bytes_pending * self._ratio() + nbytes
@@ -214,7 +219,7 @@ class Encoder:
             f.set_result(
                 # Past the budget (far behind, the server about to wait) through the page
                 # cache, which takes it at memory speed; within it with O_DIRECT, as the rest.
-                raw_frame_in_place(chunk, block, cached=self.far_behind and self.raw_beyond_budget)
+                raw_frame_in_place(chunk, block, cached=self.past_budget)
                 if block is not None
                 else raw_frame(chunk)
             )
