@@ -23,4 +23,13 @@ native = Extension(
     optional=True,
 )
 
-setup(packages=packages, package_dir=package_dir, ext_modules=[native])
+# The writer's encoder for 2-byte columns (hstrace/trace/_planes.c): optional too; without it
+# those chunks go through c-blosc's own encoder, and read back the same.
+planes = Extension(
+    "hstrace.trace._planes",
+    ["hstrace/trace/_planes.c"],
+    libraries=["dl", "pthread"],
+    optional=True,
+)
+
+setup(packages=packages, package_dir=package_dir, ext_modules=[native, planes])

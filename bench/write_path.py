@@ -8,6 +8,8 @@ rows of top-64 ids/log-probs + lse + full 32000-vocab bf16 logits, ids and posit
                two encoding threads; while more than half a ring behind, chunks stored
                uncompressed as long as the trace stays within 0.8x its raw size)
   hstrace_1t   the same, one encoding thread, never uncompressed (the lossless rate)
+  hstrace_1t_cblosc  the same with c-blosc zstd-1 on every chunk (HSTRACE_PLANES=0: the
+               writer's encoder before the byte planes, side by side)
   hstrace_2t   the same, two encoding threads, never uncompressed
   hstrace_2t_budget  two encoding threads; while behind, chunks stored uncompressed only
                within 0.8x the raw size, never beyond (the producer waits instead)
@@ -126,18 +128,28 @@ class Hstrace:
 
     name = "hstrace"
     threads, raw_when_behind, raw_beyond_budget = 2, True, True
+    env: dict[str, str] = {}  # for the writer process (it inherits this process's environment)
 
     def __init__(self, out: Path) -> None:
         self.path = out / "trace.zarr"
         create_trace(self.path, engine={"name": "bench"}, command_line=sys.argv)
-        self.w = TraceWriter(
-            self.path,
-            rank=0,
-            on_full="block",
-            compress_threads=self.threads,
-            raw_when_behind=self.raw_when_behind,
-            raw_beyond_budget=self.raw_beyond_budget,
-        )
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            self.w = TraceWriter(
+                self.path,
+                rank=0,
+                on_full="block",
+                compress_threads=self.threads,
+                raw_when_behind=self.raw_when_behind,
+                raw_beyond_budget=self.raw_beyond_budget,
+            )
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self.s = 0
 
     def blocked_s(self) -> float:
@@ -168,6 +180,14 @@ class Hstrace1T(Hstrace):
 
     name = "hstrace_1t"
     threads, raw_when_behind = 1, False
+
+
+class Hstrace1TCBlosc(Hstrace1T):
+    """One encoding thread, c-blosc zstd-1 on every chunk (no byte planes): the writer's
+    encoder before issue 14's fifth pass, in the same run."""
+
+    name = "hstrace_1t_cblosc"
+    env = {"HSTRACE_PLANES": "0"}
 
 
 class Hstrace2T(Hstrace):
@@ -330,6 +350,7 @@ class RawWriteDirect:
 METHODS = [
     Hstrace,
     Hstrace1T,
+    Hstrace1TCBlosc,
     Hstrace2T,
     Hstrace2TBudget,
     CopyOnly,
@@ -732,16 +753,40 @@ def codec_chunks(pool: list[dict]) -> list[np.ndarray]:
     return chunks
 
 
-def codec_alone(chunks: list[np.ndarray], total_bytes: int, threads: int) -> dict:
-    """The writer's codec alone (Blosc zstd-1, byte shuffle, as rowlog encodes a chunk) on
-    `total_bytes` of the workload's chunks, on `threads` threads: no ring, no gather copy, no
-    file, no Python per step. The bound the writer's lossless rate is measured against."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def writer_encode(chunk: np.ndarray, out: np.ndarray) -> int:
+    """One chunk encoded exactly as the writer encodes it into its page-aligned buffer
+    (rowlog._compress_into: byte planes for 2-byte values, c-blosc zstd-1 for the rest)."""
     from hstrace.trace import rowlog
 
+    return rowlog._compress_into(chunk, out).nbytes
+
+
+def codec_alone(
+    chunks: list[np.ndarray], total_bytes: int, threads: int, cblosc: bool = False
+) -> dict:
+    """The writer's encoder alone (writer_encode) on `total_bytes` of the workload's chunks, on
+    `threads` threads: no ring, no gather copy, no file, no Python per step. The bound the
+    writer's lossless rate is measured against. `cblosc`: c-blosc zstd-1 with byte shuffle on
+    every chunk instead (the codec issue 14 names, and the writer's before the byte planes)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hstrace.trace import blosc_into, rowlog
+
     rowlog.configure(0, False)  # one Blosc thread per call, as in the writer process
-    codec = {c.itemsize: rowlog.ENCODER.codec(c.itemsize, False) for c in chunks}
+    big = max(c.nbytes for c in chunks) + blosc_into.MAX_OVERHEAD
+    local = threading.local()
+
+    def one(c: np.ndarray) -> int:
+        out = getattr(local, "out", None)
+        if out is None:  # one reused page-aligned buffer per thread, as the writer's
+            out = local.out = blosc_into.aligned_buffer(big)
+        if cblosc:
+            return blosc_into.compress_into(
+                c, out, rowlog.CNAME, rowlog.CLEVEL, 1, rowlog.BLOCKSIZE
+            )
+        return writer_encode(c, out)
+
     work, n, i = [], 0, 0
     while n < total_bytes:
         work.append(chunks[i % len(chunks)])
@@ -750,7 +795,7 @@ def codec_alone(chunks: list[np.ndarray], total_bytes: int, threads: int) -> dic
     c0 = _cpu_s()[0]
     t0 = time.perf_counter()
     with ThreadPoolExecutor(threads) as ex:
-        out = sum(ex.map(lambda c: len(codec[c.itemsize].encode(c)), work))
+        out = sum(ex.map(one, work))
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "cpu_s": _cpu_s()[0] - c0, "bytes": n, "out_bytes": out}
 
@@ -764,10 +809,11 @@ def decode_alone(chunks: list[np.ndarray], total_bytes: int, threads: int) -> di
 
     from numcodecs import Blosc
 
-    from hstrace.trace import rowlog
+    from hstrace.trace import blosc_into, rowlog
 
     rowlog.configure(0, False)
-    frames = [rowlog.ENCODER.codec(c.itemsize, False).encode(c) for c in chunks]
+    buf = blosc_into.aligned_buffer(max(c.nbytes for c in chunks) + blosc_into.MAX_OVERHEAD)
+    frames = [bytes(buf[: writer_encode(c, buf)]) for c in chunks]
     sizes = [c.nbytes for c in chunks]
     work, n, i = [], 0, 0
     while n < total_bytes:
@@ -853,7 +899,7 @@ def main(argv: list[str] | None = None) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="hstrace-bench-", dir=args.workdir))
     raw: dict[str, dict[str, list[dict]]] = {m.name: {"paced": [], "firehose": []} for m in methods}
     chunks = codec_chunks(pool)
-    codec_runs: dict[int, list[dict]] = {1: [], 2: []}
+    codec_runs: dict[str, list[dict]] = {"codec_1t": [], "codec_2t": [], "cblosc_1t": []}
     decode_runs: list[dict] = []
     try:
         for r in range(args.rounds):
@@ -868,7 +914,8 @@ def main(argv: list[str] | None = None) -> dict:
             if methods:  # the codec alone on the same bytes, in the same round
                 total = args.firehose_steps * sb
                 for k in (1, 2):
-                    codec_runs[k].append(codec_alone(chunks, total, k))
+                    codec_runs[f"codec_{k}t"].append(codec_alone(chunks, total, k))
+                codec_runs["cblosc_1t"].append(codec_alone(chunks, total, 1, cblosc=True))
                 decode_runs.append(decode_alone(chunks, total, 2))
         large = None
         if args.large_steps:
@@ -931,6 +978,15 @@ def main(argv: list[str] | None = None) -> dict:
             ),
         }
         if modes.get("growth"):
+            # The steady rate: the further steps of the longer run over the time they added,
+            # without the start and the close (the ring's last drain, tails, zarr.json), which
+            # both runs pay once.
+            extra_s = modes["growth"][0]["wall_s"] - med(f["wall_s"] for f in fire)
+            entry["steady_mb_s"] = (
+                (args.growth_steps - args.firehose_steps) * sb / 1e6 / extra_s
+                if extra_s > 0
+                else None
+            )
             long_files = modes["growth"][0]["files"]
             entry[f"files_in_{args.growth_steps}_steps"] = long_files
             entry["files_per_extra_1000_steps"] = (
@@ -975,18 +1031,16 @@ def main(argv: list[str] | None = None) -> dict:
     for k, runs in codec_runs.items():
         if runs:
             med = statistics.median
-            codec[f"codec_{k}t"] = {
+            codec[k] = {
                 "mb_s": med(x["bytes"] / 1e6 / x["wall_s"] for x in runs),
                 "mb_per_cpu_s": med(x["bytes"] / 1e6 / max(1e-9, x["cpu_s"]) for x in runs),
                 "ratio": med(x["out_bytes"] / x["bytes"] for x in runs),
             }
             if base:
-                codec[f"codec_{k}t"]["mb_s_vs_raw"] = (
-                    codec[f"codec_{k}t"]["mb_s"] / base["sustained_mb_s"]
-                )
+                codec[k]["mb_s_vs_raw"] = codec[k]["mb_s"] / base["sustained_mb_s"]
             if "raw_write_direct" in results:
-                codec[f"codec_{k}t"]["mb_s_vs_raw_direct"] = (
-                    codec[f"codec_{k}t"]["mb_s"] / results["raw_write_direct"]["sustained_mb_s"]
+                codec[k]["mb_s_vs_raw_direct"] = (
+                    codec[k]["mb_s"] / results["raw_write_direct"]["sustained_mb_s"]
                 )
     if decode_runs:
         med = statistics.median
@@ -1002,7 +1056,9 @@ def main(argv: list[str] | None = None) -> dict:
         if name.startswith("hstrace") and "decode_2t" in codec and "read_mb_s" in e:
             e["read_vs_decode_alone"] = e["read_mb_s"] / codec["decode_2t"]["mb_s"]
         # The writer against the codec alone with as many threads (1 for hstrace_1t, else 2).
-        c = codec.get("codec_1t" if name == "hstrace_1t" else "codec_2t")
+        c = codec.get(
+            {"hstrace_1t": "codec_1t", "hstrace_1t_cblosc": "cblosc_1t"}.get(name, "codec_2t")
+        )
         if name.startswith("hstrace") and c:
             e["mb_s_vs_codec_alone"] = e["sustained_mb_s"] / c["mb_s"]
     copy = results.get("copy_only")
@@ -1024,6 +1080,8 @@ def main(argv: list[str] | None = None) -> dict:
         direct = results.get("raw_write_direct")
         if direct:
             e["mb_s_vs_raw_direct"] = e["sustained_mb_s"] / direct["sustained_mb_s"]
+            if e.get("steady_mb_s") and direct.get("steady_mb_s"):  # both without start/close
+                e["steady_vs_raw_direct_steady"] = e["steady_mb_s"] / direct["steady_mb_s"]
         if base:
             e["mb_per_cpu_s_vs_raw"] = e["mb_per_cpu_s"] / base["mb_per_cpu_s"]
     report = {
@@ -1060,18 +1118,19 @@ def main(argv: list[str] | None = None) -> dict:
         print(
             f"workload: {sb / 1e6:.3f} MB/step ({bb / sb:.0%} bf16), {args.tokens} tokens/step; medians of {args.rounds} rounds"
         )
-        hdr = f"{'method':<12} {'prod med ms':>11} {'p99 ms':>8} {'p99 !pre':>8} {'cpu ms':>7} {'% of 10ms':>9} {'MB/s':>8} {'x raw':>6} {'B/token':>9} {'disk/raw':>8} {'files/1k':>9} {'+files/1k':>9}"
+        hdr = f"{'method':<12} {'prod med ms':>11} {'p99 ms':>8} {'p99 !pre':>8} {'cpu ms':>7} {'% of 10ms':>9} {'MB/s':>8} {'x raw':>6} {'x direct':>8} {'steady':>7} {'B/token':>9} {'disk/raw':>8} {'files/1k':>9} {'+files/1k':>9}"
         print(hdr)
         for name, e in results.items():
             growth = e.get("files_per_extra_1000_steps")
             print(
                 f"{name:<12} {e['producer_ms_median']:>11.3f} {e['producer_ms_p99']:>8.3f} {e['producer_ms_p99_not_preempted']:>8.3f} {e['producer_cpu_ms_median']:>7.3f} {e['producer_share_of_10ms_step']:>9.1%} "
-                f"{e['sustained_mb_s']:>8.0f} {e['mb_s_vs_raw'] or math.nan:>6.2f} {e['bytes_on_disk_per_token']:>9.0f} {e['disk_vs_raw_bytes']:>8.3f} {e['files_per_1000_steps']:>9.0f} "
+                f"{e['sustained_mb_s']:>8.0f} {e['mb_s_vs_raw'] or math.nan:>6.2f} {e.get('mb_s_vs_raw_direct') or math.nan:>8.2f} {e.get('steady_mb_s') or math.nan:>7.0f} {e['bytes_on_disk_per_token']:>9.0f} {e['disk_vs_raw_bytes']:>8.3f} {e['files_per_1000_steps']:>9.0f} "
                 + (f"{growth:>9.1f}" if growth is not None else f"{'-':>9}")
             )
         print(
             "p99 !pre: p99 of the steps whose record call was not preempted; "
-            "+files/1k: files added per further 1000 steps (from one longer run)"
+            "+files/1k: files added per further 1000 steps (from one longer run); x direct: "
+            "MB/s against raw_write_direct; steady: MB/s of the longer run's further steps"
         )
         if large is not None:
             print(
@@ -1089,6 +1148,13 @@ def main(argv: list[str] | None = None) -> dict:
                     f"files {w['files']}"
                 )
         for k, c in codec.items():
+            if k == "decode_2t":  # the decoder alone has no stored/raw, and its own baseline
+                print(
+                    f"{k}: the decoder alone into new memory {c['mb_s']:.0f} MB/s "
+                    f"({c.get('mb_s_vs_raw_read_fresh') or math.nan:.2f}x a raw read), "
+                    f"{c['mb_per_cpu_s']:.0f} MB per CPU s"
+                )
+                continue
             print(
                 f"{k}: the codec alone on the same bytes {c['mb_s']:.0f} MB/s "
                 f"({c.get('mb_s_vs_raw') or math.nan:.2f}x raw_write), {c['mb_per_cpu_s']:.0f} MB "

@@ -9,6 +9,17 @@ from typing import Any
 import pytest
 
 
+@pytest.fixture
+def saturated_encoders(monkeypatch) -> None:
+    """Every encoding thread busy with a chunk waiting, as on a host where the codec is the
+    writer's bound: the only state in which a writer that is behind stores chunks raw
+    (rowlog.Encoder.encoders_busy). Tests of the raw path ask for it rather than hope a
+    burst outruns the encoders."""
+    from hstrace.trace import rowlog
+
+    monkeypatch.setattr(rowlog.Encoder, "encoders_busy", lambda self: True)
+
+
 @pytest.fixture(scope="session")
 def demo_trace(tmp_path_factory) -> Any:
     """`demo_trace(**kwargs)` -> a trace written by `helpers.demo_trace.write_demo_trace`, once

@@ -87,7 +87,9 @@ def _record(
     [(0, False), (2, False), (2, True)],
     ids=["sync", "two-threads", "far-behind-budget-held"],
 )
-def test_behind_writer_stores_raw_only_within_the_disk_budget(tmp_path, threads, far):
+def test_behind_writer_stores_raw_only_within_the_disk_budget(
+    tmp_path, threads, far, saturated_encoders
+):
     """Always behind: some chunks go uncompressed (counted in the commit record), but the
     column stays within DISK_BUDGET of its raw size, and every row reads back bit for bit
     through plain zarr and hstrace's reader. With raw_beyond_budget=False the budget holds
@@ -124,6 +126,46 @@ def test_writer_not_behind_compresses_every_chunk(tmp_path):
         )
     assert "uncompressed_chunks" not in entry, entry
     assert _column_bytes(path, "target", "aux_hidden") / (want.numel() * 2) < 0.72
+
+
+def test_behind_writer_with_an_idle_encoder_compresses_every_chunk(tmp_path, monkeypatch):
+    """Behind, even far behind, but an encoding thread is free: compressing delays nothing
+    and a raw chunk would cost the device 1.47x the bytes, so every chunk is compressed."""
+    monkeypatch.setattr(rowlog.Encoder, "encoders_busy", lambda self: False)
+    path = tmp_path / "idle.zarr"
+    want = _record(path, 16, behind=True, threads=2, far=True)
+    with open_trace(path) as tr:
+        entry = tr.rank(0).meta["commit"]["tables"]["target"]
+        got = tr.rank(0).table("target").column("tok", "aux_hidden")
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert "uncompressed_chunks" not in entry, entry
+    assert _column_bytes(path, "target", "aux_hidden") / (want.numel() * 2) < 0.72
+
+
+def test_encoders_busy_means_a_chunk_waits_for_a_thread():
+    """The count behind the raw decision: with one encoding thread held by a chunk, the next
+    chunk waits (busy); once both are taken up, nothing waits (not busy)."""
+    import threading
+
+    rowlog.configure(1, raw_when_behind=True)
+    try:
+        enc = rowlog.ENCODER
+        assert not enc.encoders_busy()
+        hold, started = threading.Event(), threading.Event()
+        enc._queued += 1  # as submit counts a chunk it hands to the pool
+        first = enc._pool.submit(enc._started, lambda: (started.set(), hold.wait(10)))
+        assert started.wait(10)
+        assert not enc.encoders_busy()  # one thread busy, nothing waiting
+        chunk = np.zeros((64, 4096), np.uint16)
+        fut, raw = enc.submit(chunk)
+        assert not raw  # not behind: compressed, whatever the encoders do
+        assert enc.encoders_busy()  # it waits behind the held chunk
+        hold.set()
+        first.result(10)
+        fut.result(10)
+        assert not enc.encoders_busy()
+    finally:
+        rowlog.configure(0, raw_when_behind=False)
 
 
 def test_far_behind_writer_stores_raw_beyond_the_budget(tmp_path):
@@ -204,7 +246,9 @@ def _inner(path) -> int:
 
 @pytest.mark.parametrize("direct", [True, False], ids=["o-direct", "page-cache"])
 @pytest.mark.parametrize("kind", ["compressed", "some-raw", "mixed-cached"])
-def test_shard_layout_with_and_without_o_direct(tmp_path, monkeypatch, direct, kind):
+def test_shard_layout_with_and_without_o_direct(
+    tmp_path, monkeypatch, direct, kind, saturated_encoders
+):
     """With O_DIRECT every inner chunk of a shard starts on a 4096-byte boundary and the
     file ends with its index (the gaps never read); through the page cache chunks are packed
     back to back. Compressed chunks and raw ones within the budget are written by the I/O

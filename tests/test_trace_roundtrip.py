@@ -403,7 +403,9 @@ def test_plain_zarr_snippet_of_the_docs_reads_a_step(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("raw", [False, True], ids=["compressed", "stored-raw-while-behind"])
-def test_wide_column_files_read_by_plain_zarr_and_by_the_fast_reader(tmp_path, raw, monkeypatch):
+def test_wide_column_files_read_by_plain_zarr_and_by_the_fast_reader(
+    tmp_path, raw, monkeypatch, saturated_encoders
+):
     """The writer encodes chunks and shards itself (not through zarr): plain zarr decodes
     them, hstrace's own reader (chunkread) reads any row range of them, bit for bit, and
     chunks stored uncompressed while the writer was behind are counted in the commit record."""

@@ -9,7 +9,7 @@ grown in big steps, and how many rows are valid lives only in the rank's commit 
 The data path bypasses zarr's (asyncio, per-call) write pipeline, which ran at ~150 MB/s
 against ~650 MB/s for the codec alone (bench/README.md): zarr creates every array and its
 metadata, but chunks and shards are encoded here with the very codec chain the metadata
-declares (bytes little-endian + Blosc zstd-1 byte shuffle; shards: chunks back to back, then
+declares (bytes little-endian + Blosc zstd byte shuffle; shards: chunks back to back, then
 the uint64 (offset, nbytes) index and its crc32c), and written as files next to zarr's,
 atomically (temp file + rename, as zarr's LocalStore does). Plain zarr reads them.
 
@@ -17,10 +17,11 @@ Chunks are encoded as soon as they fill, by a small thread pool (Blosc releases 
 appended to their shard's temp file, so a writer holds a few chunks per column in RAM, not a
 whole shard. While the writer process says it is behind (`set_behind`), chunks may be stored
 with Blosc level 0 (a valid Blosc frame holding the bytes as they are: readers need nothing
-new), but only while what the writer has put on disk stays within DISK_BUDGET of the bytes it
-was given: the codec is the writer's bound (bench/README.md), so a writer that is behind
-compresses just enough chunks to keep the trace at <= 0.8x its raw size and stores the rest
-as they are. Only when the ring is more than 3/4 full (the producer is about to wait for room)
+new), but only while every encoding thread is busy and a chunk already waits for one (an idle
+encoder compresses without delaying anything, and a raw chunk costs the device 1.47x the
+bytes), and only while what the writer has put on disk stays within DISK_BUDGET of the bytes
+it was given: a writer whose encoders are its bound compresses just enough chunks to keep the
+trace at <= 0.8x its raw size and stores the rest as they are. Only when the ring is more than 3/4 full (the producer is about to wait for room)
 does not blocking the server come first and chunks go raw beyond the budget (unless
 `raw_beyond_budget` is off: then the budget holds and the producer waits). Each column counts
 its uncompressed chunks (`raw_chunks`); the commit record says so.
@@ -57,9 +58,10 @@ import numpy as np
 import zarr
 from numcodecs import Blosc
 from zarr.codecs import BloscCodec
+from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
-from hstrace.trace import blosc_into
+from hstrace.trace import blosc_into, blosc_planes
 from hstrace.trace.blosc_into import aligned_buffer, padded
 from hstrace.trace.schema import unit_rows
 
@@ -123,6 +125,7 @@ class Encoder:
         self.io: ThreadPoolExecutor | None = None
         self._codecs: dict[tuple[int, int], Blosc] = {}
         self._lock = threading.Lock()
+        self._queued = 0  # chunks handed to the pool that no encoding thread has started
         self._reset_budget()
 
     def _reset_budget(self) -> None:
@@ -163,10 +166,16 @@ class Encoder:
     def _ratio(self) -> float:
         return self._done_out / self._done_in if self._done_in else _FIRST_RATIO
 
+    def encoders_busy(self) -> bool:
+        """Every encoding thread is busy and a chunk waits for one (always, without threads:
+        the writer's own thread encodes). Only then does a raw chunk save the writer time."""
+        return self._pool is None or self._queued > 0
+
     def may_store_raw(self, nbytes: int) -> bool:
         """Whether a chunk of nbytes may go uncompressed now: only while behind (and allowed
-        to), and only while the trace stays within DISK_BUDGET of its raw size with it."""
-        if not (self.raw_when_behind and self.behind):
+        to) with the encoders busy, and only while the trace stays within DISK_BUDGET of its
+        raw size with it."""
+        if not (self.raw_when_behind and self.behind and self.encoders_busy()):
             return False
         if self.past_budget:
             return True
@@ -227,17 +236,30 @@ class Encoder:
         work = (
             partial(_compress_into, chunk, out)
             if out is not None and blosc_into.AVAILABLE
-            else self.codec(chunk.dtype.itemsize, False).encode
+            else partial(self.encode, chunk)
         )
         if self._pool is None:
             f = Future()
-            f.set_result(work() if out is not None and blosc_into.AVAILABLE else work(chunk))
-        elif out is not None and blosc_into.AVAILABLE:
-            f = self._pool.submit(work)
+            f.set_result(work())
         else:
-            f = self._pool.submit(work, chunk)
+            with self._lock:
+                self._queued += 1
+            f = self._pool.submit(self._started, work)
         f.add_done_callback(partial(self._finished, n))
         return f, raw
+
+    def _started(self, work):
+        with self._lock:
+            self._queued -= 1
+        return work()
+
+    def encode(self, chunk: np.ndarray):
+        """The chunk's frame in new memory (bytes-like): byte planes for 2-byte values, as
+        _compress_into, else c-blosc zstd-1 through numcodecs."""
+        if blosc_planes.applies(chunk):
+            out = np.empty(chunk.nbytes + blosc_planes.MAX_OVERHEAD, np.uint8)
+            return memoryview(out)[: blosc_planes.compress_into(chunk, out, BLOCKSIZE)]
+        return self.codec(chunk.dtype.itemsize, False).encode(chunk)
 
 
 ENCODER = Encoder()
@@ -262,6 +284,11 @@ def raw_frame_in_place(chunk: np.ndarray, block: np.ndarray, cached: bool = True
 
 
 def _compress_into(chunk: np.ndarray, out: np.ndarray) -> Aligned:
+    """Encode into out: 2-byte values (bf16 activations, logits) as Huffman-coded byte planes
+    (blosc_planes.py: ~3x c-blosc zstd-1's speed at a slightly better ratio), the rest with
+    c-blosc zstd-1. Both are Blosc frames any reader decodes."""
+    if blosc_planes.applies(chunk):
+        return Aligned(out, blosc_planes.compress_into(chunk, out, BLOCKSIZE))
     return Aligned(
         out, blosc_into.compress_into(chunk, out, CNAME, CLEVEL, Blosc.SHUFFLE, BLOCKSIZE)
     )
@@ -520,7 +547,14 @@ class RowLog:
         if end > self.capacity:
             grow = GROW_UNITS * self.unit
             self.capacity = -(-end // grow) * grow
-            self.arr.resize((self.capacity, *self.row_shape))
+            self._set_rows(self.capacity)
+
+    def _set_rows(self, rows: int) -> None:
+        """Set the array's row count in its zarr.json. Nothing is deleted: every unit this
+        column wrote lies below `rows` (close trims only the capacity grown ahead, which was
+        never written), and zarr's own resize would otherwise try to delete each of those up
+        to GROW_UNITS - 1 absent keys per column, one unlink each (~0.35 s per close)."""
+        sync(self.arr.async_array.resize((rows, *self.row_shape), delete_outside_chunks=False))
 
     def _key_path(self, unit_no: int) -> str:
         """File of unit `unit_no` (a shard, or a chunk when unsharded): zarr's default key
@@ -683,6 +717,8 @@ class RowLog:
                 self.arr[start : start + self.fill] = self.buf[: self.fill]
             else:
                 self.buf[self.fill :] = 0
+                # c-blosc, not the byte planes: the zeros padding a tail chunk cost an LZ
+                # match next to nothing, and a Huffman code a bit each.
                 data = ENCODER.codec(self.dtype.itemsize, False).encode(self.buf)
                 chunk_no = start // self.chunk_rows
                 per_unit = self.unit // self.chunk_rows
@@ -723,7 +759,7 @@ class RowLog:
             self._shard = None
         self.flushed = self.stored
         self.fill = 0
-        self.arr.resize((self.flushed, *self.row_shape))
+        self._set_rows(self.flushed)
         self.capacity = self.flushed
         self.buf = self.block = None
         self._free.clear()
