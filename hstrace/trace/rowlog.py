@@ -65,7 +65,8 @@ from hstrace.trace import blosc_into, blosc_planes
 from hstrace.trace.blosc_into import aligned_buffer, padded
 from hstrace.trace.schema import unit_rows
 
-# Blosc zstd-1, byte shuffle, 1 MiB blocks: ~1.4x on bf16, releases the GIL (§3).
+# The codec zarr.json declares: Blosc zstd-1, byte shuffle, 1 MiB blocks (releases the GIL).
+# 2-byte chunks are encoded by blosc_planes into frames of the same format (_compress_into).
 CNAME, CLEVEL, SHUFFLE, BLOCKSIZE = "zstd", 1, "shuffle", 1 << 20
 COMPRESSORS = [BloscCodec(cname=CNAME, clevel=CLEVEL, shuffle=SHUFFLE, blocksize=BLOCKSIZE)]
 # Capacity grows by this many units at a time, so zarr.json is rewritten rarely.
