@@ -738,6 +738,34 @@ class RowLog:
         self.dirty_since = None
         return True
 
+    def _finish_tail_shard(self) -> None:
+        """At close: the unfinished shard completed in place, its partly filled chunk (if
+        any) appended, its index written, the file renamed to its key. A tail flush would
+        copy the shard's file so far into a snapshot, which close then keeps while it drops
+        the original: up to a whole shard copied for nothing."""
+        self._drain(block=True)
+        self._written(block=True)
+        if self.fill:
+            start = self.encoded
+            self._ensure_capacity(start + self.fill)
+            self.buf[self.fill :] = 0
+            # c-blosc for a tail, as in flush_tail: the zero padding costs LZ next to nothing
+            data = ENCODER.codec(self.dtype.itemsize, False).encode(self.buf)
+            per_unit = self.unit // self.chunk_rows
+            unit_no, inner = divmod(start // self.chunk_rows, per_unit)
+            if self._shard is None:
+                self._shard = _Shard(self._key_path(unit_no), per_unit)
+                self._shard_no = unit_no
+            assert self._shard.done == inner
+            self._shard.add(data)  # written before it returns (no I/O thread)
+            self.tail_stored = start + self.fill
+        elif self._shard is not None:
+            self.tail_stored = self.encoded
+        if self._shard is not None:
+            self._shard.finish()
+            self._shard = None
+        self.dirty_since = None
+
     def abort(self) -> None:
         """Stop after a write fault: drop this column's temp files (what the last tail flush
         or whole-unit write put at the keys stays)."""
@@ -753,7 +781,10 @@ class RowLog:
 
     def close(self) -> None:
         """Write the tail and trim the shape to the exact row count."""
-        self.flush_tail()
+        if self.sharded and self.dir is not None and self.dirty_since is not None:
+            self._finish_tail_shard()
+        else:
+            self.flush_tail()
         self._written(block=True)  # (flush_tail waited already, unless nothing was dirty)
         if self._shard is not None:
             self._shard.discard()  # its chunks are in the key through the snapshot
