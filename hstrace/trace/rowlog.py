@@ -21,8 +21,9 @@ new), but only while every encoding thread is busy and a chunk already waits for
 encoder compresses without delaying anything, and a raw chunk costs the device 1.47x the
 bytes), and only while what the writer has put on disk stays within DISK_BUDGET of the bytes
 it was given: a writer whose encoders are its bound compresses just enough chunks to keep the
-trace at <= 0.8x its raw size and stores the rest as they are. Only when the ring is more than 3/4 full (the producer is about to wait for room)
-does not blocking the server come first and chunks go raw beyond the budget (unless
+trace at <= 0.8x its raw size and stores the rest as they are. Only when the ring is more than
+3/4 full (the producer is about to wait for room) does not blocking the server come first and
+chunks go raw beyond the budget (unless
 `raw_beyond_budget` is off: then the budget holds and the producer waits). Each column counts
 its uncompressed chunks (`raw_chunks`); the commit record says so.
 
@@ -554,7 +555,7 @@ class RowLog:
         """Set the array's row count in its zarr.json. Nothing is deleted: every unit this
         column wrote lies below `rows` (close trims only the capacity grown ahead, which was
         never written), and zarr's own resize would otherwise try to delete each of those up
-        to GROW_UNITS - 1 absent keys per column, one unlink each (~0.35 s per close)."""
+        to GROW_UNITS - 1 absent keys per column, one unlink each (~0.1 s per close)."""
         sync(self.arr.async_array.resize((rows, *self.row_shape), delete_outside_chunks=False))
 
     def _key_path(self, unit_no: int) -> str:
@@ -713,30 +714,36 @@ class RowLog:
         self._written(block=True)  # a snapshot copies the shard's file as written so far
         if self.fill:
             start = self.encoded
-            self._ensure_capacity(start + self.fill)
             if self.dir is None:
+                self._ensure_capacity(start + self.fill)
                 self.arr[start : start + self.fill] = self.buf[: self.fill]
             else:
-                self.buf[self.fill :] = 0
-                # c-blosc, not the byte planes: the zeros padding a tail chunk cost an LZ
-                # match next to nothing, and a Huffman code a bit each.
-                data = ENCODER.codec(self.dtype.itemsize, False).encode(self.buf)
-                chunk_no = start // self.chunk_rows
-                per_unit = self.unit // self.chunk_rows
-                unit_no, inner = divmod(chunk_no, per_unit)
+                data, unit_no = self._encode_tail()
                 if not self.sharded:
                     _write_file(self._key_path(unit_no), [data])
                 else:
-                    if self._shard is None:
-                        self._shard = _Shard(self._key_path(unit_no), per_unit)
-                        self._shard_no = unit_no
-                    self._shard.snapshot(data)
+                    self._shard_of(unit_no).snapshot(data)
             self.tail_stored = start + self.fill
         elif self._shard is not None:
             self._shard.snapshot(None)  # whole chunks of an unfinished shard
             self.tail_stored = self.encoded
         self.dirty_since = None
         return True
+
+    def _encode_tail(self) -> tuple[Any, int]:
+        """The partly filled chunk, padded with zeros, as a frame; (frame, its unit). c-blosc,
+        not the byte planes: LZ codes the padding to next to nothing, Huffman to a bit a byte."""
+        self._ensure_capacity(self.encoded + self.fill)
+        self.buf[self.fill :] = 0
+        data = ENCODER.codec(self.dtype.itemsize, False).encode(self.buf)
+        return data, self.encoded // self.unit
+
+    def _shard_of(self, unit_no: int) -> _Shard:
+        """The shard being filled, opened for unit_no if none is."""
+        if self._shard is None:
+            self._shard = _Shard(self._key_path(unit_no), self.unit // self.chunk_rows)
+            self._shard_no = unit_no
+        return self._shard
 
     def _finish_tail_shard(self) -> None:
         """At close: the unfinished shard completed in place, its partly filled chunk (if
@@ -746,19 +753,9 @@ class RowLog:
         self._drain(block=True)
         self._written(block=True)
         if self.fill:
-            start = self.encoded
-            self._ensure_capacity(start + self.fill)
-            self.buf[self.fill :] = 0
-            # c-blosc for a tail, as in flush_tail: the zero padding costs LZ next to nothing
-            data = ENCODER.codec(self.dtype.itemsize, False).encode(self.buf)
-            per_unit = self.unit // self.chunk_rows
-            unit_no, inner = divmod(start // self.chunk_rows, per_unit)
-            if self._shard is None:
-                self._shard = _Shard(self._key_path(unit_no), per_unit)
-                self._shard_no = unit_no
-            assert self._shard.done == inner
-            self._shard.add(data)  # written before it returns (no I/O thread)
-            self.tail_stored = start + self.fill
+            data, unit_no = self._encode_tail()
+            self._shard_of(unit_no).add(data)  # written before it returns (no I/O thread)
+            self.tail_stored = self.encoded + self.fill
         elif self._shard is not None:
             self.tail_stored = self.encoded
         if self._shard is not None:
