@@ -31,9 +31,11 @@ workload (--growth-steps, default 3000), the marginal rate: files added per furt
 steps. A paced step whose record call was preempted (an involuntary context switch of the
 serving thread, Linux) is counted, so a p99 set by the host's load shows as such.
 
-Bounds, in the same rounds: the codec alone (Blosc zstd-1 + byte shuffle on the same chunks, 1
-and 2 threads, no I/O: `codec_alone.codec_1t/2t`) for the lossless write rates, and Blosc's
-decoder alone (2 threads into new memory: `codec_alone.decode_2t`) for warm reads.
+Bounds, in the same rounds: the writer's encoder alone (byte planes for the bf16 chunks,
+c-blosc zstd-1 for the rest, on the same chunks, 1 and 2 threads, no I/O:
+`codec_alone.codec_1t/2t`; c-blosc zstd-1 on every chunk: `codec_alone.cblosc_1t`) for the
+lossless write rates, and Blosc's decoder alone on the writer's frames (2 threads into new
+memory: `codec_alone.decode_2t`) for warm reads.
 
     python bench/write_path.py [--json] [--rounds 3] [--paced-steps 300] [--firehose-steps 1000]
                                [--growth-steps 3000]
@@ -53,6 +55,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import torch
@@ -133,9 +136,7 @@ class Hstrace:
     def __init__(self, out: Path) -> None:
         self.path = out / "trace.zarr"
         create_trace(self.path, engine={"name": "bench"}, command_line=sys.argv)
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
+        with patch.dict(os.environ, self.env):  # the writer process starts in here
             self.w = TraceWriter(
                 self.path,
                 rank=0,
@@ -144,12 +145,6 @@ class Hstrace:
                 raw_when_behind=self.raw_when_behind,
                 raw_beyond_budget=self.raw_beyond_budget,
             )
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         self.s = 0
 
     def blocked_s(self) -> float:
@@ -771,6 +766,8 @@ def codec_alone(
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    from numcodecs import Blosc
+
     from hstrace.trace import blosc_into, rowlog
 
     rowlog.configure(0, False)  # one Blosc thread per call, as in the writer process
@@ -783,7 +780,7 @@ def codec_alone(
             out = local.out = blosc_into.aligned_buffer(big)
         if cblosc:
             return blosc_into.compress_into(
-                c, out, rowlog.CNAME, rowlog.CLEVEL, 1, rowlog.BLOCKSIZE
+                c, out, rowlog.CNAME, rowlog.CLEVEL, Blosc.SHUFFLE, rowlog.BLOCKSIZE
             )
         return writer_encode(c, out)
 
