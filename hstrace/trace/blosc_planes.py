@@ -13,13 +13,14 @@ import os
 
 import numpy as np
 
+# c-blosc's frame overhead, which this encoder never exceeds either
+from hstrace.trace.blosc_into import MAX_OVERHEAD  # noqa: F401 (re-exported)
+
 try:
     from hstrace.trace import _planes
 except ImportError:  # built without a C compiler: c-blosc's encoder does the work
     _planes = None
 
-# c-blosc's frame overhead, which this encoder never exceeds (blosc_into.MAX_OVERHEAD).
-MAX_OVERHEAD = 16
 # Below this a chunk goes to c-blosc (a frame of a few hundred bytes gains nothing here).
 MIN_BYTES = 4096
 
