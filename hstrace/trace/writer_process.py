@@ -6,6 +6,7 @@ messages it reads and answers are in hstrace/trace/protocol.py.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import math
@@ -26,6 +27,27 @@ from hstrace.trace.ring import RingView
 # Sleep between polls of an idle pipe: starts short, doubles while idle, up to the max.
 IDLE_POLL_MIN_S = 0.001
 IDLE_POLL_MAX_S = 0.002
+
+# glibc serves blocks of at least its mmap threshold from their own mappings, but raises the
+# threshold to the size of each such block freed (up to 32 MiB). After the first tail flush
+# frees its 1-4 MiB work buffers (c-blosc's, numcodecs' output), those come from the heap,
+# where, between small objects, they fragment it: the writer's RssAnon rose 57 -> 93 MB over
+# a 20 GB recording (bench/README.md). Fixed (which fixes the trim threshold too), it stays
+# flat. HSTRACE_MMAP_THRESHOLD=0 leaves glibc's dynamic threshold (for the bench's side by side).
+MMAP_THRESHOLD = int(os.environ.get("HSTRACE_MMAP_THRESHOLD", str(1 << 20)))
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+
+def fix_mmap_threshold(nbytes: int) -> bool:
+    """Fix glibc's mmap threshold at nbytes; False where not set (0, or not glibc)."""
+    if nbytes <= 0:
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    return mallopt(_M_MMAP_THRESHOLD, nbytes) == 1
 
 
 def main(argv: list[str]) -> None:
@@ -134,6 +156,7 @@ def writer_main(
 ) -> None:
     from hstrace.trace.recorder import RankRecorder
 
+    fix_mmap_threshold(MMAP_THRESHOLD)
     replies = _Replies(free_w, ends_fd)
     try:
         shm = RingView(ring)
