@@ -40,6 +40,7 @@ META_NAME = "zarr.json"
 _EMPTY = (1 << 64) - 1  # an empty inner chunk in a shard index
 # Blosc 1 adds at most 16 bytes of header plus 4 bytes per block to a memcpy'd chunk.
 _BLOSC_HEADER = 16
+_WRITE_ALIGN = 4096  # the writer's O_DIRECT block (blosc_into.ALIGN)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,9 @@ def array_rule(label: str, arr: Any, committed: int, name: str) -> ArrayRule:
         grid,
         -(-committed // outer[0]),
         committed,
-        n_inner * per_chunk_max + index_bytes,
+        # A shard the writer left live at its key (a tail flush, then no close: rowlog._Shard)
+        # keeps room for every chunk block-aligned, two tail slots, and the index block-aligned.
+        (n_inner + 2) * (per_chunk_max + _WRITE_ALIGN) + 2 * (index_bytes + _WRITE_ALIGN),
         decoded,
         blosc=False,
         inner_rows=inner[0],
