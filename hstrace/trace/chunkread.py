@@ -318,6 +318,10 @@ def _close(fds: list[int]) -> None:
         os.close(fds.pop())
 
 
+def _index_ok(tail: bytes) -> bool:
+    return np.uint32(google_crc32c.value(tail[:-4])).astype("<u4").tobytes() == tail[-4:]
+
+
 def _shard_index(
     fd: int, path: str, per: int, lo: int, hi: int, max_chunk: int
 ) -> list[tuple[int, int]]:
@@ -327,8 +331,12 @@ def _shard_index(
     if size < n_index:
         raise ValueError(f"shard file {path} is truncated")
     tail = _pread_exact(fd, n_index, size - n_index, path)
-    if np.uint32(google_crc32c.value(tail[:-4])).astype("<u4").tobytes() != tail[-4:]:
-        raise ValueError(f"shard file {path}: index checksum mismatch (corrupt)")
+    if not _index_ok(tail):
+        # A shard live at its key has its index rewritten in place at each tail flush
+        # (rowlog._Shard): a read racing that write may see it half done. Read it again.
+        tail = _pread_exact(fd, n_index, size - n_index, path)
+        if not _index_ok(tail):
+            raise ValueError(f"shard file {path}: index checksum mismatch (corrupt)")
     index = np.frombuffer(tail[:-4], dtype="<u8").reshape(per, 2)
     want = index[lo : hi + 1]
     if np.any(want[:, 0] == _EMPTY):
