@@ -60,6 +60,10 @@ static size_t (*zstd_reset)(ZSTD_CCtx *, int);
 static size_t (*zstd_compress2)(ZSTD_CCtx *, void *, size_t, const void *, size_t);
 static unsigned (*zstd_is_error)(size_t);
 static unsigned zstd_version;
+typedef void ZSTD_DCtx;
+static ZSTD_DCtx *(*zstd_create_d)(void);
+static size_t (*zstd_free_d)(ZSTD_DCtx *);
+static size_t (*zstd_decompress_d)(ZSTD_DCtx *, void *, size_t, const void *, size_t);
 
 /* Per thread: a zstd context and the shuffled block. Freed when the thread ends. */
 typedef struct {
@@ -68,6 +72,9 @@ typedef struct {
     ZSTD_CCtx *lz;       /* zstd level 1 (c-blosc's zstd-1), for streams that shrink a lot */
     uint8_t *scratch;    /* the shuffled block, then room for one stream's LZ frame */
     size_t scratch_bytes;
+    ZSTD_DCtx *dctx;     /* the decoder's */
+    uint8_t *planes;     /* the decoder's: a block's decoded streams */
+    size_t planes_bytes;
 } Local;
 
 static pthread_key_t local_key;
@@ -78,11 +85,13 @@ static void local_free(void *p) {
     if (l == NULL) return;
     if (l->cctx != NULL) zstd_free(l->cctx);
     if (l->lz != NULL) zstd_free(l->lz);
+    if (l->dctx != NULL) zstd_free_d(l->dctx);
     free(l->scratch);
+    free(l->planes);
     free(l);
 }
 
-static Local *local_get(size_t scratch_bytes, int level, int huffman) {
+static Local *local_only(void) {
     Local *l = pthread_getspecific(local_key);
     if (l == NULL) {
         l = calloc(1, sizeof(Local));
@@ -92,6 +101,12 @@ static Local *local_get(size_t scratch_bytes, int level, int huffman) {
             return NULL;
         }
     }
+    return l;
+}
+
+static Local *local_get(size_t scratch_bytes, int level, int huffman) {
+    Local *l = local_only();
+    if (l == NULL) return NULL;
     if (l->cctx == NULL || l->level != level || l->huffman != huffman) {
         if (l->cctx == NULL && (l->cctx = zstd_create()) == NULL) return NULL;
         /* a stream that did not fit its bound left the session mid-frame, where zstd takes
@@ -216,6 +231,96 @@ as_is: /* incompressible: c-blosc's memcpyed frame, the header and the bytes */
     return (Py_ssize_t)cap;
 }
 
+/* n values from their planes lo and hi into dest (c-blosc's unshuffle for typesize 2). */
+static void interleave(const uint8_t *lo, const uint8_t *hi, size_t n, uint8_t *dest) {
+    size_t i = 0;
+#if defined(__SSE2__)
+    for (; i + 16 <= n; i += 16) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(lo + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(hi + i));
+        _mm_storeu_si128((__m128i *)(dest + 2 * i), _mm_unpacklo_epi8(a, b));
+        _mm_storeu_si128((__m128i *)(dest + 2 * i + 16), _mm_unpackhi_epi8(a, b));
+    }
+#endif
+    for (; i < n; i++) {
+        dest[2 * i] = lo[i];
+        dest[2 * i + 1] = hi[i];
+    }
+}
+
+static uint32_t get32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Decode a split-block frame of 2-byte values (what encode writes, and c-blosc's ALWAYS_SPLIT
+ * frames of the same kind) into dest (n bytes). A stream stored as it is is read where it lies
+ * in src, not copied out first, and a block's two planes go into dest in one pass: c-blosc
+ * copies such a stream out, then unshuffles. 0: done. 1: not such a frame, or not one that
+ * decodes to exactly n bytes (corrupt or cut): the caller leaves it to c-blosc, whose error
+ * is the one to report. -1: no memory. Runs without the GIL; reads src only within its len. */
+static int decode(const uint8_t *src, size_t len, uint8_t *dest, size_t n) {
+    if (len < HEADER || src[0] != BLOSC_VERSION_FORMAT || src[1] != BLOSC_ZSTD_VERSION_FORMAT ||
+        src[2] != (BLOSC_DOSHUFFLE | (BLOSC_ZSTD_FORMAT << 5)) || src[3] != 2)
+        return 1;
+    size_t nbytes = get32(src + 4), blocksize = get32(src + 8), cbytes = get32(src + 12);
+    if (nbytes != n || cbytes != len || n == 0 || n % 2 || blocksize < 2 * MIN_BUFFERSIZE ||
+        blocksize > MAX_BLOCKSIZE || blocksize % 2 || blocksize > n)
+        return 1;
+    size_t nblocks = n / blocksize, leftover = n % blocksize;
+    if (leftover) nblocks++;
+    if (HEADER + 4 * nblocks > len) return 1;
+    Local *l = local_only();
+    if (l == NULL) return -1;
+    if (l->dctx == NULL && (l->dctx = zstd_create_d()) == NULL) return -1;
+    if (l->planes_bytes < blocksize) {
+        free(l->planes);
+        l->planes_bytes = 0;
+        if ((l->planes = malloc(blocksize)) == NULL) return -1;
+        l->planes_bytes = blocksize;
+    }
+    for (size_t j = 0; j < nblocks; j++) {
+        size_t bsize = (j == nblocks - 1 && leftover) ? leftover : blocksize;
+        int nsplits = (j == nblocks - 1 && leftover) || bsize / 2 < MIN_BUFFERSIZE ? 1 : 2;
+        size_t neblock = bsize / nsplits, pos = get32(src + HEADER + 4 * j);
+        const uint8_t *stream[2];
+        for (int s = 0; s < nsplits; s++) {
+            if (pos < HEADER + 4 * nblocks || pos > len || len - pos < 4) return 1;
+            size_t c = get32(src + pos);
+            pos += 4;
+            if (c == 0 || c > neblock || c > len - pos) return 1;
+            if (c == neblock) {
+                stream[s] = src + pos;
+            } else {
+                uint8_t *out = l->planes + s * neblock;
+                size_t r = zstd_decompress_d(l->dctx, out, neblock, src + pos, c);
+                if (zstd_is_error(r) || r != neblock) return 1;
+                stream[s] = out;
+            }
+            pos += c;
+        }
+        if (nsplits == 1) stream[1] = stream[0] + bsize / 2; /* one stream: both planes */
+        interleave(stream[0], stream[1], bsize / 2, dest + j * blocksize);
+    }
+    return 0;
+}
+
+static PyObject *decompress(PyObject *self, PyObject *args) {
+    Py_buffer src, dest;
+    if (!bound) {
+        PyErr_SetString(PyExc_RuntimeError, "_planes: zstd is not bound (call bind first)");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "y*w*", &src, &dest)) return NULL;
+    int r;
+    Py_BEGIN_ALLOW_THREADS
+    r = decode(src.buf, (size_t)src.len, dest.buf, (size_t)dest.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dest);
+    if (r < 0) return PyErr_NoMemory();
+    return PyBool_FromLong(r == 0);
+}
+
 static PyObject *compress(PyObject *self, PyObject *args) {
     Py_buffer src, dest;
     Py_ssize_t blocksize;
@@ -262,8 +367,12 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     zstd_compress2 = (size_t(*)(ZSTD_CCtx *, void *, size_t, const void *, size_t))dlsym(
         lib, "ZSTD_compress2");
     zstd_is_error = (unsigned (*)(size_t))dlsym(lib, "ZSTD_isError");
+    zstd_create_d = (ZSTD_DCtx * (*)(void)) dlsym(lib, "ZSTD_createDCtx");
+    zstd_free_d = (size_t(*)(ZSTD_DCtx *))dlsym(lib, "ZSTD_freeDCtx");
+    zstd_decompress_d = (size_t(*)(ZSTD_DCtx *, void *, size_t, const void *, size_t))dlsym(
+        lib, "ZSTD_decompressDCtx");
     if (!version || !zstd_create || !zstd_free || !zstd_set || !zstd_reset || !zstd_compress2 ||
-        !zstd_is_error) {
+        !zstd_is_error || !zstd_create_d || !zstd_free_d || !zstd_decompress_d) {
         dlclose(lib);
         PyErr_SetString(PyExc_OSError, "_planes.bind: the library lacks zstd's functions");
         return NULL;
@@ -282,6 +391,9 @@ static PyMethodDef module_methods[] = {
     {"bind", bind, METH_VARARGS, "bind(path of a library exporting zstd) -> zstd's version"},
     {"compress", compress, METH_VARARGS,
      "compress(src, dest, blocksize, level, huffman) -> the Blosc frame's length in dest"},
+    {"decompress", decompress, METH_VARARGS,
+     "decompress(frame, dest) -> True if decoded into dest (all of it), False if the frame is "
+     "not a split-block frame of 2-byte values that decodes to len(dest) bytes"},
     {NULL},
 };
 

@@ -7,8 +7,9 @@ default chunk keys `c/<i>/0/...`, bytes little-endian + Blosc, inside a sharding
 crc32c'd index at the end for wide rows. For exactly that layout, in a directory store, this
 module reads the needed files itself: each needed chunk is read and decoded by one thread of
 a small pool (Blosc and `preadv` release the GIL), so one thread reads while the other
-decodes, straight into the output rows; a chunk stored uncompressed is read into its output
-rows directly, with no decode copy. Any
+decodes, straight into the output rows (the writer's byte-plane frames through
+blosc_planes.decompress_into, the rest through c-blosc); a chunk stored uncompressed is read
+into its output rows directly, with no decode copy. Any
 other array (another codec, a zip, another writer's layout) returns None: the caller uses
 zarr. A chunk file that is missing, a link, or fails its checks is an error here, never the
 fill value: the commit record says these rows exist.
@@ -26,6 +27,8 @@ import google_crc32c
 import numcodecs.blosc
 import numpy as np
 from numcodecs import Blosc
+
+from hstrace.trace import blosc_planes
 
 # Decode in parallel once a read spans this many chunks (below, threads cost more than they save).
 PARALLEL_MIN_CHUNKS = 3
@@ -228,7 +231,9 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
             )
         a, b = max(start, row0), min(stop, row0 + cr)
         if a == row0 and b == row0 + cr:  # the whole chunk is wanted: decode in place
-            _BLOSC.decode(data, out=out[a - start : b - start])
+            dest = out[a - start : b - start]
+            if not blosc_planes.decompress_into(data, dest):  # byte planes first, then c-blosc
+                _BLOSC.decode(data, out=dest)
             return
         raw = np.frombuffer(_BLOSC.decode(data), dtype=dtype)
         out[a - start : b - start] = raw.reshape(cr, *row_shape)[a - row0 : b - row0]
