@@ -815,15 +815,17 @@ def codec_alone(
 
 
 def decode_alone(chunks: list[np.ndarray], total_bytes: int, threads: int) -> dict:
-    """Blosc's decoder alone on `total_bytes` of the same chunks, compressed as the writer
-    stores them (encoded once, not timed), decoded into one new array (as hstrace's reader
-    returns new arrays, and the raw read into new memory reads), on `threads` threads: no file, no read, no Python
-    per row. The bound a warm (page-cache) read of a compressed trace is measured against."""
+    """The reader's decoder alone (chunkread's: byte-plane frames through blosc_planes, the
+    rest through c-blosc; HSTRACE_BENCH_DECODER=cblosc: c-blosc on all) on `total_bytes` of
+    the same chunks, compressed as the writer stores them (encoded once, not timed), decoded
+    into one new array (as hstrace's reader returns new arrays, and the raw read into new
+    memory reads), on `threads` threads: no file, no read, no Python per row. The bound a
+    warm (page-cache) read of a compressed trace is measured against."""
     from concurrent.futures import ThreadPoolExecutor
 
     from numcodecs import Blosc
 
-    from hstrace.trace import blosc_into, rowlog
+    from hstrace.trace import blosc_into, blosc_planes, rowlog
 
     rowlog.configure(0, False)
     buf = blosc_into.aligned_buffer(max(c.nbytes for c in chunks) + blosc_into.MAX_OVERHEAD)
@@ -837,8 +839,12 @@ def decode_alone(chunks: list[np.ndarray], total_bytes: int, threads: int) -> di
     dec = Blosc()
     at = np.cumsum([0] + [sizes[j] for j in work])
 
-    def one(k: int) -> int:
-        dec.decode(frames[work[k]], out=out[at[k] : at[k + 1]])
+    planes = os.environ.get("HSTRACE_BENCH_DECODER", "reader") == "reader"
+
+    def one(k: int) -> int:  # as chunkread decodes a whole chunk (or c-blosc alone)
+        dest = out[at[k] : at[k + 1]]
+        if not (planes and blosc_planes.decompress_into(frames[work[k]], dest)):
+            dec.decode(frames[work[k]], out=dest)
         return sizes[work[k]]
 
     c0 = _cpu_s()[0]
