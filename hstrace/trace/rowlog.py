@@ -375,11 +375,17 @@ def _open_shard_file(path: str) -> tuple[int, bool]:
 MAX_FRAME_OVERHEAD = blosc_into.MAX_OVERHEAD
 
 
-def live_shard_bytes(n_inner: int, chunk_bytes: int) -> int:
-    """Size of a shard file that is live at its key (see _Shard): room for every chunk and the
-    final index, two tail slots, and the index in the file's last block(s)."""
+def _live_layout(n_inner: int, chunk_bytes: int) -> tuple[tuple[int, int], int]:
+    """(the two tail slots' offsets, the file's size) of a shard live at its key (_Shard):
+    room for every chunk and the final index, the two slots, then the index's last block(s)."""
     frame, index = padded(chunk_bytes + MAX_FRAME_OVERHEAD), padded(n_inner * 16 + 4)
-    return n_inner * frame + index + 2 * frame + index
+    first = n_inner * frame + index
+    return (first, first + frame), first + 2 * frame + index
+
+
+def live_shard_bytes(n_inner: int, chunk_bytes: int) -> int:
+    """Size of a shard file that is live at its key (see _Shard)."""
+    return _live_layout(n_inner, chunk_bytes)[1]
 
 
 class _Shard:
@@ -410,10 +416,7 @@ class _Shard:
         self.done = 0  # inner chunks placed (in the file once their writes are done)
         self._bounce: np.ndarray | None = None  # aligned copy of a chunk not in aligned memory
         self.max_frame = chunk_bytes + MAX_FRAME_OVERHEAD
-        self.size = live_shard_bytes(n_inner, chunk_bytes)
-        frame = padded(self.max_frame)
-        first = n_inner * frame + padded(n_inner * 16 + 4)  # past every chunk and the index
-        self._slots = (first, first + frame)
+        self._slots, self.size = _live_layout(n_inner, chunk_bytes)
         self.live = False  # the file is at its key (a snapshot was taken)
         self._slot_in_use: int | None = None  # the tail slot the index on disk points to
 
@@ -462,8 +465,8 @@ class _Shard:
                 at += v.nbytes
 
     def _write_index(self, index: np.ndarray, end: int) -> None:
-        """Write the index (and its crc32c) to end just at `end`; with O_DIRECT as the whole
-        block(s) before it, the index right-aligned in them."""
+        """Write the index and its crc32c so that they end at `end`; with O_DIRECT as the
+        whole block(s) before `end`, the index right-aligned in them."""
         raw = b"".join(_index_bytes(index))
         if not self.direct:
             _write_all(self.fd, memoryview(raw), end - len(raw))
