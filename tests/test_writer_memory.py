@@ -55,3 +55,11 @@ def test_dynamic_threshold_keeps_them():
     fixed, kept = _kept_mib(0)
     assert not fixed
     assert kept > 1.5
+
+
+def test_a_bad_threshold_setting_keeps_the_default_and_sets_nothing(monkeypatch):
+    from hstrace.trace import writer_process
+
+    monkeypatch.setenv("HSTRACE_MMAP_THRESHOLD", "1MiB")
+    assert writer_process.mmap_threshold_from_env() == 1 << 20
+    assert not writer_process.fix_mmap_threshold(1 << 40)  # out of a C int: not passed on

@@ -34,13 +34,25 @@ IDLE_POLL_MAX_S = 0.002
 # where, between small objects, they fragment it: the writer's RssAnon rose 57 -> 93 MB over
 # a 20 GB recording (bench/README.md). Fixed (which fixes the trim threshold too), it stays
 # flat. HSTRACE_MMAP_THRESHOLD=0 leaves glibc's dynamic threshold (for the bench's side by side).
-MMAP_THRESHOLD = int(os.environ.get("HSTRACE_MMAP_THRESHOLD", str(1 << 20)))
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
+def mmap_threshold_from_env(default: int = 1 << 20) -> int:
+    """HSTRACE_MMAP_THRESHOLD in bytes; anything but a whole number keeps the default (a
+    typo in the server's environment must not stop the writer from starting)."""
+    try:
+        return int(os.environ.get("HSTRACE_MMAP_THRESHOLD", default))
+    except ValueError:
+        return default
+
+
+MMAP_THRESHOLD = mmap_threshold_from_env()
+
+
 def fix_mmap_threshold(nbytes: int) -> bool:
-    """Fix glibc's mmap threshold at nbytes; False where not set (0, or not glibc)."""
-    if nbytes <= 0:
+    """Fix glibc's mmap threshold at nbytes; False where not set (0, out of a C int's range,
+    refused by glibc, or not glibc)."""
+    if not 0 < nbytes < 1 << 31:
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
