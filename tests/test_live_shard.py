@@ -19,7 +19,7 @@ import zarr
 
 from hstrace.errors import TraceError
 from hstrace.trace import TraceWriter, create_trace, open_trace
-from hstrace.trace.rowlog import live_shard_bytes
+from hstrace.trace.liveshard import live_shard_bytes
 from hstrace.trace.schema import unit_rows
 
 WIDTH = 8192  # bf16: 16 KiB rows, the narrowest that are sharded
@@ -130,6 +130,22 @@ def test_a_live_shard_is_cut_to_a_plain_shard_at_close(tmp_path):
     assert np.array_equal(np.asarray(arr[: steps * TOKENS]).view(np.int16), _want(steps))
 
 
+def test_a_flush_right_before_close_still_cuts_the_live_shard(tmp_path):
+    """Nothing written since the last tail flush (a server idle when it stops): close still
+    finishes the live shard, its partly filled chunk appended and the slots cut off."""
+    path = tmp_path / "t.zarr"
+    create_trace(path, engine={"name": "test"})
+    steps = CHUNK_ROWS // TOKENS + 2
+    with TraceWriter(path, rank=0, tail_flush_s=60) as w:
+        for s in range(steps):
+            w.write("target", **_step(s))
+        w.flush()
+        live = os.path.getsize(_shard_file(path))
+    assert live == live_shard_bytes(SHARD_ROWS // CHUNK_ROWS, CHUNK_ROWS * ROW_BYTES)
+    assert os.path.getsize(_shard_file(path)) < 2 * CHUNK_ROWS * ROW_BYTES
+    _check_rows(path, steps)
+
+
 FULL_DISK_SCRIPT = """
 import json, os, sys
 sys.path.insert(0, sys.argv[2])
@@ -196,3 +212,110 @@ def test_a_full_disk_keeps_the_live_shard_as_of_its_last_flush(tmp_path):
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["error"] and "ENOSPC" in res["error"], res
     assert 10 <= res["committed"] < res["written"], res
+
+
+def _moves_during_read(w: TraceWriter, action: str, steps: int, per_chunk: int) -> int:
+    """What the writer does while a reader is between the index and the tail's bytes; the
+    steps written by then."""
+    if action == "two tail flushes":  # the tail back in the slot the reader was sent to
+        for _ in range(2):
+            w.write("target", **_step(steps))
+            steps += 1
+            w.flush()
+    elif action == "chunk filled":  # the reader's chunk whole; the next one's tail moves on
+        for _ in range(per_chunk):
+            w.write("target", **_step(steps))
+            steps += 1
+        w.flush()
+        w.write("target", **_step(steps))
+        w.flush()
+        steps += 1
+    else:  # "shard finished": the file cut to a plain shard, the slots gone
+        w.close()
+    return steps
+
+
+@pytest.mark.parametrize("action", ["two tail flushes", "chunk filled", "shard finished"])
+def test_a_reader_follows_the_partly_filled_chunk_as_the_writer_moves_it(
+    tmp_path, monkeypatch, action
+):
+    """A reader sent by the index to the live shard's tail slot, and the writer moving the
+    tail before the reader reads it: the rows read are still the committed ones, bit-exact.
+    (Read as the index said, the slot held another frame by then: a corrupt-chunk error.)"""
+    from hstrace.trace import chunkread
+
+    path = tmp_path / "t.zarr"
+    create_trace(path, engine={"name": "test"})
+    per_chunk = CHUNK_ROWS // TOKENS
+    w = TraceWriter(path, rank=0, tail_flush_s=60, process=False)
+    steps = per_chunk + 1  # a whole chunk, then a step of the next: the tail, in a slot
+    for s in range(steps):
+        w.write("target", **_step(s))
+    w.flush()
+    real, moved, reads = chunkread._pread_exact, [], []
+
+    def read_late(fd, n, offset, where):
+        if not moved:  # the first read of the tail's bytes: the writer goes first
+            moved.append(_moves_during_read(w, action, steps, per_chunk))
+        reads.append((offset, n))
+        return real(fd, n, offset, where)
+
+    monkeypatch.setattr(chunkread, "_pread_exact", read_late)
+    with open_trace(path) as tr:
+        t = tr.rank(0).table("target")
+        assert t.num_steps == steps
+        aux = t.column("tok", "aux_hidden").view(torch.int16).numpy()
+    assert moved, "the reader never read a tail slot"
+    assert np.array_equal(aux, _want(steps))
+    if action == "two tail flushes":  # the index sent it back to the same slot, longer now
+        assert reads[1][0] == reads[0][0] and reads[1][1] > reads[0][1], reads
+    else:  # the chunk is whole below the slots now: read from there
+        assert len(reads) == 1, reads
+    if action != "shard finished":
+        w.close()
+    monkeypatch.undo()
+    _check_rows(path, moved[0] if action != "shard finished" else steps)
+
+
+LIVE_WRITER = """
+import sys, time
+sys.path.insert(0, sys.argv[3])
+from test_live_shard import _step
+from hstrace.trace import TraceWriter
+with TraceWriter(sys.argv[1], rank=0, tail_flush_s=0.01) as w:
+    for s in range(int(sys.argv[2])):
+        w.write("target", **_step(s))
+        time.sleep(0.003)
+"""
+
+
+def test_a_trace_reads_bit_exact_while_it_records(tmp_path):
+    """`hstrace show` on a recording in progress: a writer process flushing its tail every
+    10 ms, and a reader reading the newest committed steps over and over: every read is the
+    committed rows, bit-exact, and none fails."""
+    path = tmp_path / "t.zarr"
+    create_trace(path, engine={"name": "test"})
+    here = os.path.dirname(os.path.abspath(__file__))
+    writer = subprocess.Popen([sys.executable, "-c", LIVE_WRITER, str(path), "400", here])
+    want: dict[int, np.ndarray] = {}
+    reads = 0
+    try:
+        while writer.poll() is None:
+            with open_trace(path) as tr:
+                t = tr.rank(0).table("target") if 0 in tr.ranks else None  # not yet started
+                n = 0 if t is None else t.num_steps
+                if n == 0:
+                    continue
+                lo = max(0, n - 24)
+                aux = t.column("tok", "aux_hidden", lo * TOKENS, n * TOKENS).view(torch.int16)
+            for s in range(lo, n):
+                if s not in want:
+                    want[s] = _step(s)["tok"]["aux_hidden"].view(torch.int16).numpy()
+                got = aux[(s - lo) * TOKENS : (s - lo + 1) * TOKENS].numpy()
+                assert np.array_equal(got, want[s]), f"step {s} of {n}"
+            reads += 1
+    finally:
+        writer.kill() if writer.poll() is None else None
+    assert writer.wait() == 0
+    assert reads >= 10, reads
+    _check_rows(path, 400)

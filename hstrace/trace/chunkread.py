@@ -29,6 +29,7 @@ import numpy as np
 from numcodecs import Blosc
 
 from hstrace.trace import blosc_planes
+from hstrace.trace.liveshard import in_tail_slot, index_bytes
 
 # Decode in parallel once a read spans this many chunks (below, threads cost more than they save).
 PARALLEL_MIN_CHUNKS = 3
@@ -255,6 +256,34 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
         # view above may still be alive.
         buf.release()
 
+    def read_moving(job: tuple[int, int, int, int, str], per: int, k: int) -> None:
+        """Inner chunk k of a shard live at its key, its partly filled chunk: a tail flush
+        may overwrite its slot while it is read (the one after next reuses it), or the shard
+        may be finished under it (liveshard.py). Its bytes are read twice around a fresh look
+        at the index, and decoded only once the index still points at them and both reads
+        agree; where the index moved the chunk (whole now, or the shard finished), from there."""
+        fd, off, n, row0, path = job
+        for _ in range(MOVING_TRIES):
+            data = None
+            try:
+                first = _pread_exact(fd, n, off, path)
+                now, size = _index_entry(fd, path, per, k, max_chunk)
+                if now == (off, n) and _pread_exact(fd, n, off, path) == first:
+                    data = first
+            except ValueError:  # a read racing the index's rewrite or the shard's final cut
+                now, size = _index_entry(fd, path, per, k, max_chunk)
+            if data is not None:
+                decode(memoryview(data), row0)
+                return
+            if not in_tail_slot(now[0], size, per, chunk_bytes):
+                read_one((fd, *now, row0, path))
+                return
+            off, n = now
+        raise ValueError(
+            f"shard file {path}: its partly filled chunk moved at each of {MOVING_TRIES} reads "
+            "(its writer flushes faster than this reader reads)"
+        )
+
     group: list[tuple[int, int, int, int, str]] = []  # (fd, file offset, nbytes, row0, path)
 
     def run_group() -> None:
@@ -288,12 +317,18 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
                 fd = _open(lay, path)
                 fds.append(fd)
                 row0 = shard * per * cr
-                spans = _shard_index(fd, path, per, lo, hi, max_chunk)
+                spans, size = _shard_index(fd, path, per, lo, hi, max_chunk)
                 _prefetch(fd, spans)
-                group.extend(
-                    (fd, off, n, row0 + (lo + j) * cr, path) for j, (off, n) in enumerate(spans)
-                )
+                moving = []
+                for j, (off, n) in enumerate(spans):
+                    job = (fd, off, n, row0 + (lo + j) * cr, path)
+                    if in_tail_slot(off, size, per, chunk_bytes):
+                        moving.append((job, lo + j))
+                    else:
+                        group.append(job)
                 run_group()  # before the shard's file is closed
+                for job, k in moving:
+                    read_moving(job, per, k)
                 _close(fds)
         run_group()
     finally:
@@ -327,22 +362,43 @@ def _index_ok(tail: bytes) -> bool:
     return np.uint32(google_crc32c.value(tail[:-4])).astype("<u4").tobytes() == tail[-4:]
 
 
+# A partly filled chunk of a live shard is read again at most this many times while its
+# writer's tail flushes move it (each flush is tail_flush_s apart, 2 s by default).
+MOVING_TRIES = 8
+INDEX_TRIES = 3
+
+
+def _read_index(fd: int, path: str, per: int) -> tuple[np.ndarray, int]:
+    """(the checked index of a shard of `per` inner chunks, the file's size). A shard live at
+    its key has its index rewritten in place at each tail flush and is cut when finished
+    (liveshard.py): a read racing either may see half an index, or none. Read it again."""
+    n_index = index_bytes(per)
+    for _ in range(INDEX_TRIES):
+        size = os.fstat(fd).st_size
+        if size < n_index:
+            raise ValueError(f"shard file {path} is truncated")
+        tail = os.pread(fd, n_index, size - n_index)
+        if len(tail) == n_index and _index_ok(tail):
+            return np.frombuffer(tail[:-4], dtype="<u8").reshape(per, 2), size
+    if len(tail) != n_index:
+        raise ValueError(f"shard file {path} is truncated")
+    raise ValueError(f"shard file {path}: index checksum mismatch (corrupt)")
+
+
+def _index_entry(
+    fd: int, path: str, per: int, k: int, max_chunk: int
+) -> tuple[tuple[int, int], int]:
+    """((offset, nbytes) of inner chunk k, the file's size), from a fresh read of the index."""
+    spans, size = _shard_index(fd, path, per, k, k, max_chunk)
+    return spans[0], size
+
+
 def _shard_index(
     fd: int, path: str, per: int, lo: int, hi: int, max_chunk: int
-) -> list[tuple[int, int]]:
-    """(offset, nbytes) of inner chunks lo..hi of a shard, from its checked index."""
-    size = os.fstat(fd).st_size
-    n_index = per * 16 + 4
-    if size < n_index:
-        raise ValueError(f"shard file {path} is truncated")
-    tail = _pread_exact(fd, n_index, size - n_index, path)
-    if not _index_ok(tail):
-        # A shard live at its key has its index rewritten in place at each tail flush
-        # (rowlog._Shard): a read racing that write may see it half done. Read it again.
-        tail = _pread_exact(fd, n_index, size - n_index, path)
-        if not _index_ok(tail):
-            raise ValueError(f"shard file {path}: index checksum mismatch (corrupt)")
-    index = np.frombuffer(tail[:-4], dtype="<u8").reshape(per, 2)
+) -> tuple[list[tuple[int, int]], int]:
+    """((offset, nbytes) of inner chunks lo..hi of a shard, from its checked index; the file's
+    size when that index was read)."""
+    index, size = _read_index(fd, path, per)
     want = index[lo : hi + 1]
     if np.any(want[:, 0] == _EMPTY):
         missing = lo + int(np.argmax(want[:, 0] == _EMPTY))
@@ -350,6 +406,6 @@ def _shard_index(
     if np.any(want[:, 1] > max_chunk):
         raise ValueError(f"shard file {path}: an inner chunk is bigger than a chunk can be")
     end = int((want[:, 0] + want[:, 1]).max())
-    if end > size - n_index:
+    if end > size - index_bytes(per):
         raise ValueError(f"shard file {path}: index points past the data (corrupt)")
-    return [(int(off), int(n)) for off, n in want.tolist()]
+    return [(int(off), int(n)) for off, n in want.tolist()], size

@@ -65,6 +65,7 @@ from zarr.storage import LocalStore
 
 from hstrace.trace import blosc_into, blosc_planes
 from hstrace.trace.blosc_into import aligned_buffer, padded
+from hstrace.trace.liveshard import live_layout
 from hstrace.trace.schema import unit_rows
 
 # The codec zarr.json declares: Blosc zstd-1, byte shuffle, 1 MiB blocks (releases the GIL).
@@ -375,19 +376,6 @@ def _open_shard_file(path: str) -> tuple[int, bool]:
 MAX_FRAME_OVERHEAD = blosc_into.MAX_OVERHEAD
 
 
-def _live_layout(n_inner: int, chunk_bytes: int) -> tuple[tuple[int, int], int]:
-    """(the two tail slots' offsets, the file's size) of a shard live at its key (_Shard):
-    room for every chunk and the final index, the two slots, then the index's last block(s)."""
-    frame, index = padded(chunk_bytes + MAX_FRAME_OVERHEAD), padded(n_inner * 16 + 4)
-    first = n_inner * frame + index
-    return (first, first + frame), first + 2 * frame + index
-
-
-def live_shard_bytes(n_inner: int, chunk_bytes: int) -> int:
-    """Size of a shard file that is live at its key (see _Shard)."""
-    return _live_layout(n_inner, chunk_bytes)[1]
-
-
 class _Shard:
     """A shard being filled: encoded inner chunks written to a temp file, index in RAM.
 
@@ -397,7 +385,7 @@ class _Shard:
     and discard are called once every write `add` handed to the I/O thread is done.
 
     A tail flush makes the shard so far readable at its key without copying it. The first
-    snapshot extends the temp file (sparse) to live_shard_bytes, writes the partly filled
+    snapshot extends the temp file (sparse) to its live size (liveshard.py), writes the partly filled
     chunk into a tail slot past the room for every chunk and the index into the file's last
     bytes, where zarr reads it, and renames the file to its key; later chunks go on into the
     same file, below the slots. Each later snapshot writes its tail into the other slot (never
@@ -416,7 +404,7 @@ class _Shard:
         self.done = 0  # inner chunks placed (in the file once their writes are done)
         self._bounce: np.ndarray | None = None  # aligned copy of a chunk not in aligned memory
         self.max_frame = chunk_bytes + MAX_FRAME_OVERHEAD
-        self._slots, self.size = _live_layout(n_inner, chunk_bytes)
+        self._slots, self.size = live_layout(n_inner, chunk_bytes)
         self.live = False  # the file is at its key (a snapshot was taken)
         self._slot_in_use: int | None = None  # the tail slot the index on disk points to
 
@@ -833,7 +821,11 @@ class RowLog:
 
     def close(self) -> None:
         """Write the tail and trim the shape to the exact row count."""
-        if self.sharded and self.dir is not None and self.dirty_since is not None:
+        # An unfinished shard is finished even when a tail flush just made every row durable
+        # (nothing dirty): else it stayed live at its key, sparse and with its slots.
+        if self.sharded and self.dir is not None and (
+            self.dirty_since is not None or self._shard is not None
+        ):
             self._finish_tail_shard()
         else:
             self.flush_tail()
