@@ -26,6 +26,7 @@ WIDTH = 8192  # bf16: 16 KiB rows, the narrowest that are sharded
 ROW_BYTES = WIDTH * 2
 CHUNK_ROWS, SHARD_ROWS = unit_rows(ROW_BYTES)
 TOKENS = 64  # per step; CHUNK_ROWS // TOKENS steps fill a chunk exactly
+LIVE_BYTES = live_shard_bytes(SHARD_ROWS // CHUNK_ROWS, CHUNK_ROWS * ROW_BYTES)
 
 
 def _step(s: int) -> dict:
@@ -94,7 +95,7 @@ def test_flushes_write_the_shard_once_and_a_kill_keeps_it(tmp_path):
     with pytest.raises(TraceError):
         w.close()
     # The shard lives at its key, sparse: room for every chunk and two tail slots.
-    assert st.st_size == live_shard_bytes(SHARD_ROWS // CHUNK_ROWS, CHUNK_ROWS * ROW_BYTES)
+    assert st.st_size == LIVE_BYTES
     with open_trace(path) as tr:
         shard_bytes = tr.rank(0).table("target").num_rows("tok") * ROW_BYTES
     assert shard_bytes == flushes * CHUNK_ROWS * ROW_BYTES
@@ -119,9 +120,7 @@ def test_a_live_shard_is_cut_to_a_plain_shard_at_close(tmp_path):
             w.write("target", **_step(s))
             if s in (5, 6, 40):  # tails in both slots, and a later one
                 w.flush()
-                assert os.path.getsize(_shard_file(path)) == live_shard_bytes(
-                    SHARD_ROWS // CHUNK_ROWS, CHUNK_ROWS * ROW_BYTES
-                )
+                assert os.path.getsize(_shard_file(path)) == LIVE_BYTES
     first = os.path.getsize(_shard_file(path, 0))
     assert first < SHARD_ROWS * ROW_BYTES  # cut: compressed chunks and the index, no slots
     assert not [n for n in os.listdir(os.path.dirname(_shard_file(path))) if "partial" in n]
@@ -140,8 +139,7 @@ def test_a_flush_right_before_close_still_cuts_the_live_shard(tmp_path):
         for s in range(steps):
             w.write("target", **_step(s))
         w.flush()
-        live = os.path.getsize(_shard_file(path))
-    assert live == live_shard_bytes(SHARD_ROWS // CHUNK_ROWS, CHUNK_ROWS * ROW_BYTES)
+        assert os.path.getsize(_shard_file(path)) == LIVE_BYTES
     assert os.path.getsize(_shard_file(path)) < 2 * CHUNK_ROWS * ROW_BYTES
     _check_rows(path, steps)
 

@@ -823,8 +823,10 @@ class RowLog:
         """Write the tail and trim the shape to the exact row count."""
         # An unfinished shard is finished even when a tail flush just made every row durable
         # (nothing dirty): else it stayed live at its key, sparse and with its slots.
-        if self.sharded and self.dir is not None and (
-            self.dirty_since is not None or self._shard is not None
+        if (
+            self.sharded
+            and self.dir is not None
+            and (self.dirty_since is not None or self._shard is not None)
         ):
             self._finish_tail_shard()
         else:
