@@ -12,7 +12,9 @@ blosc_planes.decompress_into, the rest through c-blosc); a chunk stored uncompre
 into its output rows directly, with no decode copy. Any
 other array (another codec, a zip, another writer's layout) returns None: the caller uses
 zarr. A chunk file that is missing, a link, or fails its checks is an error here, never the
-fill value: the commit record says these rows exist.
+fill value: the commit record says these rows exist. A trace still recording reads too: the
+one chunk a tail flush may move, a live shard's partly filled chunk (liveshard.py), is
+re-checked against the index and followed (read_moving).
 """
 
 from __future__ import annotations
