@@ -385,14 +385,15 @@ class _Shard:
     and discard are called once every write `add` handed to the I/O thread is done.
 
     A tail flush makes the shard so far readable at its key without copying it. The first
-    snapshot extends the temp file (sparse) to its live size (liveshard.py), writes the partly filled
-    chunk into a tail slot past the room for every chunk and the index into the file's last
-    bytes, where zarr reads it, and renames the file to its key; later chunks go on into the
-    same file, below the slots. Each later snapshot writes its tail into the other slot (never
-    into the one the index on disk points to) and then rewrites the index in place: the file
-    at the key is a valid shard at every moment, of the rows as of its last snapshot. finish
-    writes the final index after the last chunk and cuts the file there. (Copying the shard so
-    far into a new file at each flush wrote 3.2x the trace at a 50 ms step, 6.3x at 200 ms.)"""
+    snapshot extends the temp file (sparse) to its live size (liveshard.py), writes the
+    partly filled chunk into a tail slot past the room for every chunk and the index into the
+    file's last bytes, where zarr reads it, and renames the file to its key; later chunks go
+    on into the same file, below the slots. Each later snapshot writes its tail into the other
+    slot (never into the one the index on disk points to) and then rewrites the index in
+    place: the file at the key is a valid shard at every moment, of the rows as of its last
+    snapshot. finish writes the final index after the last chunk and cuts the file there.
+    (Copying the shard so far into a new file at each flush wrote 3.2x the trace at a 50 ms
+    step, 6.3x at 200 ms.)"""
 
     def __init__(self, path: str, n_inner: int, chunk_bytes: int) -> None:
         self.path = path
