@@ -32,6 +32,7 @@ from zarr.abc.store import SuffixByteRequest
 from zarr.storage import WrapperStore
 
 from hstrace.errors import TraceError
+from hstrace.trace.liveshard import live_shard_bytes
 
 # zarr.json of the biggest real trace is tens of KiB (the rank's static audit holds the
 # checkpoint key list); 16 MiB leaves room for any audit and stops an endless file early.
@@ -40,7 +41,6 @@ META_NAME = "zarr.json"
 _EMPTY = (1 << 64) - 1  # an empty inner chunk in a shard index
 # Blosc 1 adds at most 16 bytes of header plus 4 bytes per block to a memcpy'd chunk.
 _BLOSC_HEADER = 16
-_WRITE_ALIGN = 4096  # the writer's O_DIRECT block (blosc_into.ALIGN)
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,9 @@ def array_rule(label: str, arr: Any, committed: int, name: str) -> ArrayRule:
         grid,
         -(-committed // outer[0]),
         committed,
-        # A shard the writer left live at its key (a tail flush, then no close: rowlog._Shard)
-        # keeps room for every chunk block-aligned, two tail slots, and the index block-aligned.
-        (n_inner + 2) * (per_chunk_max + _WRITE_ALIGN) + 2 * (index_bytes + _WRITE_ALIGN),
+        # or a shard the writer left live at its key (a tail flush, then no close): sparse,
+        # with room for every chunk, two tail slots and the index (liveshard.py).
+        max(n_inner * per_chunk_max + index_bytes, live_shard_bytes(n_inner, decoded)),
         decoded,
         blosc=False,
         inner_rows=inner[0],
