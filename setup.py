@@ -15,19 +15,20 @@ for name, folder in MAPPED.items():
     packages.append(name)
     packages += [f"{name}.{sub}" for sub in find_packages(where=folder)]
 
-# The producer's one-call step (hstrace/trace/_native.c): optional, so an install without a C
-# compiler or Python headers still succeeds and hstrace takes the pure-Python route.
+# The producer's one-call step (hstrace/trace/write/_native.c): optional, so an install without
+# a C compiler or Python headers still succeeds and hstrace takes the pure-Python route.
 native = Extension(
-    "hstrace.trace._native",
-    ["hstrace/trace/_native.c"],
+    "hstrace.trace.write._native",
+    ["hstrace/trace/write/_native.c"],
     optional=True,
 )
 
-# The writer's encoder for 2-byte columns (hstrace/trace/_planes.c): optional too; without it
-# those chunks go through c-blosc's own encoder, and read back the same.
+# The byte-plane codec for 2-byte columns (hstrace/trace/codecs/_planes.c: the writer encodes,
+# the reader's fast path decodes): optional too; without it those chunks go through c-blosc's
+# own encoder and decoder, and read back the same.
 planes = Extension(
-    "hstrace.trace._planes",
-    ["hstrace/trace/_planes.c"],
+    "hstrace.trace.codecs._planes",
+    ["hstrace/trace/codecs/_planes.c"],
     libraries=["dl", "pthread"],
     optional=True,
 )

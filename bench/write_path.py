@@ -768,7 +768,7 @@ def codec_chunks(pool: list[dict]) -> list[np.ndarray]:
 def writer_encode(chunk: np.ndarray, out: np.ndarray) -> int:
     """One chunk encoded exactly as the writer encodes it into its page-aligned buffer
     (rowlog._compress_into: byte planes for 2-byte values, c-blosc zstd-1 for the rest)."""
-    from hstrace.trace import rowlog
+    from hstrace.trace.write import rowlog
 
     return rowlog._compress_into(chunk, out).nbytes
 
@@ -785,7 +785,8 @@ def codec_alone(
 
     from numcodecs import Blosc
 
-    from hstrace.trace import blosc_into, rowlog
+    from hstrace.trace.codecs import blosc_into
+    from hstrace.trace.write import rowlog
 
     rowlog.configure(0, False)  # one Blosc thread per call, as in the writer process
     big = max(c.nbytes for c in chunks) + blosc_into.MAX_OVERHEAD
@@ -825,7 +826,8 @@ def decode_alone(chunks: list[np.ndarray], total_bytes: int, threads: int) -> di
 
     from numcodecs import Blosc
 
-    from hstrace.trace import blosc_into, blosc_planes, rowlog
+    from hstrace.trace.codecs import blosc_into, blosc_planes
+    from hstrace.trace.write import rowlog
 
     rowlog.configure(0, False)
     buf = blosc_into.aligned_buffer(max(c.nbytes for c in chunks) + blosc_into.MAX_OVERHEAD)

@@ -15,7 +15,7 @@ def saturated_encoders(monkeypatch) -> None:
     writer's bound: the only state in which a writer that is behind stores chunks raw
     (rowlog.Encoder.encoders_busy). Tests of the raw path ask for it rather than hope a
     burst outruns the encoders."""
-    from hstrace.trace import rowlog
+    from hstrace.trace.write import rowlog
 
     monkeypatch.setattr(rowlog.Encoder, "encoders_busy", lambda self: True)
 

@@ -1,4 +1,4 @@
-"""The writer's encoder for 2-byte columns (hstrace/trace/_planes.c, blosc_planes.py): its
+"""The writer's encoder for 2-byte columns (hstrace/trace/codecs/_planes.c, blosc_planes.py): its
 frames are c-blosc's own split-block frames, read back by stock Blosc and zarr (issue 14)."""
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ import torch
 import zarr
 from numcodecs import Blosc
 
-from hstrace.trace import TraceWriter, blosc_into, blosc_planes, create_trace, open_trace, rowlog
+from hstrace.trace import TraceWriter, create_trace, open_trace
+from hstrace.trace.codecs import blosc_into, blosc_planes
+from hstrace.trace.write import rowlog
 
 pytestmark = pytest.mark.skipif(
-    not blosc_planes.AVAILABLE, reason="hstrace.trace._planes not built or zstd not bound"
+    not blosc_planes.enabled(),
+    reason="hstrace.trace.codecs._planes not built, zstd not bound, or HSTRACE_PLANES=0",
 )
 
 # c-blosc's split modes (blosc.h); numcodecs' build ships with FORWARD_COMPAT.
@@ -208,11 +211,13 @@ def test_writer_encodes_two_byte_chunks_with_planes_and_the_rest_with_c_blosc(dt
 def test_bad_arguments_raise_not_crash():
     out = np.empty(1 << 16, np.uint8)
     with pytest.raises(ValueError, match="even number of bytes"):
-        blosc_planes._planes.compress(np.zeros(4097, np.uint8), out, rowlog.BLOCKSIZE, 1, 0)
+        blosc_planes._binding()[0].compress(np.zeros(4097, np.uint8), out, rowlog.BLOCKSIZE, 1, 0)
     with pytest.raises(ValueError, match="len\\(src\\) \\+ 16"):
-        blosc_planes._planes.compress(np.zeros(1 << 16, np.uint8), out, rowlog.BLOCKSIZE, 1, 0)
+        blosc_planes._binding()[0].compress(
+            np.zeros(1 << 16, np.uint8), out, rowlog.BLOCKSIZE, 1, 0
+        )
     with pytest.raises(TypeError):
-        blosc_planes._planes.compress(b"\0" * 8192, b"\0" * 9000, rowlog.BLOCKSIZE, 1, 0)
+        blosc_planes._binding()[0].compress(b"\0" * 8192, b"\0" * 9000, rowlog.BLOCKSIZE, 1, 0)
 
 
 def test_a_recorded_bf16_trace_reads_back_through_plain_zarr(tmp_path):
@@ -246,7 +251,9 @@ def test_a_recorded_bf16_trace_reads_back_through_plain_zarr(tmp_path):
 _MUTATE = """
 import sys
 import numpy as np
-from hstrace.trace import blosc_into, blosc_planes, chunkread, rowlog
+from hstrace.trace import chunkread
+from hstrace.trace.codecs import blosc_into, blosc_planes
+from hstrace.trace.write import rowlog
 g = np.random.default_rng(int(sys.argv[1]))
 x = (g.standard_normal((8, 21504)) * np.exp(g.standard_normal(21504) * 0.5)).astype(np.float32)
 chunk = (x.view(np.uint32) >> 16).astype(np.uint16)  # bf16 bits, truncated

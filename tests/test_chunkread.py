@@ -8,7 +8,8 @@ import pytest
 import torch
 import zarr
 
-from hstrace.trace import TraceWriter, chunkread, create_trace, open_trace, rowlog
+from hstrace.trace import TraceWriter, chunkread, create_trace, open_trace
+from hstrace.trace.write import rowlog
 
 
 @pytest.fixture(scope="module")

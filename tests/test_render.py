@@ -14,7 +14,7 @@ from helpers.cli import EXAMPLES, TRAINING, invoke
 
 from hstrace.html.acceptance import acceptance_of
 from hstrace.trace import open_trace, summarize
-from hstrace.trace.acceptance import by_position
+from hstrace.trace.acceptance_by_position import by_position
 
 TRACE = EXAMPLES / "aux-layer-shift.zarr"
 _run = invoke  # at COLUMNS=80

@@ -1,4 +1,4 @@
-"""The writer's chunk encoding (hstrace/trace/rowlog.py): zero-copy raw frames and the disk
+"""The writer's chunk encoding (hstrace/trace/write/rowlog.py): zero-copy raw frames and the disk
 budget for chunks stored uncompressed while the writer is behind (issue 14)."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import torch
 import zarr
 from numcodecs import Blosc
 
-from hstrace.trace import TraceWriter, create_trace, open_trace, rowlog
+from hstrace.trace import TraceWriter, create_trace, open_trace
+from hstrace.trace.write import rowlog
 
 
 @pytest.mark.parametrize(
@@ -205,9 +206,9 @@ def test_far_behind_writer_stores_raw_beyond_the_budget(tmp_path):
 def test_compress_into_is_numcodecs_encode(dtype, shape, kind):
     """The writer's encode into its own aligned buffer (blosc_into.py) gives the very frame
     numcodecs' Blosc.encode gives, so plain zarr and numcodecs read it."""
-    from hstrace.trace import blosc_into
+    from hstrace.trace.codecs import blosc_into
 
-    if not blosc_into.AVAILABLE:
+    if not blosc_into.available():
         pytest.skip("this numcodecs build does not export blosc_compress_ctx")
     numcodecs.blosc.use_threads = False
     rng = np.random.default_rng(7)
@@ -255,7 +256,7 @@ def test_shard_layout_with_and_without_o_direct(
     thread; raw chunks of a writer far behind go through the page cache on the writer's own
     thread after the shard's earlier writes ("mixed-cached": every third chunk). Either way
     plain zarr and hstrace's reader give back every row bit for bit."""
-    monkeypatch.setattr(rowlog, "DIRECT_IO", direct)
+    monkeypatch.setenv("HSTRACE_DIRECT_IO", "1" if direct else "0")  # read as the writer is built
     far = kind == "mixed-cached"
     if far:
         calls = iter(range(1 << 30))

@@ -12,10 +12,10 @@ from helpers.trace_steps import step_data
 
 from hstrace.errors import TraceError
 from hstrace.trace import TraceWriter, create_trace, open_trace
-from hstrace.trace import protocol as P
-from hstrace.trace.columns import row_counts, spec_of
-from hstrace.trace.recorder import RankRecorder
-from hstrace.trace.sink import MemorySink
+from hstrace.trace.write import protocol as P
+from hstrace.trace.write.columns import row_counts, spec_of
+from hstrace.trace.write.recorder import RankRecorder
+from hstrace.trace.write.sink import MemorySink
 
 SINKS = ["memory", "in-process", "writer-process"]
 
@@ -203,7 +203,7 @@ def test_python_int_step_columns_stay_exact_at_the_int64_edges(tmp_path, kind):
 def test_round_trip_through_the_pipe_alone(tmp_path, monkeypatch):
     """Where the descriptor queue is off (not x86: process_sink.DESCRIPTORS), every step goes
     down the data pipe: the same round trip, byte for byte."""
-    from hstrace.trace import process_sink
+    from hstrace.trace.write import process_sink
 
     monkeypatch.setattr(process_sink, "DESCRIPTORS", False)
     test_round_trip_through_every_sink(tmp_path, "writer-process")

@@ -17,7 +17,7 @@ from helpers.trace_steps import script_env, step_data, verify_prefix
 
 from hstrace.errors import TraceError
 from hstrace.trace import TraceWriter, create_trace, open_trace
-from hstrace.trace.recorder import BACKLOG_AGE_FACTOR
+from hstrace.trace.write.recorder import BACKLOG_AGE_FACTOR
 
 
 def _produce(w: TraceWriter, stop: threading.Event, written: list[int]) -> None:
@@ -246,8 +246,8 @@ def test_steps_past_a_full_descriptor_queue_keep_their_order(tmp_path):
     queue and the rest, with a control message among them, down the data pipe; once the
     writer runs again every step is there, in order and bit-exact, and after it catches up
     steps take the queue again."""
-    from hstrace.trace.process_sink import DESCRIPTORS
-    from hstrace.trace.ring import DESC_SLOTS
+    from hstrace.trace.write.process_sink import DESCRIPTORS
+    from hstrace.trace.write.ring import DESC_SLOTS
 
     path = tmp_path / "order.zarr"
     create_trace(path, engine={"name": "test"})
@@ -281,7 +281,7 @@ def test_a_killed_writer_is_noticed_within_a_liveness_interval(tmp_path, monkeyp
     next liveness check (every LIVENESS_EVERY descriptors), not at its next write; what it wrote
     meanwhile was never durable anyway (nor were the steps still in the ring at the kill). The
     native one-call step and the Python route check alike."""
-    from hstrace.trace.process_sink import LIVENESS_EVERY
+    from hstrace.trace.write.process_sink import LIVENESS_EVERY
 
     use_route(monkeypatch, route)
     path = tmp_path / "alive.zarr"

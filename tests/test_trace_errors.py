@@ -161,7 +161,7 @@ def test_a_per_step_column_must_be_one_scalar_per_step(tmp_path):
 
 
 def _claim(path: str, barrier, results) -> None:
-    from hstrace.trace.recorder import RankRecorder
+    from hstrace.trace.write.recorder import RankRecorder
 
     barrier.wait()
     try:

@@ -411,7 +411,8 @@ def test_wide_column_files_read_by_plain_zarr_and_by_the_fast_reader(
     chunks stored uncompressed while the writer was behind are counted in the commit record."""
     import zarr
 
-    from hstrace.trace import chunkread, rowlog
+    from hstrace.trace import chunkread
+    from hstrace.trace.write import rowlog
 
     path = tmp_path / "wide.zarr"
     create_trace(path, engine={"name": "test"})

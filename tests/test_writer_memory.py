@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 # Free a 4 MiB block, then touch and free a 2 MiB one: how much of it the process keeps (MiB).
 CHILD = r"""
 import ctypes, sys
-from hstrace.trace.writer_process import fix_mmap_threshold
+from hstrace.trace.write.writer_process import fix_mmap_threshold
 fixed = fix_mmap_threshold(int(sys.argv[1]))
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
@@ -58,7 +58,7 @@ def test_dynamic_threshold_keeps_them():
 
 
 def test_a_bad_threshold_setting_keeps_the_default_and_sets_nothing(monkeypatch):
-    from hstrace.trace import writer_process
+    from hstrace.trace.write import writer_process
 
     monkeypatch.setenv("HSTRACE_MMAP_THRESHOLD", "1MiB")
     assert writer_process.mmap_threshold_from_env() == 1 << 20

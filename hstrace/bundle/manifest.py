@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from hstrace import __version__
+from hstrace._version import __version__
 from hstrace.errors import CheckpointError
 
 BUNDLE_FORMAT = 1

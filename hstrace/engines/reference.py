@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from hstrace import __version__
+from hstrace._version import __version__
 from hstrace.drafter.vocab import DIRECT_TABLE, NO_MAP, OFFSETS, map_draft_ids
 from hstrace.engines.base import Engine, EngineConfig, Prompt, RecordOptions, RecordResult
 from hstrace.errors import CheckpointError, EngineError, HstraceError

@@ -13,12 +13,12 @@ from datetime import UTC, datetime
 from html import escape
 from typing import Any
 
-from hstrace import __version__
+from hstrace._version import __version__
 from hstrace.findings import STAGES
 from hstrace.html import svg
 from hstrace.html.acceptance import Acceptance
 from hstrace.report.acceptance import html_table
-from hstrace.trace.acceptance import CONVENTIONS, OF_REACHED
+from hstrace.trace.acceptance_by_position import CONVENTIONS, OF_REACHED
 
 CSS = """
 body{font-family:DejaVu Sans,Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;color:#1d1d1d;background:#fff}

@@ -2,7 +2,7 @@
 
 One table shape for terminal (rich), Markdown and HTML: per position the counts (offered,
 reached, accepted) and both rates, each column named after its convention
-(`hstrace.trace.acceptance`), so `hstrace show`, `hstrace report` and a bundle's REPORT.md
+(`hstrace.trace.acceptance_by_position`), so `hstrace show`, `hstrace report` and a bundle's REPORT.md
 print the same numbers under the same names.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from hstrace.trace.acceptance import CONVENTIONS, OF_OFFERED, OF_REACHED, PositionCounts
+from hstrace.trace.acceptance_by_position import CONVENTIONS, OF_OFFERED, OF_REACHED, PositionCounts
 
 HEADERS = ("position", "offered", "reached", "accepted", OF_OFFERED, OF_REACHED)
 CAPTION = (

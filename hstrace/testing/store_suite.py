@@ -113,7 +113,7 @@ class WriteLog:
 @contextlib.contextmanager
 def record_writes() -> Iterator[WriteLog]:
     """Wrap `TraceWriter.write` (every writer, any sink) to keep a copy of each kept step."""
-    from hstrace.trace.writer import TraceWriter
+    from hstrace.trace import TraceWriter
 
     log = WriteLog()
     original = TraceWriter.write

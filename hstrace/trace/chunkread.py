@@ -22,15 +22,16 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import google_crc32c
 import numcodecs.blosc
 import numpy as np
 from numcodecs import Blosc
 
-from hstrace.trace import blosc_planes
+from hstrace.trace.codecs import blosc_planes
 from hstrace.trace.liveshard import in_tail_slot, index_bytes
 
 # Decode in parallel once a read spans this many chunks (below, threads cost more than they save).
@@ -206,8 +207,24 @@ def _read_raw_frame(fd: int, off: int, n: int, dest: memoryview) -> bool:
     return bool(head[2] & _MEMCPYED) and nbytes == dest.nbytes and cbytes == n
 
 
-def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
-    """Rows [start, stop) of `arr`, or None where this module does not handle the array."""
+class ReadFlags(NamedTuple):
+    """The environment's say on reading, taken when a reader is built (`open_trace`), not at
+    import."""
+
+    planes: bool  # byte-plane frames decoded by blosc_planes (HSTRACE_PLANES=0: by c-blosc)
+    prefetch: bool  # ask the kernel to read a shard's wanted chunks ahead (HSTRACE_PREFETCH)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ReadFlags:
+        env = os.environ if environ is None else environ
+        return cls(
+            planes=blosc_planes.enabled(env), prefetch=env.get("HSTRACE_PREFETCH", "1") != "0"
+        )
+
+
+def read_rows(arr: Any, start: int, stop: int, flags: ReadFlags | None = None) -> np.ndarray | None:
+    """Rows [start, stop) of `arr`, or None where this module does not handle the array.
+    `flags`: the reader's (None: the environment's now)."""
     lay = layout_of(arr)
     if lay is None:
         return None
@@ -216,6 +233,9 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
     out = np.empty((max(0, stop - start), *row_shape), dtype=dtype)
     if stop <= start:
         return out
+    if flags is None:
+        flags = ReadFlags.from_env()
+    planes, prefetch = flags
     cr = lay.chunk_rows
     first, last = start // cr, (stop - 1) // cr
     row_bytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64))
@@ -235,7 +255,8 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
         a, b = max(start, row0), min(stop, row0 + cr)
         if a == row0 and b == row0 + cr:  # the whole chunk is wanted: decode in place
             dest = out[a - start : b - start]
-            if not blosc_planes.decompress_into(data, dest):  # byte planes first, then c-blosc
+            # byte planes first, then c-blosc
+            if not (planes and blosc_planes.decompress_into(data, dest)):
                 _BLOSC.decode(data, out=dest)
             return
         raw = np.frombuffer(_BLOSC.decode(data), dtype=dtype)
@@ -320,7 +341,8 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
                 fds.append(fd)
                 row0 = shard * per * cr
                 spans, size = _shard_index(fd, path, per, lo, hi, max_chunk)
-                _prefetch(fd, spans)
+                if prefetch:
+                    _prefetch(fd, spans)
                 moving = []
                 for j, (off, n) in enumerate(spans):
                     job = (fd, off, n, row0 + (lo + j) * cr, path)
@@ -339,13 +361,10 @@ def read_rows(arr: Any, start: int, stop: int) -> np.ndarray | None:
     return out
 
 
-# Ask the kernel to read a shard's wanted chunks ahead (POSIX_FADV_WILLNEED: asynchronous),
-# so that the device reads the next group while the pool decodes this one.
-PREFETCH = os.environ.get("HSTRACE_PREFETCH", "1") != "0"
-
-
 def _prefetch(fd: int, spans: list[tuple[int, int]]) -> None:
-    if not PREFETCH or not spans or not hasattr(os, "posix_fadvise"):
+    """Ask the kernel to read a shard's wanted chunks ahead (POSIX_FADV_WILLNEED: asynchronous),
+    so that the device reads the next group while the pool decodes this one."""
+    if not spans or not hasattr(os, "posix_fadvise"):
         return
     start = min(off for off, _ in spans)
     end = max(off + n for off, n in spans)

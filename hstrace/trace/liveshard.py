@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from hstrace.trace.blosc_into import MAX_OVERHEAD, padded
+from hstrace.trace.codecs.blosc_into import MAX_OVERHEAD, padded
 
 
 class LiveLayout(NamedTuple):

@@ -43,6 +43,8 @@ class Trace:
         self.path = Path(path)
         if not self.path.exists():
             raise TraceError(f"{self.path}: no such trace")
+        # HSTRACE_PLANES / HSTRACE_PREFETCH, as this reader is built (chunkread's fast path)
+        self.read_flags = chunkread.ReadFlags.from_env()
         self._store: Any = None
         try:
             # Every read goes through the guard: no link leaving the store, no endless or
@@ -232,6 +234,7 @@ class TableView:
     ) -> None:
         self.name = name
         self._where = f"{rank.trace.path}: rank{rank.rank}/{name}"
+        self._read_flags = rank.trace.read_flags
         # Token ids are checked against these where known (the trace's static audit).
         self._vocab, self._draft_vocab = vocab, draft_vocab
         self._check_ids = not rank.trace.ids_redacted
@@ -351,7 +354,7 @@ class TableView:
         try:
             # hstrace's own layout straight from its files (several times zarr's speed); None:
             # another layout or a zip, which zarr reads (writer room, bench/README.md).
-            rows = chunkread.read_rows(arr, start, stop)
+            rows = chunkread.read_rows(arr, start, stop, self._read_flags)
             if rows is not None:
                 return rows
             return np.asarray(arr[start:stop])

@@ -2,7 +2,7 @@
 
 Imports no torch and no zarr: both sides use it. Three one-way channels, each in order:
 
-  producer -> writer, the descriptor queue in shared memory (hstrace/trace/ring.py): the
+  producer -> writer, the descriptor queue in shared memory (hstrace/trace/write/ring.py): the
       host fast path's one-part steps, as fixed int64 slots (table id, ring offset, ring end,
       row counts) published by a counter, no syscall per step
   producer -> writer, the data pipe (multiprocessing Connection framing: a 4-byte big-endian

@@ -6,7 +6,7 @@ moves a planned step somewhere, the way httpx puts transports behind `BaseTransp
 
   RecorderSink   the RankRecorder on the caller's thread (tests, the CPU reference engine,
                  bundles): same on-disk result as the writer process
-  ProcessSink    (hstrace/trace/process_sink.py) a shared-memory ring drained by the rank's
+  ProcessSink    (hstrace/trace/write/process_sink.py) a shared-memory ring drained by the rank's
                  writer process: the serving path
   MemorySink     steps kept in RAM, readable back (tests)
 
@@ -19,15 +19,14 @@ the `seq` / `t_ns` the writer fills in).
 from __future__ import annotations
 
 import math
-import os
 from typing import Any
 
 import numpy as np
 import torch
 
 from hstrace.errors import TraceError
-from hstrace.trace.columns import ColumnSpec
-from hstrace.trace.protocol import Dropped, Error, Static
+from hstrace.trace.write.columns import ColumnSpec
+from hstrace.trace.write.protocol import Dropped, Error, Static
 
 
 class TablePlan:
@@ -143,7 +142,7 @@ class RecorderSink(Sink):
     """Writes through a RankRecorder on the caller's thread."""
 
     def __init__(self, path: str, rank: int, tail_flush_s: float = 2.0) -> None:
-        from hstrace.trace.recorder import RankRecorder
+        from hstrace.trace.write.recorder import RankRecorder
 
         self.path, self.rank = path, rank
         self.recorder = RankRecorder(path, rank, tail_flush_s=tail_flush_s)
@@ -238,14 +237,3 @@ class MemorySink(Sink):
         storage, _, rs = self.tables[table]["spec"][axis][column]
         parts = [s[axis][column] for s in steps]
         return np.concatenate(parts) if parts else np.empty((0, *rs), storage)
-
-
-def default_sink(
-    path: str | os.PathLike, rank: int, tail_flush_s: float, process: bool, **process_kw: Any
-) -> Sink:
-    """The sink `TraceWriter(process=...)` has always meant."""
-    if not process:
-        return RecorderSink(str(path), rank, tail_flush_s)
-    from hstrace.trace.process_sink import ProcessSink
-
-    return ProcessSink(str(path), rank, tail_flush_s=tail_flush_s, **process_kw)

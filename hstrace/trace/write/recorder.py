@@ -19,8 +19,6 @@ import numpy as np
 import zarr
 
 from hstrace.errors import TraceError
-from hstrace.trace.columns import ColumnSpec, describe, row_counts, spec_of
-from hstrace.trace.rowlog import RowLog
 from hstrace.trace.schema import (
     OFFSETS_ARRAY,
     OFFSETS_AXES_KEY,
@@ -30,6 +28,8 @@ from hstrace.trace.schema import (
     check_name,
     column_array,
 )
+from hstrace.trace.write.columns import ColumnSpec, describe, row_counts, spec_of
+from hstrace.trace.write.rowlog import RowLog
 
 # Commit at most this often when only whole units were written (tail flushes always commit).
 COMMIT_INTERVAL_S = 0.25

@@ -17,7 +17,7 @@ from multiprocessing.shared_memory import SharedMemory
 import numpy as np
 
 from hstrace.errors import TraceError
-from hstrace.trace.protocol import ALIGN
+from hstrace.trace.write.protocol import ALIGN
 
 # The ALIGN bytes after the ring, as int64 words: the producer's head counter (how far the
 # writer is behind), the writer's consumed counter (ring space back to the producer without a

@@ -398,7 +398,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "hstrace.trace._planes",
+    PyModuleDef_HEAD_INIT, "hstrace.trace.codecs._planes",
     "Blosc frames for 2-byte values, each byte plane coded on its own (see _planes.c).", -1,
     module_methods,
 };

@@ -5,7 +5,7 @@
  * One call checks a repeated step of a table against the plan its first write fixed (column
  * names, exact torch.Tensor type, dtype, CPU, contiguous, row shape, equal row counts per axis;
  * Python ints for int64 scalar step columns), reserves room in the staging ring, copies every
- * column into it and publishes the step's descriptor (hstrace/trace/ring.py). Anything it does
+ * column into it and publishes the step's descriptor (hstrace/trace/write/ring.py). Anything it does
  * not take (numpy arrays, lists, another shape, a ring without room, a fault flagged, a full
  * descriptor queue) it hands back untouched, and the Python route does exactly what it always
  * did: checks it, stages it, blocks, drops or raises. The checks run before anything is
@@ -120,7 +120,7 @@ static PyMemberDef Ring_members[] = {
 };
 
 static PyTypeObject RingType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hstrace.trace._native.Ring",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hstrace.trace.write._native.Ring",
     .tp_basicsize = sizeof(Ring),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
@@ -539,7 +539,7 @@ static PyMethodDef Step_methods[] = {
 };
 
 static PyTypeObject StepType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hstrace.trace._native.Step",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hstrace.trace.write._native.Step",
     .tp_basicsize = sizeof(Step),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = PyType_GenericNew,
@@ -588,7 +588,7 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "hstrace.trace._native",
+    PyModuleDef_HEAD_INIT, "hstrace.trace.write._native",
     "The producer's fast step in one native call (see _native.c).", -1, module_methods,
 };
 

@@ -1,7 +1,7 @@
 """The writer process of one rank: drains the staging ring into a RankRecorder.
 
 Imports no torch: it only needs numpy and zarr, so it starts fast and stays small. The
-messages it reads and answers are in hstrace/trace/protocol.py.
+messages it reads and answers are in hstrace/trace/write/protocol.py.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from hstrace.errors import HstraceError
-from hstrace.trace import protocol as P
-from hstrace.trace import rowlog
-from hstrace.trace.protocol import ALIGN
-from hstrace.trace.ring import RingView
+from hstrace.trace.write import protocol as P
+from hstrace.trace.write import rowlog
+from hstrace.trace.write.protocol import ALIGN
+from hstrace.trace.write.ring import RingView
 
 # Sleep between polls of an idle pipe: starts short, doubles while idle, up to the max.
 IDLE_POLL_MIN_S = 0.001
@@ -46,9 +46,6 @@ def mmap_threshold_from_env(default: int = 1 << 20) -> int:
         return default
 
 
-MMAP_THRESHOLD = mmap_threshold_from_env()
-
-
 def fix_mmap_threshold(nbytes: int) -> bool:
     """Fix glibc's mmap threshold at nbytes; False where not set (0, out of a C int's range,
     refused by glibc, or not glibc)."""
@@ -63,7 +60,7 @@ def fix_mmap_threshold(nbytes: int) -> bool:
 
 
 def main(argv: list[str]) -> None:
-    """Entry point: `python -m hstrace.trace.writer_process PATH RANK TAIL_S RING DATA_FD
+    """Entry point: `python -m hstrace.trace.write.writer_process PATH RANK TAIL_S RING DATA_FD
     FREE_FD ENDS_FD THREADS RAW`; RING is `fd:N` (a memfd) or a /dev/shm name; RAW is 0 (never
     uncompressed), 1 (while behind, within the disk budget, beyond it when far behind) or b
     (while behind, within the disk budget only).
@@ -166,9 +163,9 @@ def writer_main(
     raw_when_behind: bool = False,
     raw_beyond_budget: bool = True,
 ) -> None:
-    from hstrace.trace.recorder import RankRecorder
+    from hstrace.trace.write.recorder import RankRecorder
 
-    fix_mmap_threshold(MMAP_THRESHOLD)
+    fix_mmap_threshold(mmap_threshold_from_env())  # read as the writer process starts
     replies = _Replies(free_w, ends_fd)
     try:
         shm = RingView(ring)

@@ -7,16 +7,17 @@ writes them with O_DIRECT (rowlog.py). This calls the very c-blosc that numcodec
 extension module exports `blosc_compress_ctx`), with the same parameters numcodecs passes, so
 the frames are byte-identical to `Blosc.encode`'s (tests/test_rowlog.py). The call runs
 without the GIL (ctypes releases it), on one Blosc thread, with no global state. Where the
-symbol cannot be found (another numcodecs build), `AVAILABLE` is False and the writer uses
-numcodecs' own encode.
+symbol cannot be found (another numcodecs build), `available()` is False and the writer uses
+numcodecs' own encode. The symbol is looked up on first use, not at import.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
+from typing import Any
 
-import numcodecs.blosc
 import numpy as np
 
 # Blosc 1 frames: 16 header bytes; an incompressible chunk is stored as is behind them.
@@ -26,7 +27,9 @@ MAX_OVERHEAD = 16
 ALIGN = 4096
 
 
-def _bind():
+def _bind() -> Any:
+    import numcodecs.blosc
+
     try:
         f = ctypes.CDLL(numcodecs.blosc.__file__).blosc_compress_ctx
     except (OSError, AttributeError):
@@ -47,8 +50,24 @@ def _bind():
     return f
 
 
-_compress_ctx = _bind()
-AVAILABLE = _compress_ctx is not None
+_UNBOUND: Any = object()
+_compress_ctx: Any = _UNBOUND  # c-blosc's blosc_compress_ctx, or None: not found
+_bind_lock = threading.Lock()
+
+
+def _function() -> Any:
+    """blosc_compress_ctx, looked up on the first call (once per process), or None."""
+    global _compress_ctx
+    if _compress_ctx is _UNBOUND:
+        with _bind_lock:
+            if _compress_ctx is _UNBOUND:
+                _compress_ctx = _bind()
+    return _compress_ctx
+
+
+def available() -> bool:
+    """Whether c-blosc's blosc_compress_ctx was found (looks it up on the first call)."""
+    return _function() is not None
 
 
 def padded(n: int) -> int:
@@ -68,11 +87,12 @@ def compress_into(
     """Compress the C-contiguous `src` into `dest` (uint8, at least src.nbytes + MAX_OVERHEAD);
     the frame's length. The same call numcodecs makes for `Blosc(cname, clevel, shuffle,
     blocksize, typesize=src.itemsize).encode(src)`."""
-    if _compress_ctx is None:
+    compress_ctx = _function()
+    if compress_ctx is None:
         raise RuntimeError("c-blosc's blosc_compress_ctx is not available")
     if not src.flags.c_contiguous or dest.nbytes < src.nbytes + MAX_OVERHEAD:
         raise ValueError("compress_into: a C-contiguous source and room for its frame")
-    n = _compress_ctx(
+    n = compress_ctx(
         clevel,
         shuffle,
         src.dtype.itemsize,

@@ -2,10 +2,10 @@
 
 Validation and planning live here: what a step is (normalise: tensors and arrays to rows,
 step-axis values one row each, `seq` / `t_ns` filled in), the per-table plan its first write
-fixes (hstrace/trace/sink.py `TablePlan`), the one schema check (hstrace/trace/columns.py),
+fixes (hstrace/trace/write/sink.py `TablePlan`), the one schema check (hstrace/trace/write/columns.py),
 and a fast path that checks a repeated step against a cached per-table matcher. Where the
-step goes is the sink's business (hstrace/trace/sink.py): by default the shared-memory ring
-of the rank's writer process (`process=True`, hstrace/trace/process_sink.py), or the
+step goes is the sink's business (hstrace/trace/write/sink.py): by default the shared-memory ring
+of the rank's writer process (`process=True`, hstrace/trace/write/process_sink.py), or the
 RankRecorder on the caller's thread (`process=False`: tests, the CPU reference engine,
 bundles); `sink=` takes any other (a `MemorySink` in tests).
 """
@@ -21,10 +21,17 @@ import numpy as np
 import torch
 
 from hstrace.errors import TraceError
-from hstrace.trace.columns import AxisRows, ColumnSpec, check_names, describe, row_counts, spec_of
-from hstrace.trace.protocol import Dropped, Error, Static
 from hstrace.trace.schema import AUTO_STEP_COLUMNS, SCALAR_STEP_COLUMNS, STEP_AXIS
-from hstrace.trace.sink import Sink, TablePlan, default_sink
+from hstrace.trace.write.columns import (
+    AxisRows,
+    ColumnSpec,
+    check_names,
+    describe,
+    row_counts,
+    spec_of,
+)
+from hstrace.trace.write.protocol import Dropped, Error, Static
+from hstrace.trace.write.sink import RecorderSink, Sink, TablePlan
 
 
 def _as_rows(value: Any, where: str) -> tuple[Any, str | None]:
@@ -398,3 +405,15 @@ _TORCH_DTYPES = {
         "uint64",
     )
 }
+
+
+def default_sink(
+    path: str | os.PathLike, rank: int, tail_flush_s: float, process: bool, **process_kw: Any
+) -> Sink:
+    """The sink `TraceWriter(process=...)` has always meant (here, not in sink.py: the process
+    sink builds on sink.py, which so never imports it back)."""
+    if not process:
+        return RecorderSink(str(path), rank, tail_flush_s)
+    from hstrace.trace.write.process_sink import ProcessSink
+
+    return ProcessSink(str(path), rank, tail_flush_s=tail_flush_s, **process_kw)

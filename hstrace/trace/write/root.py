@@ -17,7 +17,7 @@ from typing import Any
 
 import zarr
 
-from hstrace import __version__
+from hstrace._version import __version__
 from hstrace.errors import TraceError
 from hstrace.trace.schema import FORMAT_NAME, ROOT_KEY, SCHEMA_VERSION
 

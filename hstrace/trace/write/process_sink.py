@@ -1,6 +1,6 @@
 """The serving path's sink: steps are copied into a shared-memory byte ring and described to the
-rank's writer process (hstrace/trace/writer_process.py), which does all compression and I/O: a
-one-part host step by a descriptor in shared memory (hstrace/trace/ring.py), anything else by a
+rank's writer process (hstrace/trace/write/writer_process.py), which does all compression and I/O: a
+one-part host step by a descriptor in shared memory (hstrace/trace/write/ring.py), anything else by a
 small message down a pipe. The serving thread pays a memcpy (an async D2H copy on CUDA) and a
 few stores. A step larger than `max_part_bytes` (a prefill of thousands of tokens) is split by rows
 into several parts. Also here: starting and supervising the writer process, and the CUDA
@@ -20,15 +20,16 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 from hstrace.errors import TraceError
-from hstrace.trace import protocol as P
-from hstrace.trace.protocol import ALIGN, align
-from hstrace.trace.ring import (
+from hstrace.trace.write import protocol as P
+from hstrace.trace.write.protocol import ALIGN, align
+from hstrace.trace.write.ring import (
     DESC_AXES,
     DESC_SLOTS,
     DESC_WORDS,
@@ -43,15 +44,12 @@ from hstrace.trace.ring import (
     segment_bytes,
     unexported_view,
 )
-from hstrace.trace.sink import Sink, TablePlan, new_stats
-
-try:  # the optional C extension (setup.py); without it every step takes the Python route
-    from hstrace.trace import _native
-except ImportError:  # not built (a plain copy of the tree, a Python without a compiler)
-    _native = None
+from hstrace.trace.write.sink import Sink, TablePlan, new_stats
 
 # Where the hstrace package lives, so the writer process imports this very copy.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_PACKAGE_ROOT = os.path.dirname(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+)
 # Seconds to wait for the writer process to start (it imports numpy and zarr).
 START_TIMEOUT_S = 120.0
 # Steps are published through the descriptor queue only where plain stores become visible to
@@ -62,18 +60,48 @@ DESCRIPTORS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # Every this many descriptors the producer checks that the writer is alive (one poll of the
 # ends pipe): a pipe write per step used to say so at once.
 LIVENESS_EVERY = 64
-# The native one-call step (hstrace/trace/_native.c): where it is built and descriptors are on.
-# HSTRACE_NATIVE=0 turns it off (the Python route stages the same bytes).
-NATIVE = _native is not None and DESCRIPTORS and os.environ.get("HSTRACE_NATIVE", "1") != "0"
-if _native is not None:  # bound even when off: a test may turn it on (helpers.native_route)
+_UNBOUND: Any = object()
+_native: Any = _UNBOUND  # the optional C extension once imported and bound, or None
+_native_lock = threading.Lock()
+
+
+def native_extension() -> Any:
+    """The native one-call step (hstrace/trace/write/_native.c), imported and bound to torch's
+    Tensor on the first call (once per process), or None where it is not built (a plain copy
+    of the tree, a Python without a compiler): every step then takes the Python route."""
+    global _native
+    if _native is _UNBOUND:
+        with _native_lock:
+            if _native is _UNBOUND:
+                _native = _bind_native()
+    return _native
+
+
+def _bind_native() -> Any:
+    try:
+        from hstrace.trace.write import _native as ext
+    except ImportError:
+        return None
     # (sample tensors: where a tensor object keeps its TensorImpl, for the native step's
     # prefetch; `_cdata` is that TensorImpl's address)
-    _samples = [torch.zeros(1), torch.zeros(2, 3, dtype=torch.bfloat16), torch.arange(4)[1:]]
-    _impls = [getattr(t, "_cdata", None) for t in _samples]
-    if None in _impls:  # a torch without it: no prefetch, the same checks and bytes
-        _samples, _impls = [], []
-    _native.bind(torch.Tensor, _samples, _impls)
-    del _samples, _impls
+    samples = [torch.zeros(1), torch.zeros(2, 3, dtype=torch.bfloat16), torch.arange(4)[1:]]
+    impls = [getattr(t, "_cdata", None) for t in samples]
+    if None in impls:  # a torch without it: no prefetch, the same checks and bytes
+        samples, impls = [], []
+    ext.bind(torch.Tensor, samples, impls)
+    return ext
+
+
+def native_route(environ: Mapping[str, str] | None = None) -> Any:
+    """The native extension where a sink built now takes the native route: it is built,
+    descriptors are on and HSTRACE_NATIVE is not 0 (the Python route stages the same bytes);
+    else None. Read when a ProcessSink is built, not at import."""
+    env = os.environ if environ is None else environ
+    if not DESCRIPTORS or env.get("HSTRACE_NATIVE", "1") == "0":
+        return None
+    return native_extension()
+
+
 # align(n) as two integer operations (ALIGN is a power of two).
 _ALIGN_UP, _ALIGN_MASK = ALIGN - 1, -ALIGN
 assert ALIGN & (ALIGN - 1) == 0
@@ -128,6 +156,7 @@ class ProcessSink(Sink):
         raw_beyond_budget: bool = True,
     ) -> None:
         self.path, self.rank = path, rank
+        self._native = native_route()  # HSTRACE_NATIVE, as this sink is built
         self.stats = new_stats()
         self._tables: dict[str, _Table] = {}
         self._fault: str | None = None  # set once the writer reports the trace is unwritable
@@ -185,7 +214,7 @@ class ProcessSink(Sink):
         # subprocess rather than multiprocessing's spawn, which would re-import the parent's
         # __main__ (a server launcher, a test runner, a user script).
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "hstrace.trace.writer_process", *args],
+            [sys.executable, "-m", "hstrace.trace.write.writer_process", *args],
             pass_fds=(data_r.fileno(), free_w.fileno(), ends_w, *self._shm.pass_fds()),
             env=env,
         )
@@ -205,7 +234,7 @@ class ProcessSink(Sink):
         self._shm.mapped_by_both()
 
     def _new_cursor(self) -> Any:
-        if not (NATIVE and DESCRIPTORS):
+        if self._native is None:
             return _Cursor()
         # A weak reference, not the bound method: no cycle keeps a dropped sink (and its
         # segment) alive until the garbage collector runs.
@@ -218,7 +247,7 @@ class ProcessSink(Sink):
             return sink._gone()
 
         at = self._ring_bytes // 8
-        return _native.Ring(
+        return self._native.Ring(
             self._ring_np.ctypes.data,
             self._ring_bytes,
             self._part_bytes,
@@ -247,7 +276,7 @@ class ProcessSink(Sink):
         if isinstance(self._cur, _Cursor) or t is None or not t.descriptors:
             return None
         try:
-            return _native.Step(self._cur, t.tid, native_plan(plan, columns)).write
+            return self._native.Step(self._cur, t.tid, native_plan(plan, columns)).write
         except ValueError:  # beyond the native route's fixed limits (columns, row rank)
             return None
 

@@ -50,6 +50,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -63,8 +64,8 @@ from zarr.codecs import BloscCodec
 from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
-from hstrace.trace import blosc_into, blosc_planes
-from hstrace.trace.blosc_into import aligned_buffer, padded
+from hstrace.trace.codecs import blosc_into, blosc_planes
+from hstrace.trace.codecs.blosc_into import aligned_buffer, padded
 from hstrace.trace.liveshard import live_layout
 from hstrace.trace.schema import unit_rows
 
@@ -87,8 +88,6 @@ DISK_BUDGET = 0.8
 _FIRST_RATIO = 0.7
 # An empty inner chunk in a shard index (zarr's sharding codec).
 _EMPTY = np.uint64(2**64 - 1)
-# Shards written with O_DIRECT where the file system takes it (False: always the page cache).
-DIRECT_IO = os.environ.get("HSTRACE_DIRECT_IO", "1") != "0"
 # Room before a chunk buffer's rows for a Blosc header: a raw chunk is then a frame in place.
 _HEAD = 16
 
@@ -131,6 +130,21 @@ class Encoder:
         self._lock = threading.Lock()
         self._queued = 0  # chunks handed to the pool that no encoding thread has started
         self._reset_budget()
+        # Read when a writer is built (read_flags), not at import.
+        # Shards written with O_DIRECT where the file system takes it (False: the page cache).
+        self.direct_io = True
+        # 2-byte chunks as byte planes (blosc_planes; False: c-blosc, HSTRACE_PLANES=0).
+        self.planes = False
+        # Chunks compressed into the column's aligned buffers (blosc_into; False: numcodecs).
+        self.into = False
+
+    def read_flags(self, environ: Mapping[str, str] | None = None) -> None:
+        """Read HSTRACE_DIRECT_IO and HSTRACE_PLANES and bind the codecs (on first use): when
+        a writer builds its columns (RowLog) or the writer process configures this encoder."""
+        env = os.environ if environ is None else environ
+        self.direct_io = env.get("HSTRACE_DIRECT_IO", "1") != "0"
+        self.planes = blosc_planes.enabled(env)
+        self.into = blosc_into.available()
 
     def _reset_budget(self) -> None:
         # Bytes handed to the encoder; bytes stored for finished chunks; raw bytes of chunks
@@ -239,7 +253,7 @@ class Encoder:
             return f, raw
         work = (
             partial(_compress_into, chunk, out)
-            if out is not None and blosc_into.AVAILABLE
+            if out is not None and self.into
             else partial(self.encode, chunk)
         )
         if self._pool is None:
@@ -260,7 +274,7 @@ class Encoder:
     def encode(self, chunk: np.ndarray):
         """The chunk's frame in new memory (bytes-like): byte planes for 2-byte values, as
         _compress_into, else c-blosc zstd-1 through numcodecs."""
-        if blosc_planes.applies(chunk):
+        if self.planes and blosc_planes.applies(chunk):
             out = np.empty(chunk.nbytes + blosc_planes.MAX_OVERHEAD, np.uint8)
             return memoryview(out)[: blosc_planes.compress_into(chunk, out, BLOCKSIZE)]
         return self.codec(chunk.dtype.itemsize, False).encode(chunk)
@@ -291,7 +305,7 @@ def _compress_into(chunk: np.ndarray, out: np.ndarray) -> Aligned:
     """Encode into out: 2-byte values (bf16 activations, logits) as Huffman-coded byte planes
     (blosc_planes.py: ~3x c-blosc zstd-1's speed at a slightly better ratio), the rest with
     c-blosc zstd-1. Both are Blosc frames any reader decodes."""
-    if blosc_planes.applies(chunk):
+    if ENCODER.planes and blosc_planes.applies(chunk):
         return Aligned(out, blosc_planes.compress_into(chunk, out, BLOCKSIZE))
     return Aligned(
         out, blosc_into.compress_into(chunk, out, CNAME, CLEVEL, Blosc.SHUFFLE, BLOCKSIZE)
@@ -315,6 +329,7 @@ def _parts(data) -> list:
 def configure(
     threads: int = 0, raw_when_behind: bool = False, raw_beyond_budget: bool = True
 ) -> None:
+    ENCODER.read_flags()
     ENCODER.configure(threads, raw_when_behind, raw_beyond_budget)
 
 
@@ -358,11 +373,12 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _open_shard_file(path: str) -> tuple[int, bool]:
-    """(fd, direct?): a new temp file, with O_DIRECT where DIRECT_IO and the file system
-    allow it (tmpfs and some others refuse it at open: EINVAL)."""
+    """(fd, direct?): a new temp file, with O_DIRECT where the encoder's direct_io flag
+    (HSTRACE_DIRECT_IO) and the file system allow it (tmpfs and some others refuse it at
+    open: EINVAL)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     direct = getattr(os, "O_DIRECT", 0)
-    if DIRECT_IO and direct:
+    if ENCODER.direct_io and direct:
         try:
             return os.open(path, flags | direct, 0o644), True
         except OSError as exc:
@@ -526,6 +542,7 @@ class RowLog:
         logical_dtype: str,
         attributes: dict | None = None,
     ) -> None:
+        ENCODER.read_flags()  # the environment's flags, as this writer is built
         self.row_shape = tuple(int(x) for x in row_shape)
         self.dtype = np.dtype(dtype)  # native: little-endian hosts, as zarr's bytes codec
         self.row_items = math.prod(self.row_shape)
@@ -642,7 +659,7 @@ class RowLog:
 
     def _out(self) -> np.ndarray | None:
         """A page-aligned buffer to compress a chunk into (reused once its chunk is written)."""
-        if not self._aligned or not blosc_into.AVAILABLE:
+        if not self._aligned or not ENCODER.into:
             return None
         if self._outs:
             return self._outs.pop()
