@@ -15,7 +15,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 # package name -> the folder it installs from (setup.py maps cli/ and hooks/ into hstrace)
-SOURCES = {"hstrace": REPO / "hstrace", "hstrace.cli": REPO / "cli", "hstrace.hooks": REPO / "hooks"}
+SOURCES = {
+    "hstrace": REPO / "hstrace",
+    "hstrace.cli": REPO / "cli",
+    "hstrace.hooks": REPO / "hooks",
+}
 
 # The floor: imported by everyone (each room below lists the ones it uses), importing nothing
 # of hstrace's rooms.
@@ -302,6 +306,53 @@ def test_relative_and_package_root_imports_are_resolved(tmp_path):
         "hstrace.trace.probe:2 imports hstrace.__version__ (room hstrace.trace may not import "
         "hstrace)",
     ]
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import circle of a module graph, each once (as found from its first module)."""
+    found, seen = [], set()
+
+    def walk(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph.get(node, ())):
+            if nxt in path:
+                cycle = path[path.index(nxt) :]
+                key = frozenset(cycle)
+                if key not in seen:
+                    seen.add(key)
+                    found.append([*cycle, nxt])
+            elif len(path) < 12:
+                walk(nxt, [*path, nxt])
+
+    for start in sorted(graph):
+        walk(start, [start])
+    return found
+
+
+def _module_graph(prefix: str) -> dict[str, set[str]]:
+    """module -> the modules under `prefix` it imports (lazy imports too)."""
+    files = [(m, p) for m, p in _modules() if m == prefix or m.startswith(prefix + ".")]
+    mods = {m for m, _ in files}
+    graph: dict[str, set[str]] = {}
+    for mod, path in files:
+        for _, name in _imports(mod, path, path.name == "__init__.py"):
+            # the longest module the name lies in (`from hstrace.trace.x import y` -> .x)
+            target = max(
+                (m for m in mods if name == m or name.startswith(m + ".")), key=len, default=None
+            )
+            if target and target != mod and target != prefix:
+                graph.setdefault(mod, set()).add(target)
+    return graph
+
+
+def test_the_trace_store_has_no_import_circle():
+    """No module of hstrace.trace reaches itself through its imports, lazy ones included
+    (sink.py <-> process_sink.py was one: default_sink now lives in writer.py)."""
+    assert _cycles(_module_graph("hstrace.trace")) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set()}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
 
 
 def _doc_table() -> dict[str, tuple[str, ...]]:
