@@ -1,8 +1,8 @@
 """Acceptance figures read straight from a trace's `verify` table (no replay needed).
 
 The counts per draft position (offered, reached, accepted) and both rates come from
-`hstrace.trace.acceptance_by_position`, the one count `hstrace show`, `hstrace report` and a bundle's
-REPORT.md all print: `accept_len` excludes the bonus token (tokens committed per verify =
+`hstrace.trace.acceptance_by_position`, the one count `hstrace show`, `hstrace report` and a
+bundle's REPORT.md all print: `accept_len` excludes the bonus token (tokens committed per verify =
 accept_len + 1); `rate_of_offered` = accepted / rows that offered position i, `rate_of_reached`
 = accepted / rows that reached it (offered it and accepted every draft before it).
 """

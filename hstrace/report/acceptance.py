@@ -2,8 +2,8 @@
 
 One table shape for terminal (rich), Markdown and HTML: per position the counts (offered,
 reached, accepted) and both rates, each column named after its convention
-(`hstrace.trace.acceptance_by_position`), so `hstrace show`, `hstrace report` and a bundle's REPORT.md
-print the same numbers under the same names.
+(`hstrace.trace.acceptance_by_position`), so `hstrace show`, `hstrace report` and a bundle's
+REPORT.md print the same numbers under the same names.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def _acceptance(accept_lens: list[np.ndarray], proposed: list[np.ndarray]) -> di
     prop = np.concatenate(proposed)
     if al.min() < 0 or (prop.size and prop.min() < -1):
         raise TraceError(f"verify: accept_len {int(al.min())} / n_proposed are negative (corrupt)")
-    # Both conventions of acceptance by position come from hstrace.trace.acceptance_by_position, the one
+    # Both conventions of acceptance by position come from acceptance_by_position.py, the one
     # count every output uses. The reader has checked n_proposed against the proposed rows, so
     # the depth is bounded by the data.
     depth = acc.depth_of(al, prop)

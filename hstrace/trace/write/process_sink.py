@@ -1,7 +1,6 @@
 """The serving path's sink: steps are copied into a shared-memory byte ring and described to the
-rank's writer process (hstrace/trace/write/writer_process.py), which does all compression and I/O: a
-one-part host step by a descriptor in shared memory (hstrace/trace/write/ring.py), anything else by a
-small message down a pipe. The serving thread pays a memcpy (an async D2H copy on CUDA) and a
+rank's writer process (writer_process.py), which does all compression and I/O: a one-part host
+step by a descriptor in shared memory (ring.py), anything else by a small message down a pipe. The serving thread pays a memcpy (an async D2H copy on CUDA) and a
 few stores. A step larger than `max_part_bytes` (a prefill of thousands of tokens) is split by rows
 into several parts. Also here: starting and supervising the writer process, and the CUDA
 completer that sends a step's message once its device copies are done.

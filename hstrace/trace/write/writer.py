@@ -2,10 +2,10 @@
 
 Validation and planning live here: what a step is (normalise: tensors and arrays to rows,
 step-axis values one row each, `seq` / `t_ns` filled in), the per-table plan its first write
-fixes (hstrace/trace/write/sink.py `TablePlan`), the one schema check (hstrace/trace/write/columns.py),
-and a fast path that checks a repeated step against a cached per-table matcher. Where the
-step goes is the sink's business (hstrace/trace/write/sink.py): by default the shared-memory ring
-of the rank's writer process (`process=True`, hstrace/trace/write/process_sink.py), or the
+fixes (sink.py `TablePlan`), the one schema check (columns.py), and a fast path that checks
+a repeated step against a cached per-table matcher. Where the step goes is the sink's business
+(sink.py, chosen by `default_sink` below): by default the shared-memory ring of the rank's
+writer process (`process=True`, process_sink.py), or the
 RankRecorder on the caller's thread (`process=False`: tests, the CPU reference engine,
 bundles); `sink=` takes any other (a `MemorySink` in tests).
 """
