@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -25,9 +26,22 @@ import click
     default=None,
     help="HF target dir for layer fingerprints (default: the trace's).",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print what was written as JSON: html, bytes, verdict, complete, failed, exit_code.",
+)
 def report(
-    trace: str, html_out: str, against: str | None, drafter: str | None, target: str | None
+    trace: str,
+    html_out: str,
+    against: str | None,
+    drafter: str | None,
+    target: str | None,
+    as_json: bool,
 ) -> int:
+    """Write a self-contained HTML page for TRACE; with --against, the replay's verdict on it.
+    Exit 0 = no fault (or not replayed), 1 = fault, 2 = bad input, 3 = could not judge."""
     from hstrace.bundle.pack import open_checked
     from hstrace.errors import HstraceError
     from hstrace.html import write_report_html
@@ -64,8 +78,25 @@ def report(
             replay_json["source"] = (
                 f"the bundle's manifest (replayed when the bundle was made: {info['reproduce']})"
             )
-            exit_code = 1 if replay_json["verdict"].get("severity") == "fault" else 0
+            exit_code = replay_json.get("exit_code")
+            if exit_code not in (0, 1, 3):  # a bundle made before exit 3 existed
+                exit_code = 1 if replay_json["verdict"].get("severity") == "fault" else 0
     p = write_report_html(tr, out, replay_json)
-    verdict = replay_json["verdict"]["code"] if replay_json else "not replayed"
-    click.echo(f"wrote {p} ({p.stat().st_size} bytes); verdict: {verdict}")
+    verdict = replay_json["verdict"]["code"] if replay_json else None
+    failed = dict((replay_json or {}).get("failed") or {})
+    if as_json:
+        doc = {
+            "html": str(p),
+            "bytes": p.stat().st_size,
+            "verdict": verdict,
+            "complete": not failed,
+            "failed": failed,
+            "verdict_source": (replay_json or {}).get("source"),
+            "exit_code": exit_code,
+        }
+        click.echo(json.dumps(doc, indent=2))
+        return exit_code
+    click.echo(f"wrote {p} ({p.stat().st_size} bytes); verdict: {verdict or 'not replayed'}")
+    for name, why in failed.items():
+        click.echo(f"judgement incomplete: {name} failed internally: {why} (exit {exit_code})")
     return exit_code

@@ -99,6 +99,7 @@ def test_specforge_drafter_replays_with_the_target_embedding(specforge_trace):
     # With a random embedding the engine and the reference agree on ~7% of rows.
     assert evr["top1_agreement"] == 1.0 and evr["within_noise"] is True, evr
     assert not any("failed internally" in why for why in result.skipped.values())
+    assert result.failed == {} and result.complete
 
 
 def test_without_a_target_the_drafter_checks_are_skipped_not_random(specforge_trace, tmp_path):
@@ -138,9 +139,12 @@ def test_rows_without_topk_and_nan_logprobs_replay_clean(specforge_trace, tmp_pa
     assert evr["top1_agreement"] == 1.0 and evr["within_noise"] is True
     assert evr["max_logprob_diff"] is not None  # the prefill rows still carry log-probs
     assert not any("failed internally" in why for why in data["skipped"].values())
+    assert data["failed"] == {} and data["complete"] is True and data["exit_code"] == 0
 
 
-def test_a_check_that_fails_internally_is_skipped_not_raised(specforge_trace, monkeypatch):
+def test_a_check_that_fails_internally_is_not_raised_nor_a_clean_verdict(
+    specforge_trace, monkeypatch
+):
     import hstrace.diagnose as diagnose
 
     def broken_check(ctx):
@@ -148,10 +152,11 @@ def test_a_check_that_fails_internally_is_skipped_not_raised(specforge_trace, mo
 
     monkeypatch.setattr(diagnose, "CHECKS", (broken_check, *diagnose.CHECKS))
     result = replay(specforge_trace, TRAINING, drafter_path=DRAFTER, target_path=TARGET)
-    assert (
-        result.skipped["check broken_check"] == "failed internally: RuntimeError: boom in a check"
-    )
-    assert result.verdict.code == "no-wiring-fault"  # the other checks still ran
+    assert result.failed["check broken_check"] == "RuntimeError: boom in a check"
+    assert "check broken_check" not in result.skipped  # a failure is not missing evidence
+    # Issue 24: the other checks still ran, but "no wiring fault" is not claimed: exit 3.
+    assert result.verdict.code == "could-not-judge" and result.exit_code == 3
+    assert "no-wiring-fault" not in [f.code for f in result.findings]
     assert "engine_vs_reference" in result.metrics
 
 

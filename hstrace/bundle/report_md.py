@@ -29,6 +29,7 @@ def write_report(
     """(markdown, "replay" | "summary", replay JSON or None)."""
     from hstrace.html.acceptance import acceptance_of
     from hstrace.report.acceptance import markdown_table
+    from hstrace.report.markdown import cell, row
     from hstrace.trace import open_trace
 
     redaction_note = ""
@@ -65,7 +66,10 @@ def write_report(
         lines = [
             "# hstrace bundle",
             "",
-            f"Engine: `{eng.get('name')}` {eng.get('version')}; ranks {tr.ranks}; schema v{meta.get('schema_version')}.",
+            cell(
+                f"Engine: `{eng.get('name')}` {eng.get('version')}; ranks {tr.ranks}; "
+                f"schema v{meta.get('schema_version')}."
+            ),
             "",
             "**Replay was not run** (no training dir given). To get the verdict, run:",
             "",
@@ -76,7 +80,7 @@ def write_report(
         ]
         r0 = tr.rank(tr.ranks[0]) if tr.ranks else None
         for name in r0.tables if r0 else []:
-            lines.append(f"| {name} | {r0.table(name).num_steps} |")
+            lines.append(row(name, r0.table(name).num_steps))
         lines.append("")
         if acc is not None:
             lines += [

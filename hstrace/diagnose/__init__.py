@@ -27,6 +27,7 @@ from hstrace.errors import HstraceError
 from hstrace.findings import Finding, in_dataflow_order
 from hstrace.replay.evidence import Evidence
 from hstrace.replay.result import Judgement
+from hstrace.replay.unavailable import debugging, internal_failure, split_failures
 
 Check = Callable[..., list[Finding]]
 
@@ -72,16 +73,17 @@ def no_wiring_fault(ev: Evidence) -> list[Finding]:
 
 
 def run_check(ev: Evidence, check: Check, failed: dict[str, str]) -> list[Finding]:
-    """One check; if it fails internally, `failed` says so and the replay goes on. Bad input
+    """One check; if it fails internally, `failed` says so and the replay goes on, but the
+    judgement is incomplete (exit 3 unless another check found a fault). Bad input
     (`HstraceError`) still ends the replay with its one-line message."""
     try:
         return list(check(ev))
     except HstraceError:
         raise
     except Exception as exc:  # a bug in one check must not hide what the others found
-        failed.setdefault(
-            f"check {check.__name__}", f"failed internally: {type(exc).__name__}: {exc}"
-        )
+        if debugging():
+            raise
+        failed.setdefault(f"check {check.__name__}", internal_failure(exc))
         return []
 
 
@@ -101,6 +103,9 @@ def diagnose(ev: Evidence, checks: Sequence[Check] | None = None) -> Judgement:
     # Merged in the fixed order of the checks: which finding of a code keeps its summary and
     # fix is a rule (the earliest check in dataflow order), not the order they ran in.
     found = merge([f for _, fs in sorted(by_check, key=lambda x: x[0]) for f in fs])
-    if not any(f.severity in ("fault", "warning") for f in found):
+    # "No wiring fault" is a claim about every check: never made when one of them, or a piece
+    # of the evidence they read, failed internally (the result is "could not judge" instead).
+    incomplete = failed or split_failures(ev.unavailable)[1]
+    if not incomplete and not any(f.severity in ("fault", "warning") for f in found):
         found.extend(run_check(ev, no_wiring_fault, failed))
     return Judgement(in_dataflow_order(found), dict(sorted(failed.items())))

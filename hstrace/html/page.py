@@ -26,6 +26,7 @@ h1{font-size:24px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 8px;border-bot
 .meta{color:#555;font-size:13px}
 .verdict{border-left:6px solid #888;background:#f6f6f6;padding:12px 16px;margin:16px 0}
 .verdict.fault{border-color:#c0392b;background:#fdf0ee} .verdict.ok{border-color:#2e8b57;background:#eef8f1}
+.incomplete{color:#c0392b;margin:8px 0} .incomplete p{margin:2px 0}
 .verdict .code{font-family:DejaVu Sans Mono,monospace;font-size:20px;font-weight:bold}
 .flow span{display:inline-block;padding:2px 8px;margin:2px;border-radius:10px;background:#eee;font-size:12px}
 .flow span.hit{background:#c0392b;color:#fff}
@@ -52,16 +53,31 @@ def _verdict(replay: dict[str, Any] | None) -> str:
             "<code>hstrace report TRACE --against TRAINING_DIR --html OUT.html</code>.</p></div>"
         )
     v = replay["verdict"]
-    cls = "fault" if v.get("severity") == "fault" else "ok"
+    failed = replay.get("failed") or {}
+    cls = "fault" if v.get("severity") == "fault" or failed else "ok"
     flow = "".join(
         f'<span class="{"hit" if s == v.get("stage") else ""}">{escape(s)}</span>' for s in STAGES
     )
     fix = f"<p><b>Fix:</b> {escape(v['fix'])}</p>" if v.get("fix") else ""
     if replay.get("source"):
         fix += f"<p class='meta'>Verdict from {escape(str(replay['source']))}.</p>"
+    incomplete = ""
+    if failed:  # an internal failure is never a clean verdict: say so above everything else
+        exit_code = replay.get("exit_code", 1 if v.get("severity") == "fault" else 3)
+        incomplete = (
+            f'<div class="incomplete" id="incomplete"><b>Judgement incomplete</b> (exit '
+            f"{escape(str(exit_code))}): "
+            + "".join(
+                f"<p>judgement incomplete: {escape(str(k))} failed internally: "
+                f"{escape(str(why))}</p>"
+                for k, why in failed.items()
+            )
+            + "</div>"
+        )
+    stage = f"stage <b>{escape(str(v.get('stage')))}</b>, " if v.get("stage") else ""
     return (
         f'<div class="verdict {cls}" id="verdict"><div>Verdict (first divergence in dataflow order)</div>'
-        f'<div class="code">{escape(v["code"])}</div><p>stage <b>{escape(str(v.get("stage")))}</b>, '
+        f'<div class="code">{escape(v["code"])}</div>{incomplete}<p>{stage}'
         f"{escape(str(v.get('severity')))}: {escape(str(v.get('summary')))}</p>{fix}"
         f'<div class="flow">{flow}</div></div>'
     )

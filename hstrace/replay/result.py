@@ -14,13 +14,60 @@ from hstrace.findings import CODES, Finding, in_dataflow_order
 JSON_SCHEMA_VERSION = 1
 
 
+# Exit codes of every command (README, "Every command"): 0 no fault found, 1 a fault found,
+# 2 bad input, 3 could not judge (a check or a piece of evidence failed internally).
+EXIT_CLEAN, EXIT_FAULT, EXIT_BAD_INPUT, EXIT_COULD_NOT_JUDGE = 0, 1, 2, 3
+
+# The verdict's code when no fault was found but the judgement is incomplete. Not a finding
+# code (nothing diverged): it says that hstrace could not judge, and why.
+COULD_NOT_JUDGE = "could-not-judge"
+
+
 @dataclass(frozen=True)
 class Judgement:
     """What the checks made of the evidence: the findings, and the checks that failed
-    internally (name -> reason), which the result lists as not checked."""
+    internally (name -> `failed internally: Type: message`), which make the result
+    incomplete."""
 
     findings: list[Finding]
     failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Incomplete:
+    """The verdict of a judgement that found no fault but could not run everything: shaped
+    like a `Finding` for the renderers (code, stage, severity, summary, fix, evidence)."""
+
+    failed: dict[str, str]
+
+    code: str = COULD_NOT_JUDGE
+    stage: str = ""
+    severity: str = "incomplete"
+    applies_to: str | None = None
+
+    @property
+    def summary(self) -> str:
+        return (
+            "could not judge: "
+            + "; ".join(failure_lines(self.failed))
+            + ". No fault was found by the checks that ran, which is not a clean verdict"
+        )
+
+    @property
+    def fix(self) -> str:
+        return (
+            "this is a bug in hstrace, not in your wiring: report it with the line above "
+            "(HSTRACE_DEBUG=1 raises the failure with its traceback)"
+        )
+
+    @property
+    def evidence(self) -> dict[str, Any]:
+        return {"failed": dict(self.failed)}
+
+
+def failure_lines(failed: dict[str, str]) -> list[str]:
+    """One line per internal failure: `NAME failed internally: Type: message`."""
+    return [f"{name} failed internally: {why}" for name, why in failed.items()]
 
 
 @dataclass
@@ -34,20 +81,32 @@ class ReplayResult:
     inputs: dict[str, Any] = field(default_factory=dict)
     # Checks that could not run, with the reason (missing stream, no target model, ...).
     skipped: dict[str, str] = field(default_factory=dict)
+    # Checks or pieces of evidence that failed internally (name -> `Type: message`): the
+    # judgement is incomplete, never `no-wiring-fault`.
+    failed: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.failed:  # "no wiring fault" is a claim about every check
+            self.findings = [f for f in self.findings if f.code != "no-wiring-fault"]
         self.findings = in_dataflow_order(self.findings)
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed
 
     @property
     def faults(self) -> list[Finding]:
         return [f for f in self.findings if f.severity == "fault"]
 
     @property
-    def verdict(self) -> Finding:
-        """The first divergence in dataflow order (faults before warnings); `no-wiring-fault`
+    def verdict(self) -> Finding | Incomplete:
+        """The first divergence in dataflow order (faults before warnings); `could-not-judge`
+        (`Incomplete`) when no fault was found and a check failed internally; `no-wiring-fault`
         when nothing diverges."""
         if self.faults:
             return self.faults[0]
+        if self.failed:
+            return Incomplete(dict(self.failed))
         warnings = [f for f in self.findings if f.severity == "warning"]
         if warnings:
             return warnings[0]
@@ -58,7 +117,15 @@ class ReplayResult:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.faults else 0
+        """1 a fault (even when incomplete), 3 could not judge, 0 no fault."""
+        if self.faults:
+            return EXIT_FAULT
+        return EXIT_COULD_NOT_JUDGE if self.failed else EXIT_CLEAN
+
+    @property
+    def incomplete_lines(self) -> list[str]:
+        """`judgement incomplete: NAME failed internally: Type: message`, one per failure."""
+        return [f"judgement incomplete: {line}" for line in failure_lines(self.failed)]
 
     def to_json(self) -> dict[str, Any]:
         v = self.verdict
@@ -77,6 +144,9 @@ class ReplayResult:
             "fingerprints": _jsonable(self.fingerprints),
             "inputs": _jsonable(self.inputs),
             "skipped": dict(self.skipped),
+            "complete": self.complete,
+            "failed": dict(self.failed),
+            "exit_code": self.exit_code,
         }
 
 

@@ -35,7 +35,7 @@ from hstrace.replay.redaction import (
 )
 from hstrace.replay.result import Judgement, ReplayResult
 from hstrace.replay.serving import ServingData, accept_len_by_rank, read_serving
-from hstrace.replay.unavailable import merged
+from hstrace.replay.unavailable import merged, split_failures
 
 Progress = Callable[[str, int], None]
 
@@ -375,11 +375,14 @@ def judge(ev: Evidence, inputs: dict[str, Any], checks: Checks) -> ReplayResult:
     evidence twice, or with the checks in another order, gives the same result."""
     with torch.inference_mode(), threads_for(ev.drafter.cfg.hidden_size):
         judged: Judgement = checks(ev)
+    # Missing evidence is "not checked, and why"; a check or evidence that raised is a failure.
+    skipped, failed = split_failures(merged(ev.unavailable, judged.failed))
     return ReplayResult(
         findings=list(judged.findings),
         metrics=ev.metrics_json(),
         coverage=ev.alignment.coverage.to_json(),
         fingerprints=ev.fingerprints_json(),
         inputs=dict(inputs),
-        skipped=merged(ev.unavailable, judged.failed),
+        skipped=skipped,
+        failed=failed,
     )

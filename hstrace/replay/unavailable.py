@@ -2,6 +2,11 @@
 
 Each builder fills one `Unavailable` and freezes it into its evidence; nothing is added later,
 so what a replay reports as not checked never depends on which check looked first.
+
+Two kinds of reason share the map: evidence that is legitimately unavailable (no target model,
+no draft rows: "not judged, and why"), and a computation that raised (`internal_failure`: the
+reason begins with `FAILED`). The second is never part of a clean verdict: the result splits it
+out (`split_failures`) and the judgement is incomplete (exit 3, "could not judge").
 """
 
 from __future__ import annotations
@@ -10,6 +15,38 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# The prefix of a reason that is an internal failure, not missing evidence.
+FAILED = "failed internally: "
+
+
+def error_line(exc: BaseException) -> str:
+    """`Type: message` on one line (the first line of the message, at most 300 characters)."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def internal_failure(exc: BaseException) -> str:
+    """The reason recorded for a computation that raised: `failed internally: Type: message`."""
+    return FAILED + error_line(exc)
+
+
+def debugging() -> bool:
+    """`HSTRACE_DEBUG=1`: an internal failure raises with its traceback instead of being noted."""
+    import os
+
+    return bool(os.environ.get("HSTRACE_DEBUG"))
+
+
+def is_internal_failure(why: str) -> bool:
+    return isinstance(why, str) and why.startswith(FAILED)
+
+
+def split_failures(reasons: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(legitimately unavailable: name -> why, failed internally: name -> `Type: message`)."""
+    skipped = {k: v for k, v in reasons.items() if not is_internal_failure(v)}
+    failed = {k: v[len(FAILED) :] for k, v in reasons.items() if is_internal_failure(v)}
+    return skipped, failed
 
 
 class Unavailable:
@@ -21,7 +58,8 @@ class Unavailable:
 
     def guarded(self, what: str, compute: Callable[[], T]) -> T | None:
         """`compute()`, or None with the reason noted if it fails internally (a bug in one piece
-        of evidence must not cost the report). Bad input (`HstraceError`) still raises."""
+        of evidence must not cost the rest of the report, but makes the judgement incomplete:
+        `internal_failure`). Bad input (`HstraceError`) still raises."""
         from hstrace.errors import HstraceError
 
         try:
@@ -29,7 +67,9 @@ class Unavailable:
         except HstraceError:
             raise
         except Exception as exc:
-            self.note(what, f"failed internally: {type(exc).__name__}: {exc}")
+            if debugging():
+                raise
+            self.note(what, internal_failure(exc))
             return None
 
     def frozen(self) -> dict[str, str]:

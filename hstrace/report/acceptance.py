@@ -54,8 +54,10 @@ def terminal_table(positions: list[Any], title: str = "acceptance by draft posit
 
 
 def markdown_table(positions: list[Any]) -> list[str]:
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + " --- |" * len(HEADERS)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows(positions)]
+    from hstrace.report.markdown import row
+
+    lines = [row(*HEADERS), "|" + " --- |" * len(HEADERS)]
+    lines += [row(*r) for r in rows(positions)]
     return [*lines, "", CAPTION]
 
 

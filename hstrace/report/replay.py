@@ -16,6 +16,7 @@ from rich.table import Table
 
 from hstrace.findings import STAGES
 from hstrace.replay.result import ReplayResult
+from hstrace.report.markdown import cell, row
 
 # Metrics shown in the summary table, in dataflow order, with the convention they follow.
 METRIC_LABELS: dict[str, str] = {
@@ -85,13 +86,19 @@ def _fmt(v: Any) -> str:
 
 def render_terminal(result: ReplayResult, console: Console | None = None) -> None:
     console = console or Console()
+    from rich.markup import escape
+
     v = result.verdict
     flow = " → ".join(f"[bold red]{s}[/]" if s == v.stage else s for s in STAGES)
-    style = "red" if result.faults else "green"
-    body = f"[bold]{v.code}[/] ({v.stage})\n{v.summary}"
+    style = "red" if result.faults else ("yellow" if result.failed else "green")
+    stage = f" ({v.stage})" if v.stage else ""
+    body = f"[bold]{escape(v.code)}[/]{escape(stage)}\n{escape(v.summary)}"
     if v.fix:
-        body += f"\n\n[bold]fix:[/] {v.fix}"
-    console.print(Panel(body, title="verdict: first divergence", border_style=style))
+        body += f"\n\n[bold]fix:[/] {escape(v.fix)}"
+    title = "verdict: first divergence" + (" (judgement incomplete)" if result.failed else "")
+    console.print(Panel(body, title=title, border_style=style))
+    for line in result.incomplete_lines:  # one line each: what failed, and how
+        console.print(f"[bold red]{escape(line)}[/] (exit {result.exit_code})", soft_wrap=True)
     console.print(flow)
     if result.findings:
         console.print("[bold]findings (dataflow order)[/]")
@@ -117,14 +124,24 @@ def render_terminal(result: ReplayResult, console: Console | None = None) -> Non
 
 def render_markdown(result: ReplayResult) -> str:
     v = result.verdict
+    stage = f"stage `{v.stage}`, " if v.stage else ""
     lines = [
         "# hstrace replay",
         "",
-        f"**Verdict: `{v.code}`** (stage `{v.stage}`, {v.severity}): {v.summary}",
+        f"**Verdict: `{v.code}`** ({stage}{v.severity}): {_md(v.summary)}",
         "",
     ]
+    if result.failed:
+        lines += [
+            f"**Judgement incomplete** (exit {result.exit_code}: "
+            + ("a fault was found, but not every check ran" if result.faults else "could not judge")
+            + "):",
+            "",
+            *[f"- {_md(line)}" for line in result.incomplete_lines],
+            "",
+        ]
     if v.fix:
-        lines += [f"**Fix:** {v.fix}", ""]
+        lines += [f"**Fix:** {_md(v.fix)}", ""]
     lines += ["Dataflow: " + " → ".join(f"**{s}**" if s == v.stage else s for s in STAGES), ""]
     if result.findings:
         lines += [
@@ -134,9 +151,7 @@ def render_markdown(result: ReplayResult) -> str:
             "| --- | --- | --- | --- | --- |",
         ]
         for f in result.findings:
-            lines.append(
-                f"| {f.stage} | `{f.code}` | {f.severity} | {_md(f.summary)} | {_md(f.fix)} |"
-            )
+            lines.append(row(f.stage, f"`{f.code}`", f.severity, f.summary, f.fix))
         lines.append("")
         for f in result.findings:
             if f.evidence:
@@ -145,21 +160,21 @@ def render_markdown(result: ReplayResult) -> str:
     lines += ["## Metrics", "", "| metric | value |", "| --- | --- |"]
     for key, label in METRIC_LABELS.items():
         if key in result.metrics and result.metrics[key] is not None:
-            lines.append(f"| {label} | {_fmt(result.metrics[key])} |")
+            lines.append(row(label, _fmt(result.metrics[key])))
     lines.append("")
     if result.coverage:
         lines += ["## Coverage", ""]
-        lines += [f"- {k}: {v}" for k, v in result.coverage.items()]
+        lines += [f"- {_md(k)}: {_md(v)}" for k, v in result.coverage.items()]
         lines.append("")
     if result.skipped:
         lines += ["## Not checked", ""]
-        lines += [f"- {k}: {why}" for k, why in result.skipped.items()]
+        lines += [f"- {_md(k)}: {_md(why)}" for k, why in result.skipped.items()]
         lines.append("")
     return "\n".join(lines)
 
 
-def _md(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+def _md(text: Any) -> str:
+    return cell(text)
 
 
 def render_json(result: ReplayResult) -> str:
