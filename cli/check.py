@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
+from hstrace.errors import EXIT_CLEAN, EXIT_COULD_NOT_JUDGE, EXIT_FAULT
 from hstrace.findings import Finding, in_dataflow_order
+
+T = TypeVar("T")
 
 # The SGLang release hstrace pins (`hstrace[sglang]`); findings are judged for it by default.
 DEFAULT_SGLANG = "0.5.23"
@@ -116,7 +120,10 @@ def check(
     sglang_version: str | None,
     all_versions: bool,
 ) -> int:
-    """Load a drafter checkpoint and report static wiring problems (exit 0 clean, 1 faults, 2 bad input)."""
+    """Load a drafter checkpoint and report static wiring problems.
+
+    Exit 0 = no fault, 1 = fault, 2 = bad input, 3 = could not judge (a rule or the training
+    evaluation failed internally: a bug in hstrace, named in one line)."""
     from hstrace.drafter import load_drafter
     from hstrace.drafter.norm_output import norm_output_flags
     from hstrace.evaluation import resolve_norm_output, training_findings
@@ -134,44 +141,68 @@ def check(
             head = TargetHead.from_pretrained(target)  # CheckpointError for a bad dir
         embedding, emb_source, emb_ok = _embedding(model, report, target)
     resolution = None
+    # What failed internally (name -> `Type: message`): the result is then incomplete (exit 3
+    # unless a fault was found), never clean.
+    failed: dict[str, str] = {}
     if report.dialect == "specforge" and "norm_output" in report.config and td and emb_ok:
         # SpecForge PR #879 changed what norm_output means; the training tensors tell which.
         value = bool(report.config["norm_output"])
-        resolution = resolve_norm_output(model, td, value, head)
-        if resolution["reading"] is not None:
+        resolution = _internal(
+            failed,
+            "norm_output resolution",
+            lambda: resolve_norm_output(model, td, value, head),
+        )
+        if resolution is not None and resolution["reading"] is not None:
             for name, v in norm_output_flags(value, resolution["reading"]).items():
                 setattr(model.cfg, name, v)
     if not all_versions:
         sglang_version = sglang_version or _installed_sglang() or DEFAULT_SGLANG
     # A rule for another engine version (e.g. "sglang<0.5.12") is not a fault of this
     # deployment; its findings are counted and named, not reported, unless --all-versions.
-    run, metrics = run_static(
-        report,
-        model,
-        n_layers,
-        resolution,
-        advisory=True,
-        engine=None if all_versions else "sglang",
-        version=sglang_version,
+    static = _internal(
+        failed,
+        "static rules",
+        lambda: run_static(
+            report,
+            model,
+            n_layers,
+            resolution,
+            advisory=True,
+            engine=None if all_versions else "sglang",
+            version=sglang_version,
+        ),
     )
-    findings, hidden = run.findings, len(run.other_versions)
+    findings: list[Finding] = []
+    metrics: dict[str, Any] = {}
+    hidden = 0
+    if static is not None:
+        run, metrics = static
+        findings, hidden = list(run.findings), len(run.other_versions)
+        failed.update(run.failed)  # `rule NAME`: the other rules still ran
     if resolution is not None:
         metrics["norm_output_resolution"] = resolution
     if td is not None:
-        more, metrics["training"] = training_findings(
-            model,
-            td,
-            report.dialect,
-            head=head,
-            max_samples=samples,
-            steps=steps,
-            embedding=embedding,
-            embedding_source=emb_source,
-            embedding_loaded=emb_ok,
+        evaluated = _internal(
+            failed,
+            "training evaluation",
+            lambda: training_findings(
+                model,
+                td,
+                report.dialect,
+                head=head,
+                max_samples=samples,
+                steps=steps,
+                embedding=embedding,
+                embedding_source=emb_source,
+                embedding_loaded=emb_ok,
+            ),
         )
-        findings += more
+        if evaluated is not None:
+            more, metrics["training"] = evaluated
+            findings += more
     findings = in_dataflow_order(findings)
     faults = sum(f.severity == "fault" for f in findings)
+    code = EXIT_FAULT if faults else (EXIT_COULD_NOT_JUDGE if failed else EXIT_CLEAN)
     if as_json:
         doc = {
             "dialect": report.dialect,
@@ -180,14 +211,35 @@ def check(
             "findings": [f.to_json() for f in findings],
             "metrics": metrics,
             "load_report": report.to_json(),
+            "complete": not failed,
+            "failed": failed,
+            "exit_code": code,
         }
         click.echo(json.dumps(doc, indent=2, default=str))
     else:
-        _print_rich(report, findings, metrics)
+        _print_rich(report, findings, metrics, failed)
         if not all_versions:
             more = f"; {hidden} more for other engine versions (--all-versions)" if hidden else ""
             click.echo(f"judged for sglang {sglang_version}{more}")
-    return 1 if faults else 0
+        for name, why in failed.items():  # last, one line each: what failed, and how
+            click.echo(f"judgement incomplete: {name} failed internally: {why} (exit {code})")
+    return code
+
+
+def _internal(failed: dict[str, str], name: str, compute: Callable[[], T]) -> T | None:
+    """`compute()`, or None with `failed[name]` = `Type: message` when it raises internally.
+    Bad input (`HstraceError`) still ends the command with its one line (exit 2)."""
+    from hstrace.errors import HstraceError, debugging, error_line
+
+    try:
+        return compute()
+    except HstraceError:
+        raise
+    except Exception as exc:
+        if debugging():
+            raise
+        failed[name] = error_line(exc)
+        return None
 
 
 def _installed_sglang() -> str | None:
@@ -199,12 +251,16 @@ def _installed_sglang() -> str | None:
         return None
 
 
-def _print_rich(report: Any, findings: list[Finding], metrics: dict[str, Any]) -> None:
+def _print_rich(
+    report: Any, findings: list[Finding], metrics: dict[str, Any], failed: dict[str, str]
+) -> None:
     from rich.console import Console
 
     con = Console(file=sys.stdout, highlight=False)
     _print_header(con, report, metrics)
-    if not findings:
+    if failed and not findings:
+        con.print("[red]no findings, but not every check ran[/] (see below)")
+    elif not findings:
         con.print("[green]no findings[/] (static checks: weights, flags, vocab map, aux slots)")
     for f in findings:
         color = {"fault": "red", "warning": "yellow", "info": "blue"}[f.severity]

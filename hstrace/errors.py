@@ -25,3 +25,22 @@ class TrainingDataError(HstraceError):
 
 class EngineError(HstraceError):
     """A serving engine that hstrace cannot hook: missing, or a version without a patch table."""
+
+
+# Exit codes of every command (README, "Every command"): 0 no fault found, 1 a fault found,
+# 2 bad input or usage, 3 could not judge (a check failed internally: a bug in hstrace).
+EXIT_CLEAN, EXIT_FAULT, EXIT_BAD_INPUT, EXIT_COULD_NOT_JUDGE = 0, 1, 2, 3
+
+
+def error_line(exc: BaseException) -> str:
+    """An internal failure as `Type: message`, on one line (the message's first line, at most
+    300 characters): how every output names a check that raised."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def debugging() -> bool:
+    """`HSTRACE_DEBUG=1`: an internal failure raises with its traceback instead of being noted."""
+    import os
+
+    return bool(os.environ.get("HSTRACE_DEBUG"))

@@ -23,11 +23,11 @@ from hstrace.diagnose import (
     vocab,
     weights,
 )
-from hstrace.errors import HstraceError
+from hstrace.errors import HstraceError, debugging
 from hstrace.findings import Finding, in_dataflow_order
 from hstrace.replay.evidence import Evidence
 from hstrace.replay.result import Judgement
-from hstrace.replay.unavailable import debugging, internal_failure, split_failures
+from hstrace.replay.unavailable import internal_failure, split_failures
 
 Check = Callable[..., list[Finding]]
 

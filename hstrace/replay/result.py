@@ -9,14 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hstrace.errors import EXIT_CLEAN, EXIT_COULD_NOT_JUDGE, EXIT_FAULT
 from hstrace.findings import CODES, Finding, in_dataflow_order
 
 JSON_SCHEMA_VERSION = 1
 
-
-# Exit codes of every command (README, "Every command"): 0 no fault found, 1 a fault found,
-# 2 bad input, 3 could not judge (a check or a piece of evidence failed internally).
-EXIT_CLEAN, EXIT_FAULT, EXIT_BAD_INPUT, EXIT_COULD_NOT_JUDGE = 0, 1, 2, 3
 
 # The verdict's code when no fault was found but the judgement is incomplete. Not a finding
 # code (nothing diverged): it says that hstrace could not judge, and why.

@@ -14,28 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from hstrace.errors import debugging, error_line
+
 T = TypeVar("T")
 
 # The prefix of a reason that is an internal failure, not missing evidence.
 FAILED = "failed internally: "
 
 
-def error_line(exc: BaseException) -> str:
-    """`Type: message` on one line (the first line of the message, at most 300 characters)."""
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-
-
 def internal_failure(exc: BaseException) -> str:
     """The reason recorded for a computation that raised: `failed internally: Type: message`."""
     return FAILED + error_line(exc)
-
-
-def debugging() -> bool:
-    """`HSTRACE_DEBUG=1`: an internal failure raises with its traceback instead of being noted."""
-    import os
-
-    return bool(os.environ.get("HSTRACE_DEBUG"))
 
 
 def is_internal_failure(why: str) -> bool:

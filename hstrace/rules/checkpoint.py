@@ -607,7 +607,9 @@ def static_findings(
     engine: str | None = None,
     version: str | None = None,
 ) -> tuple[list[Finding], dict[str, Any]]:
-    """`run_static`'s findings (those for `engine` at `version` when given) and metrics."""
+    """`run_static`'s findings (those for `engine` at `version` when given) and metrics. A rule
+    that failed internally raises (`RuntimeError` naming it): a caller that gets a list got
+    every rule's answer."""
     run, metrics = run_static(
         rep,
         model,
@@ -617,4 +619,6 @@ def static_findings(
         engine=engine,
         version=version,
     )
+    if run.failed:
+        raise RuntimeError("; ".join(f"{name}: {why}" for name, why in run.failed.items()))
     return run.findings, metrics

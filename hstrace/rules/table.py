@@ -10,9 +10,10 @@ something falsy for "no finding"; summary, evidence and fix are strings or funct
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from hstrace.errors import HstraceError, debugging, error_line
 from hstrace.findings import Finding
 from hstrace.rules.versions import AppliesTo, covers, format_applies_to
 
@@ -64,10 +65,13 @@ class Rule(Generic[F]):
 @dataclass
 class RuleRun:
     """What a table gave on one set of facts: `found` (rule, finding) in table order, and the
-    findings of rules outside the engine version judged for (`other_versions`)."""
+    findings of rules outside the engine version judged for (`other_versions`), and the rules
+    that raised (`failed`: `rule NAME` -> `Type: message`): the run is then incomplete, a bug
+    in hstrace, never a clean result."""
 
     found: list[tuple[Rule, Finding]]
     other_versions: list[tuple[Rule, Finding]]
+    failed: dict[str, str] = field(default_factory=dict)
 
     @property
     def findings(self) -> list[Finding]:
@@ -88,15 +92,25 @@ def run_rules(
 ) -> RuleRun:
     """Every rule on `facts`, in table order. `advisory=False` leaves the advisory rules out;
     with `engine` (and `version`), a rule whose `applies_to` does not cover them goes to
-    `other_versions` instead of `found`."""
+    `other_versions` instead of `found`. A rule that raises (not bad input: `HstraceError`
+    still ends the run) goes to `failed`; the others still run."""
     found: list[tuple[Rule, Finding]] = []
     other: list[tuple[Rule, Finding]] = []
+    failed: dict[str, str] = {}
     for rule in rules:
         if rule.advisory and not advisory:
             continue
-        made = [(rule, f) for f in rule.findings(facts)]
+        try:
+            made = [(rule, f) for f in rule.findings(facts)]
+        except HstraceError:
+            raise
+        except Exception as exc:  # a bug in one rule must not read as "no finding"
+            if debugging():
+                raise
+            failed[f"rule {rule.name}"] = error_line(exc)
+            continue
         if engine is None or rule.covers(engine, version or ""):
             found += made
         else:
             other += made
-    return RuleRun(found, other)
+    return RuleRun(found, other, failed)
