@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from hstrace.errors import HstraceError
 
 
-@click.command(name="bundle", help="Pack a trace (or part of it) into one zip for a bug report.")
+@click.command(
+    name="bundle",
+    help="Pack a trace (or part of it) into one zip for a bug report. With --against, REPORT.md "
+    "is the replay verdict on the bundled subset, printed too, and the exit code is the "
+    "verdict's: 0 = no fault, 1 = fault, 3 = could not judge; 2 = bad input.",
+)
 @click.argument("trace", type=click.Path())
 @click.option(
     "-o",
@@ -55,11 +62,28 @@ from hstrace.errors import HstraceError
     "--against",
     type=click.Path(),
     default=None,
-    help="Training dir: REPORT.md is the replay verdict on the bundled subset.",
+    help="Training dir: REPORT.md is the replay verdict on the bundled subset; the command "
+    "prints it and exits with its code.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print what was written as JSON: path, bytes, engine steps kept, verdict, exit_code.",
 )
 def bundle(
-    trace, out, requests, steps, max_size, redact, salt_file, drafter, with_drafter, against
-) -> None:
+    trace,
+    out,
+    requests,
+    steps,
+    max_size,
+    redact,
+    salt_file,
+    drafter,
+    with_drafter,
+    against,
+    as_json,
+) -> int:
     from hstrace.bundle import BundleOptions, parse_size, read_salt
     from hstrace.pipelines import bundle as make_bundle
 
@@ -76,6 +100,9 @@ def bundle(
         against=against,
     )
     res = make_bundle(trace, out, opts)
+    if as_json:
+        click.echo(json.dumps(res.to_json(), indent=2))
+        return res.exit_code
     kept = ", ".join(
         f"rank{r}: {len(s)}/{res.total_engine_steps[r]}" for r, s in res.engine_steps.items()
     )
@@ -89,3 +116,10 @@ def bundle(
             "training side with the same salt: hstrace.redaction.hash_token_ids(ids, salt) "
             "with salt = hstrace.redaction.read_salt(SALT), or pass --salt-file to the next bundle."
         )
+    if res.replay:  # the verdict REPORT.md holds, and the exit code that goes with it
+        v = res.replay.get("verdict") or {}
+        stage = f" ({v.get('stage')})" if v.get("stage") else ""
+        click.echo(f"verdict: {v.get('code')}{stage}: {v.get('summary')}")
+        for name, why in (res.replay.get("failed") or {}).items():
+            click.echo(f"judgement incomplete: {name} failed internally: {why}")
+    return res.exit_code

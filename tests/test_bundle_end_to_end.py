@@ -67,7 +67,9 @@ def test_bundle_embeds_the_real_verdict_and_reproduces(world, runs, tmp_path):
         str(world / "drafter-speculators"),
     ]
     out = run_main("bundle", str(swapped), "-o", str(tmp_path / "bug.zip"), *args)
-    assert out.returncode == 0, out.stderr
+    # the README's contract: the command exits with the verdict's code and prints the verdict
+    assert out.returncode == 1, out.stderr
+    assert "verdict: aux-order (target-capture)" in out.stdout
     info = bundle_info(tmp_path / "bug.zip")
     verdict = info["manifest"]["replay"]["verdict"]["code"]
     assert verdict == "aux-order" and f"`{verdict}`" in info["report"]
@@ -90,7 +92,7 @@ def test_bundle_embeds_the_real_verdict_and_reproduces(world, runs, tmp_path):
     red = run_main(
         "bundle", str(swapped), "-o", str(tmp_path / "red.zip"), "--redact", "hidden", *args
     )
-    assert red.returncode == 0, red.stderr
+    assert red.returncode == 1, red.stderr
     info = bundle_info(tmp_path / "red.zip")
     assert (
         info["manifest"]["replay"]["verdict"]["code"] == verdict

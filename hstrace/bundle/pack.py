@@ -56,6 +56,41 @@ class BundleResult:
     reproduce: str
     salt_written: Path | None = None
     attempts: list[dict[str, int]] = field(default_factory=list)
+    # With --against: the replay's JSON on the bundled subset (docs/replay-json.md), whose
+    # `exit_code` the command exits with.
+    replay: dict[str, Any] | None = None
+
+    @property
+    def exit_code(self) -> int:
+        """The verdict's exit code with --against (0, 1 or 3), else 0."""
+        if not self.replay:
+            return 0
+        code = self.replay.get("exit_code")
+        if code in (0, 1, 3):
+            return int(code)
+        return 1 if (self.replay.get("verdict") or {}).get("severity") == "fault" else 0
+
+    def to_json(self) -> dict[str, Any]:
+        """`hstrace bundle --json`: what was written, what was kept, the verdict when replayed."""
+        v = (self.replay or {}).get("verdict") or {}
+        return {
+            "path": str(self.path),
+            "bytes": self.size,
+            "engine_steps": {str(r): len(s) for r, s in self.engine_steps.items()},
+            "total_engine_steps": {str(r): n for r, n in self.total_engine_steps.items()},
+            "events": dict(self.events),
+            "report": self.report_kind,
+            "reproduce": self.reproduce,
+            "salt_written": str(self.salt_written) if self.salt_written else None,
+            "verdict": (
+                {k: v.get(k) for k in ("code", "stage", "severity", "summary")}
+                if self.replay
+                else None
+            ),
+            "complete": (self.replay or {}).get("complete", True),
+            "failed": dict((self.replay or {}).get("failed") or {}),
+            "exit_code": self.exit_code,
+        }
 
 
 def parse_size(text: str) -> int:
@@ -405,4 +440,5 @@ def _build_once(
         events=stats.events,
         report_kind=report_kind,
         reproduce=reproduce,
+        replay=replay_json,
     )
