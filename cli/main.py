@@ -4,8 +4,10 @@ Each subcommand lives in its own module (`hstrace.cli.<name>`) and exposes a cli
 named like the module. Loading lazily keeps `hstrace --help` fast and lets the core work when an
 optional dependency of one command (SGLang, transformers) is missing.
 
-Exit codes, for every command: 0 = ran, no fault found; 1 = a divergence / finding was found;
-2 = bad input or usage (one line on stderr, never a traceback). Set HSTRACE_DEBUG=1 to see the
+Exit codes, for every command: 0 = ran, no fault found; 1 = a divergence / fault was found (or,
+for `record`, the recording failed); 2 = bad input or usage (one line on stderr, never a
+traceback); 3 = could not judge (a check failed internally: a bug in hstrace, named in one line;
+`replay`, `check`, `report --against`, `bundle --against`). Set HSTRACE_DEBUG=1 to see the
 traceback behind an error.
 """
 
@@ -56,11 +58,26 @@ def _not_built(name: str) -> click.Command:
     return missing
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog="Exit codes, every command: 0 = no fault found, 1 = a fault found, 2 = bad input or "
+    "usage (one line on stderr), 3 = could not judge (a check failed internally; named).",
+)
 @click.version_option(__version__, prog_name="hstrace")
 def cli() -> None:
     """Record what an EAGLE-3 drafter received in serving, replay it against training, and
     name the first place where the two diverge."""
+
+
+def usage_line(exc: click.ClickException) -> str:
+    """A click usage error as one line: `hstrace: error: COMMAND: message (COMMAND --help)`."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    ctx = getattr(exc, "ctx", None)
+    if ctx is None:
+        return f"hstrace: error: {message}"
+    path = ctx.command_path or "hstrace"
+    return f"hstrace: error: {path}: {message} (see '{path} --help')"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,8 +87,8 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("hstrace: aborted", err=True)
         sys.exit(2)
-    except click.ClickException as exc:  # usage errors: click's own message, exit 2
-        exc.show()
+    except click.ClickException as exc:  # usage errors: one line, exit 2
+        click.echo(usage_line(exc), err=True)
         sys.exit(2)
     except HstraceError as exc:
         if os.environ.get("HSTRACE_DEBUG"):

@@ -113,6 +113,13 @@ def parse_streams(value: str | None) -> frozenset[str]:
     show_default=True,
     help="Seconds to wait for the server to become healthy.",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print what was recorded as JSON: out, engine, engine_version, prompts_sent, "
+    "prompts_completed, ok, error, exit_code.",
+)
 def record(
     engine_name: str | None,
     server_cmd: str | None,
@@ -129,8 +136,12 @@ def record(
     knobs: tuple[str, ...],
     startup_timeout: float,
     concurrency: int,
+    as_json: bool,
 ) -> None:
-    """Run an engine with hstrace's hooks and record a trace."""
+    """Run an engine with hstrace's hooks and record a trace.
+
+    Exit 0 = recorded and closed cleanly, 1 = the recording failed (the trace keeps what was
+    committed and says so), 2 = bad input or usage."""
     if engine_name is None:
         from hstrace.engines.vllm import is_vllm_command
 
@@ -173,6 +184,25 @@ def record(
         else load_prompts_from_training(training_dir, samples)
     )  # type: ignore[arg-type]
     result = engine.record(prompts, out, options)
+    if as_json:
+        import json
+
+        click.echo(
+            json.dumps(
+                {
+                    "out": str(result.out),
+                    "engine": result.engine,
+                    "engine_version": result.engine_version,
+                    "prompts_sent": result.prompts_sent,
+                    "prompts_completed": result.prompts_completed,
+                    "ok": result.ok,
+                    "error": result.error,
+                    "send_wall_s": result.send_wall_s,
+                    "exit_code": 0 if result.ok else 1,
+                },
+                indent=2,
+            )
+        )
     summary = (
         f"recorded {result.prompts_completed}/{result.prompts_sent} prompts with "
         f"{result.engine} {result.engine_version} into {result.out}"
@@ -181,4 +211,5 @@ def record(
         click.echo(f"hstrace: {summary}; the trace keeps what was recorded and says so", err=True)
         click.echo(f"hstrace: error: {result.error}", err=True)
         sys.exit(1)
-    click.echo(summary)
+    if not as_json:
+        click.echo(summary)

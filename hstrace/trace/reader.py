@@ -43,6 +43,12 @@ class Trace:
         self.path = Path(path)
         if not self.path.exists():
             raise TraceError(f"{self.path}: no such trace")
+        if self.path.is_dir() and not (self.path / "zarr.json").exists():
+            # Say what it is not in the user's terms, not zarr's ("No group found in store").
+            raise TraceError(
+                f"{self.path}: not a trace: a directory without zarr.json (a trace is the "
+                "directory `hstrace record --out` made, or a bundle .zip)"
+            )
         # HSTRACE_PLANES / HSTRACE_PREFETCH, as this reader is built (chunkread's fast path)
         self.read_flags = chunkread.ReadFlags.from_env()
         self._store: Any = None
