@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -52,6 +53,67 @@ def last_error_lines(log: str, n: int = 8) -> str:
     hits = [i for i, ln in enumerate(lines) if any(k in ln for k in keys)]
     tail = lines[hits[-1] - n + 1 : hits[-1] + 1] if hits else lines[-n:]
     return " | ".join(ln.strip() for ln in tail)
+
+
+# What a server prints before each line: `(EngineCore pid=12) ` (vLLM's per-process prefix,
+# possibly nested), then a log record's head: vLLM `ERROR 12-02 17:00:00 [core.py:1510] `,
+# SGLang `[2026-12-02 17:00:00 TP0] `, or plain logging's `ERROR:name:`.
+_PROCESS = re.compile(r"^(?:\([^()]*pid=\d+[^()]*\)\s?)+")
+_RECORD = re.compile(
+    r"^(?:(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?\s+"
+    r"\[[^\]]*\]\s?|\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[^\]]*\]\s?|"
+    r"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL):[\w.]*:)"
+)
+# `ValueError: ...`, `torch.OutOfMemoryError: ...`, `Exception: ...`: the last line of a
+# traceback, which names what was raised.
+_RAISED = re.compile(
+    r"^((?:[A-Za-z_]\w*\.)*(?:[A-Z]\w*(?:Error|Exception|Exit|Interrupt)|Exception))(?::\s*(.*))?$"
+)
+# Lines that only point elsewhere ("see above"): the wrappers vLLM and SGLang raise after the
+# real error (vLLM 0.32.0: engine/utils.py, executor/multiproc_executor.py, engine/core.py).
+_WRAPPERS = (
+    "see root cause above",
+    "see stack trace for root cause",
+    "see stack trace (above) for the root cause",
+    "see the root cause above",
+    "initialization failed due to an exception in a background process",
+    "engine core initialization failed",
+    "enginecore encountered an issue",
+    "enginedeaderror",
+)
+
+
+def _record_text(line: str) -> str:
+    """A server's log line without its process prefix and log-record head."""
+    text = _PROCESS.sub("", line.rstrip())
+    return _RECORD.sub("", text)
+
+
+def root_cause(log: str) -> str | None:
+    """The first real error a server printed: the first `Type: message` line that ends a
+    traceback (or an `hstrace:` line of the hooks), skipping the frames and the wrappers that
+    only say "see root cause above". None when the log names no error."""
+    for line in log.splitlines():
+        text = _record_text(line)
+        if not text or text[0].isspace():  # a traceback's frame or source line
+            continue
+        if text.startswith("hstrace:"):
+            return text.strip()
+        m = _RAISED.match(text)
+        if m is None or not m.group(2):
+            continue
+        if any(w in text.lower() for w in _WRAPPERS):
+            continue
+        return f"{m.group(1)}: {' '.join(m.group(2).split())}"[:1000]
+    return None
+
+
+def server_failure(error: str, log: str, log_path: Path) -> str:
+    """Why the server run failed, in one line: `error`, the server's root cause (or its last
+    lines, when it names none), and where its whole log is."""
+    cause = root_cause(log)
+    said = f"root cause: {cause}" if cause else f"the server's last lines: {last_error_lines(log)}"
+    return f"{error}: {said} (the server's whole log: {log_path})"
 
 
 def version_probe(distributions: Sequence[str]) -> str:
@@ -280,7 +342,7 @@ class ServerEngine(Engine):
         if error is None and proc.returncode not in (0, -signal.SIGTERM, -signal.SIGINT):
             error = f"server exited with {proc.returncode}"
         if error is not None:
-            result.error = f"{error}: {last_error_lines(log_text)}"
+            result.error = server_failure(error, log_text, log_path)
         result.ok = error is None
         self._finish_trace(out, result, status)
         return result
