@@ -195,3 +195,28 @@ def test_a_directory_removed_under_a_streaming_producer_is_not_recreated(tmp_pat
     with pytest.raises(TraceError, match="removed or replaced"):
         w.close()
     assert not path.exists(), sorted(p.name for p in path.rglob("*"))
+
+
+def test_output_directory_moved_mid_run_says_what_was_kept_and_where(tmp_path):
+    """Issue 24: a trace moved (not removed) while recording keeps every committed step in its
+    new place; the message says how many and where, not "kept: nothing (the trace is gone)"."""
+    path, moved = tmp_path / "here.zarr", tmp_path / "elsewhere" / "there.zarr"
+    moved.parent.mkdir()
+    create_trace(path, engine={"name": "test"})
+    w = TraceWriter(path, rank=0, tail_flush_s=0.2)
+    for s in range(12):
+        w.write("target", **step_data(s))
+    w.flush()
+    path.rename(moved)
+    err = _first_error(lambda s: w.write("target", **step_data(s)), start=12, pause_s=0.01)
+    assert err is not None, "writes kept succeeding into a moved trace"
+    assert err.startswith(f"{path}: rank 0 stopped recording: "), err
+    assert f"the trace directory was moved to {moved} while recording" in err, err
+    assert "the trace is gone" not in err and "nothing" not in err, err
+    kept = _kept_steps(err)
+    assert f", in {moved}" in err, err
+    with pytest.raises(TraceError, match="moved to"):
+        w.close()
+    assert not path.exists()  # nothing recreated at the old path
+    with open_trace(moved) as tr:  # the message's count is what the moved trace holds
+        assert tr.rank(0).table("target").num_steps == kept >= 12

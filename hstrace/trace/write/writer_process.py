@@ -124,6 +124,16 @@ class _Fatal(Exception):
     """The trace cannot be written any more (disk full, read-only, directory removed)."""
 
 
+class _Moved(_Fatal):
+    """The trace directory was moved (not removed) while recording: what was committed is in
+    the moved directory, at `now` (None where the OS cannot tell its new path)."""
+
+    def __init__(self, now: str | None) -> None:
+        self.now = now
+        where = f"moved to {now}" if now else "moved away (its new path is unknown)"
+        super().__init__(f"the trace directory was {where} while recording")
+
+
 class _Guard:
     """Notices the trace directory being removed or replaced under a running writer: zarr
     would silently recreate `rank{r}/` without the root metadata, and every write would
@@ -136,6 +146,30 @@ class _Guard:
         # trace recreated at the same path; a new trace has no rank group of ours).
         self.dirs = [path, os.path.join(path, f"rank{rank}")]
         self.ident = [self._ident(d) for d in self.dirs]
+        # The root kept open: after a move its fd still names it (/proc/self/fd on Linux), so
+        # the fault can say where the committed steps went instead of "the trace is gone".
+        try:
+            self.fd: int | None = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        except (OSError, AttributeError):
+            self.fd = None
+
+    def whereabouts(self) -> tuple[bool, str | None]:
+        """(moved, where): whether the root directory we opened still exists somewhere (moved,
+        not removed), and its path now when the OS can tell."""
+        if self.fd is None:
+            return False, None
+        try:
+            if os.fstat(self.fd).st_nlink == 0:  # removed: a live directory links at least 2
+                return False, None
+        except OSError:
+            return False, None
+        try:
+            now = os.readlink(f"/proc/self/fd/{self.fd}")
+        except OSError:
+            return True, None
+        if now.endswith(" (deleted)") or not os.path.isdir(now):
+            return False, None
+        return os.path.abspath(now) != os.path.abspath(self.path), now
 
     @staticmethod
     def _ident(d: str) -> tuple[int, int]:
@@ -148,6 +182,9 @@ class _Guard:
         except OSError:
             ok = False
         if not ok:
+            moved, now = self.whereabouts()
+            if moved:
+                raise _Moved(now)
             raise _Fatal("the trace directory was removed or replaced while recording")
 
 
@@ -185,6 +222,14 @@ def writer_main(
 def _loop(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
     try:
         _serve(rec, shm, guard, data_r, replies)
+    except _Moved as exc:  # what was committed is in the moved directory: say where
+        kept = (
+            f"{_kept(exc.now, rec.rank)}, in {exc.now}"
+            if exc.now
+            else "the committed steps are in the directory that was at "
+            f"{guard.path} when recording started"
+        )
+        _fault(rec, guard, replies, str(exc), commit=False, kept=kept)
     except _Fatal as exc:  # the trace itself is gone: nothing of it is ours to report as kept
         _fault(rec, guard, replies, str(exc), commit=False, kept="nothing (the trace is gone)")
     except OSError as exc:  # disk full, read-only remount, I/O error
