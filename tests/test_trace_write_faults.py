@@ -220,3 +220,49 @@ def test_output_directory_moved_mid_run_says_what_was_kept_and_where(tmp_path):
     assert not path.exists()  # nothing recreated at the old path
     with open_trace(moved) as tr:  # the message's count is what the moved trace holds
         assert tr.rank(0).table("target").num_steps == kept >= 12
+
+
+@needs_namespace
+def test_record_through_a_read_only_remount_names_it_and_keeps_a_readable_trace(tmp_path):
+    """Issue 24: `hstrace record` (the reference engine, whose writer runs on the caller's
+    thread) through a real read-only remount mid-run (a tmpfs in `unshare -rm`, remounted `ro`
+    one second after the rank group appears): exit 1, one `hstrace: error:` line with the
+    path, EROFS and what was kept; before, "unexpected OSError" (exit 2)."""
+    from helpers.cli import REPO, TINY_WORLD, TRAINING
+
+    root = tmp_path / "mnt"
+    root.mkdir()
+    out = root / "x.zarr"
+    record = [
+        sys.executable, "-m", "hstrace", "record", "--engine", "reference",
+        "--target", str(TINY_WORLD / "target"),
+        "--drafter", str(TINY_WORLD / "drafter-speculators"),
+        "--prompts-from", str(TRAINING), "--samples", "48", "--max-new-tokens", "64",
+        "--out", str(out),
+    ]  # fmt: skip
+    remount = (
+        f'while [ ! -e "{out}/rank0/zarr.json" ]; do sleep 0.05; done; sleep 1; '
+        f'mount -o remount,ro "{root}"'
+    )
+    script = (
+        f'mount -t tmpfs -o size=256m none "{root}" && ({remount}) & '
+        f'"$0" "$@"; rc=$?; echo "rc=$rc"; "{sys.executable}" -m hstrace show "{out}" --json'
+    )
+    run = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script, *record],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )  # fmt: skip
+    assert "rc=1" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "Traceback" not in run.stderr and "unexpected" not in run.stderr, run.stderr
+    errors = [ln for ln in run.stderr.splitlines() if ln.startswith("hstrace: error:")]
+    assert len(errors) == 1, run.stderr
+    err = errors[0]
+    assert err.startswith(f"hstrace: error: {out}: rank 0 stopped recording: "), err
+    assert "the file system is read-only (EROFS)" in err and "kept: " in err, err
+    summary = json.loads(run.stdout[run.stdout.index("{") :])  # still readable, as it says
+    assert summary["clean_close"] is False
+    kept = {t: int(n) for n, t in re.findall(r"(\d+) steps of (\w+)", err)}
+    if "kept: no committed steps yet" in err:
+        assert not any(summary["steps"].values()), summary["steps"]
+    else:  # what the message says was kept is what the trace holds
+        assert kept and {t: summary["steps"].get(t) for t in kept} == kept, (err, summary)

@@ -25,7 +25,7 @@ import torch
 from hstrace._version import __version__
 from hstrace.drafter.vocab import DIRECT_TABLE, NO_MAP, OFFSETS, map_draft_ids
 from hstrace.engines.base import Engine, EngineConfig, Prompt, RecordOptions, RecordResult
-from hstrace.errors import CheckpointError, EngineError, HstraceError
+from hstrace.errors import CheckpointError, EngineError, HstraceError, TraceError
 from hstrace.reference.step0 import threads_for
 from hstrace.trace.schema import MODE_PREFILL, MODE_VERIFY, request_key
 
@@ -214,6 +214,7 @@ class ReferenceEngine(Engine):
         )
         writer = TraceWriter(out, rank=0, process=False)
         metrics: list[dict[str, Any]] = []
+        error: str | None = None
         try:
             with threads_for(chain.target.hidden_size):
                 for i, prompt in enumerate(prompts):
@@ -227,15 +228,21 @@ class ReferenceEngine(Engine):
                             options,
                         )
                     )
+        except TraceError as exc:  # the disk refused (full, read-only): the run failed
+            error = str(exc)
         finally:
-            writer.close()
+            try:
+                writer.close()
+            except TraceError as exc:
+                error = error or str(exc)
         return RecordResult(
             out=out,
             engine="reference",
             engine_version=__version__,
             prompts_sent=len(prompts),
             prompts_completed=len(metrics),
-            ok=True,
+            ok=error is None,
+            error=error,
             request_metrics=metrics,
         )
 

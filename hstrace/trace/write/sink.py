@@ -147,6 +147,29 @@ class RecorderSink(Sink):
         self.path, self.rank = path, rank
         self.recorder = RankRecorder(path, rank, tail_flush_s=tail_flush_s)
         self.stats = new_stats()
+        self.fault: str | None = None  # once the disk refused: every later call says so
+
+    def _io(self, fn: Any, *args: Any) -> Any:
+        """`fn(*args)`; an OSError (disk full, read-only remount, I/O error) stops recording as
+        the writer process does: a TraceError naming the path, the cause and what the trace
+        kept on disk, raised again by every later call (close included)."""
+        if self.fault is not None:
+            raise TraceError(self.fault)
+        try:
+            return fn(*args)
+        except OSError as exc:
+            from hstrace.trace.write.writer_process import _describe_os_error, _kept
+
+            for log in self.recorder._all_logs():
+                try:
+                    log.abort()  # our temp files: space back on a full disk
+                except OSError:
+                    pass
+            self.fault = (
+                f"{self.path}: rank {self.rank} stopped recording: {_describe_os_error(exc)}; "
+                f"kept: {_kept(self.path, self.rank)}"
+            )
+            raise TraceError(self.fault) from exc
 
     def write_step(
         self,
@@ -156,32 +179,39 @@ class RecorderSink(Sink):
         host: bool,
         may_drop: bool,
     ) -> bool:
-        try:
-            self.recorder.write_step(
-                plan.name, plan.axis_rows(arrays, counts), plan.logical, plan.column_attrs
-            )
-        except OSError as exc:
-            raise TraceError(f"{self.path}: rank {self.rank}: cannot write ({exc})") from exc
+        self._io(
+            self.recorder.write_step,
+            plan.name,
+            plan.axis_rows(arrays, counts),
+            plan.logical,
+            plan.column_attrs,
+        )
         self.stats["parts"] += 1
         return True
 
     def control(self, msg: Static | Error | Dropped) -> None:
         if isinstance(msg, Static):
-            self.recorder.update_static(msg.items)
+            self._io(self.recorder.update_static, msg.items)
         elif isinstance(msg, Error):
-            self.recorder.note_error(msg.tap, msg.message)
+            self._io(self.recorder.note_error, msg.tap, msg.message)
         else:
-            self.recorder.set_dropped(msg.counts)
+            self._io(self.recorder.set_dropped, msg.counts)
 
     def flush(self, dropped: dict[str, int]) -> None:
-        self.recorder.set_dropped(dropped)
-        for log in self.recorder._all_logs():
-            log.flush_tail()
-        self.recorder.commit()
+        def flush() -> None:
+            self.recorder.set_dropped(dropped)
+            for log in self.recorder._all_logs():
+                log.flush_tail()
+            self.recorder.commit()
+
+        self._io(flush)
 
     def close(self, dropped: dict[str, int]) -> None:
-        self.recorder.set_dropped(dropped)
-        self.recorder.close()
+        def close() -> None:
+            self.recorder.set_dropped(dropped)
+            self.recorder.close()
+
+        self._io(close)
 
 
 class MemorySink(Sink):
