@@ -8,7 +8,9 @@ import click
 
 
 @click.command(
-    name="diff", help="Compare two traces stream by stream and report the first difference."
+    name="diff",
+    help="Compare two traces stream by stream and report the first difference. Exit 0 = "
+    "identical within tolerance, 1 = they differ, 2 = bad input.",
 )
 @click.argument("trace_a", type=click.Path())
 @click.argument("trace_b", type=click.Path())

@@ -49,7 +49,10 @@ def replay(
     as_json: bool,
     markdown_file: Path | None,
 ) -> int:
-    """Replay TRACE against training tensors (or another trace); exit 0 = no fault, 1 = fault."""
+    """Replay TRACE against training tensors (or another trace) and name the first divergence.
+
+    Exit 0 = no fault, 1 = fault, 2 = bad input, 3 = could not judge (a check failed
+    internally: named in one line, never a clean verdict)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 

@@ -16,7 +16,8 @@ import click
     help="Print the summary as JSON (keys: docs/trace-format.md).",
 )
 def show(trace_path: str, as_json: bool) -> None:
-    """Summarise a trace: engine, ranks, steps, requests, acceptance."""
+    """Summarise a trace: engine, ranks, steps, requests, acceptance. Exit 0, or 2 for
+    something that is not a readable trace (one line)."""
     from hstrace.trace import open_trace, summarize
 
     with open_trace(trace_path) as trace:
