@@ -43,7 +43,7 @@ class Trace:
         self.path = Path(path)
         if not self.path.exists():
             raise TraceError(f"{self.path}: no such trace")
-        if self.path.is_dir() and not (self.path / "zarr.json").exists():
+        if self.path.is_dir() and not os.path.lexists(self.path / "zarr.json"):
             # Say what it is not in the user's terms, not zarr's ("No group found in store").
             raise TraceError(
                 f"{self.path}: not a trace: a directory without zarr.json (a trace is the "
