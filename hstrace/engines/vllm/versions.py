@@ -8,7 +8,7 @@ covered (CPU uses it; Model Runner V2, GPU-only, moves the EAGLE-3 path to `v1/w
 
 from __future__ import annotations
 
-from hstrace.engines.hooks_common import EngineSupport, PatchPoint, Version
+from hstrace.engines.support import EngineSupport, PatchPoint, Version
 
 MIN_SUPPORTED: Version = (0, 32, 0)
 MAX_SUPPORTED: Version = (0, 32, 0)
