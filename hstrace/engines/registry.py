@@ -81,3 +81,27 @@ def engine_for_command(server_cmd: str) -> str:
         if spec.serves(argv):
             return spec.name
     return served[0].name
+
+
+def prefix_cache_off(name: str | None = None) -> str:
+    """How to serve once with the prefix cache off: for engine `name` when it has such a flag,
+    else for every engine that has one ("serve once with FLAG (Label) or ...")."""
+    if name in ENGINES:
+        spec = engine_spec(name)
+        if spec.prefix_cache_off:
+            return f"serve once with {spec.prefix_cache_off}{spec.prefix_cache_off_note}"
+    return " or ".join(
+        f"serve once with {s.prefix_cache_off}{s.prefix_cache_off_note} ({s.label})"
+        for s in specs()
+        if s.prefix_cache_off
+    )
+
+
+def prefix_cache_flags() -> str:
+    """Each engine's prefix-cache-off flag, "SGLang --disable-radix-cache / vLLM ..."."""
+    return " / ".join(f"{s.label} {s.prefix_cache_off}" for s in specs() if s.prefix_cache_off)
+
+
+def aux_ids_fixes(hf_ids: list[int]) -> str:
+    """What to write for each serving engine so that it captures HF hidden_states `hf_ids`."""
+    return "; ".join(s.aux_ids_fix(hf_ids) for s in judged())

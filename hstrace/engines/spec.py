@@ -53,6 +53,7 @@ class EngineSpec(ABC):
     judged: ClassVar[bool] = True
     # The command-line flag(s) that turn its prefix cache off (None: it has none).
     prefix_cache_off: ClassVar[str | None] = None
+    prefix_cache_off_note: ClassVar[str] = ""  # what else to leave off with it, in parentheses
     # Where in the draft config.json it reads the aux layer ids, first hit wins.
     aux_ids_keys: ClassVar[tuple[str, ...]] = ()
 

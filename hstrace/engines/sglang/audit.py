@@ -119,7 +119,7 @@ def spec_settings(raw: Mapping[str, Any], effective: Mapping[str, Any]) -> dict[
     }
 
 
-def spec_findings(settings: Mapping[str, Any]) -> list[Finding]:
+def spec_findings(settings: Mapping[str, Any], label: str = "SGLang") -> list[Finding]:
     if not settings["adjusted"]:
         return []
     parts = ", ".join(
@@ -128,7 +128,7 @@ def spec_findings(settings: Mapping[str, Any]) -> list[Finding]:
     return [
         Finding(
             "spec-params-adjusted",
-            f"SGLang changed speculative settings: {parts}",
+            f"{label} changed speculative settings: {parts}",
             evidence=dict(settings["adjusted"]),
             fix="pass the effective values explicitly (with topk=1, num_draft_tokens must be num_steps+1)",
             severity="warning",

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from hstrace.engines.spec import EngineSpec
 from hstrace.engines.vllm import audit
 from hstrace.engines.vllm.versions import SUPPORT
+from hstrace.findings import Finding
 
 
 class VLLMSpec(EngineSpec):
@@ -47,6 +48,12 @@ class VLLMSpec(EngineSpec):
     def spec_settings(self, raw: Mapping[str, Any], effective: Mapping[str, Any]) -> dict[str, Any]:
         # vLLM drafts a chain: only num_speculative_tokens is set, the rest follows from it
         return audit.spec_settings(raw.get("num_steps"), int(effective["num_steps"]))
+
+    def spec_findings(self, settings: Mapping[str, Any]) -> list[Finding]:
+        # the one `spec-params-adjusted` wording (SGLang's audit), naming vLLM
+        from hstrace.engines.sglang.audit import spec_findings
+
+        return spec_findings(settings, self.label)
 
 
 SPEC = VLLMSpec()
