@@ -20,7 +20,7 @@ class ReferenceSpec(EngineSpec):
     aux_ids_keys = SGLANG.aux_ids_keys
 
     def installed_version(self) -> str | None:
-        from hstrace import __version__
+        from hstrace._version import __version__
 
         return __version__
 
