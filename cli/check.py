@@ -203,7 +203,7 @@ def check(
         }
         click.echo(json.dumps(doc, indent=2, default=str))
     else:
-        _print_rich(report, findings, metrics)
+        _print_rich(report, findings, metrics, concerns)
         for name, why in not_loadable.items():
             click.echo(f"not loadable by {name} as it is: {why}")
         if not all_versions:
@@ -276,7 +276,12 @@ def _judge(
     return findings, concerns, len(other - set(found)), metrics
 
 
-def _print_rich(report: Any, findings: list[Finding], metrics: dict[str, Any]) -> None:
+def _print_rich(
+    report: Any,
+    findings: list[Finding],
+    metrics: dict[str, Any],
+    concerns: dict[int, list[str]] | None = None,
+) -> None:
     from rich.console import Console
 
     con = Console(file=sys.stdout, highlight=False)
@@ -286,6 +291,9 @@ def _print_rich(report: Any, findings: list[Finding], metrics: dict[str, Any]) -
     for f in findings:
         color = {"fault": "red", "warning": "yellow", "info": "blue"}[f.severity]
         scope = f"  [dim](applies to {f.applies_to})[/]" if f.applies_to else ""
+        engines = (concerns or {}).get(id(f))
+        if engines:
+            scope += f"  [dim](for {', '.join(engines)})[/]"
         con.print(f"[{color}]{f.severity}[/] [bold]{f.code}[/] [{f.stage}] ", end="")
         con.print(f.summary, markup=False, end="")
         con.print(scope)
