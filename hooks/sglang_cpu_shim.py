@@ -49,9 +49,9 @@ def wanted() -> bool:
 
 
 def _sglang_version() -> str | None:
-    from hstrace.engines.sglang.versions import installed_version
+    from hstrace.engines.sglang.versions import SUPPORT
 
-    return installed_version()
+    return SUPPORT.installed_version()
 
 
 def refuse(message: str) -> None:

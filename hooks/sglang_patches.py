@@ -21,12 +21,8 @@ from hstrace.hooks import load_weights
 
 from hstrace.engines import load_audit, rows
 from hstrace.engines.sglang import audit, taps
-from hstrace.engines.sglang.versions import (
-    CAPTURE_TARGETS,
-    PatchPoint,
-    Version,
-    patch_points_for,
-)
+from hstrace.engines.sglang.versions import CAPTURE_TARGETS, SUPPORT
+from hstrace.engines.support import PatchPoint, Version
 
 
 class Recorder(hooks_common.Recorder):
@@ -383,5 +379,5 @@ def apply(point: PatchPoint, module: Any) -> None:
 def install(version: Version, cfg: dict[str, Any]) -> Recorder:
     global REC
     REC = Recorder(cfg, version)
-    hooks_common.install_points(patch_points_for(version), WRAPPERS, REC)
+    hooks_common.install_points(SUPPORT.patch_points_for(version), WRAPPERS, REC)
     return REC

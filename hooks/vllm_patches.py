@@ -25,7 +25,7 @@ from hstrace.hooks.common import Recorder, bind_args, install_points
 from hstrace.engines import load_audit
 from hstrace.engines.support import Version
 from hstrace.engines.vllm import audit, taps
-from hstrace.engines.vllm.versions import patch_points_for
+from hstrace.engines.vllm.versions import SUPPORT
 
 
 class VLLMRecorder(Recorder):
@@ -341,5 +341,5 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
 def install(version: Version, cfg: dict[str, Any]) -> VLLMRecorder:
     global REC
     REC = VLLMRecorder(cfg, version)
-    install_points(patch_points_for(version), WRAPPERS, REC)
+    install_points(SUPPORT.patch_points_for(version), WRAPPERS, REC)
     return REC

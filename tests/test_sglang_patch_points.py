@@ -5,19 +5,15 @@ from __future__ import annotations
 import pytest
 from helpers.engines import signature_mismatches
 
-from hstrace.engines.sglang.versions import (
-    CAPTURE_TARGETS,
-    check_supported_version,
-    patch_points_for,
-)
+from hstrace.engines.sglang.versions import CAPTURE_TARGETS, SUPPORT
 from hstrace.errors import EngineError
 
 
 def test_unsupported_versions_are_refused_with_the_range() -> None:
     for bad in ("0.5.12", "0.5.24", "0.4.6"):
         with pytest.raises(EngineError, match="0.5.13-0.5.23"):
-            check_supported_version(bad)
-    assert check_supported_version("0.5.23") == (0, 5, 23)
+            SUPPORT.check_supported_version(bad)
+    assert SUPPORT.check_supported_version("0.5.23") == (0, 5, 23)
 
 
 @pytest.mark.sglang
@@ -28,7 +24,7 @@ def test_every_patch_point_exists_with_its_signature() -> None:
     sglang_fakes.install()
     import sglang
 
-    points = patch_points_for(check_supported_version(sglang.__version__))
+    points = SUPPORT.patch_points_for(SUPPORT.check_supported_version(sglang.__version__))
     capture = [p for p in points if p.qualname.endswith(".set_eagle3_layers_to_capture")]
     assert len(points) == 7 + len(capture) and len(capture) == len(CAPTURE_TARGETS) == 28
     # the capture rows are checked from the sources (test below): some target modules need
@@ -68,7 +64,7 @@ def test_capture_audit_covers_every_target_sglang_defines() -> None:
     assert {"llama:LlamaForCausalLM", "qwen3:Qwen3ForCausalLM"} <= takes_ids
     rows = {
         p.target.removeprefix("sglang.srt.models.").removesuffix(".set_eagle3_layers_to_capture")
-        for p in patch_points_for((0, 5, 23))
+        for p in SUPPORT.patch_points_for((0, 5, 23))
         if p.qualname.endswith(".set_eagle3_layers_to_capture")
     }
     assert rows == takes_ids
@@ -132,7 +128,7 @@ def test_a_point_that_cannot_be_patched_never_breaks_the_import(capsys) -> None:
 
     from hstrace.hooks import sglang_patches
 
-    point = patch_points_for((0, 5, 23))[0]
+    point = SUPPORT.patch_points_for((0, 5, 23))[0]
     empty = types.ModuleType(point.module)
     sglang_patches.apply(point, empty)  # must not raise
     assert f"cannot patch {point.qualname}" in capsys.readouterr().err

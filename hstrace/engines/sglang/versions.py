@@ -188,11 +188,3 @@ SUPPORT = support.EngineSupport(
     plugins_since=PLUGIN_ENTRY_POINTS_SINCE,
     empty_env_allows_all=True,  # SGLang: an empty SGLANG_PLUGINS restricts nothing
 )
-parse_version = SUPPORT.parse_version
-check_supported_version = SUPPORT.check_supported_version
-patch_points_for = SUPPORT.patch_points_for
-installed_version = SUPPORT.installed_version
-
-
-def has_plugin_entry_points(version: Version) -> bool:
-    return version >= PLUGIN_ENTRY_POINTS_SINCE
