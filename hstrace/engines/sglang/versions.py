@@ -1,8 +1,10 @@
 """Which SGLang releases hstrace can hook, and where: the patch-point table, chosen by version.
 
 Pure data + lookups; importing this never imports SGLang. Signatures per release come from
-the released wheels (shared/reference/sglang-internals.md §3.3, §6); the CPU test suite checks
-the 0.5.23 rows against the real package with `inspect.signature`.
+the released wheels (shared/reference/sglang-internals.md §3.3, §6);
+tests/test_sglang_patch_points.py checks the 0.5.23 rows against the real package
+(`inspect.signature`; the capture rows against its sources: every class defining
+`set_eagle3_layers_to_capture` must have one).
 """
 
 from __future__ import annotations
