@@ -523,3 +523,28 @@ def test_spec_answers_for_its_engine(name) -> None:
         {"num_steps": 3, "topk": 1, "num_draft_tokens": 4},
     )
     assert settings["effective"]["num_draft_tokens"] == 4
+
+
+def test_the_registry_answers_for_the_cli_and_diagnose() -> None:
+    """What used to be string literals in cli/record.py and diagnose/: the engine of a server
+    command, and the flag that turns each engine's prefix cache off."""
+    from hstrace.engines import registry
+
+    assert registry.engine_for_command("vllm serve m --speculative-config {}") == "vllm"
+    assert registry.engine_for_command("python -m vllm.entrypoints.openai.api_server") == "vllm"
+    assert registry.engine_for_command("python -m sglang.launch_server --model x") == "sglang"
+    assert registry.engine_for_command("./serve.sh") == "sglang"  # the first engine with hooks
+    assert registry.prefix_cache_off("vllm") == "serve once with --no-enable-prefix-caching"
+    assert registry.prefix_cache_off("sglang") == (
+        "serve once with --disable-radix-cache (and without --enable-hierarchical-cache)"
+    )
+    both = registry.prefix_cache_off("reference")  # no such flag: every engine's
+    assert both == f"{registry.prefix_cache_off('sglang')} (SGLang) or " + (
+        f"{registry.prefix_cache_off('vllm')} (vLLM)"
+    )
+    assert registry.prefix_cache_flags() == (
+        "SGLang --disable-radix-cache / vLLM --no-enable-prefix-caching"
+    )
+    fix = registry.aux_ids_fixes([2, 4, 5])
+    assert '"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]} for SGLang' in fix
+    assert "for vLLM write [2, 4, 5]" in fix
