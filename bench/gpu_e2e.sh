@@ -27,7 +27,7 @@ command -v nvidia-smi >/dev/null 2>&1 || die "no nvidia-smi: this benchmark need
   || die "torch in $PYTHON sees no CUDA device" 2
 SGLANG_VERSION="$("$PYTHON" -c 'import importlib.metadata as m; print(m.version("sglang"))' 2>/dev/null)" \
   || die "SGLang is not installed for $PYTHON" 2
-"$PYTHON" -c "from hstrace.engines.sglang_versions import check_supported_version as c; c('$SGLANG_VERSION')" \
+"$PYTHON" -c "from hstrace.engines.sglang.versions import check_supported_version as c; c('$SGLANG_VERSION')" \
   || die "SGLang $SGLANG_VERSION has no hstrace patch table" 2
 [[ -f "$REPO/traces/tiny-world/build.py" ]] || die "traces/tiny-world/build.py is missing" 2
 echo "gpu_e2e: sglang $SGLANG_VERSION, work dir $WORK" >&2

@@ -93,7 +93,7 @@ def round_tps(port: int, prompts: list[list[int]], new_tokens: int) -> float:
 
 
 def spec_steps(port: int) -> float:
-    from hstrace.engines.vllm import parse_spec_metrics
+    from hstrace.engines.vllm.engine import parse_spec_metrics
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
         m = parse_spec_metrics(r.read().decode())
@@ -106,7 +106,7 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     import torch
     from hstrace.hooks import vllm_patches as vp
 
-    from hstrace.engines import vllm_taps as taps
+    from hstrace.engines.vllm import taps
     from hstrace.trace import create_trace
 
     H, K, VD, V, T = 64, 3, 256, 512, batch * 4

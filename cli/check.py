@@ -11,13 +11,31 @@ from typing import Any, TypeVar
 
 import click
 
+from hstrace.engines.registry import engine_spec, judged
 from hstrace.errors import EXIT_CLEAN, EXIT_COULD_NOT_JUDGE, EXIT_FAULT
 from hstrace.findings import Finding, in_dataflow_order
 
 T = TypeVar("T")
 
-# The SGLang release hstrace pins (`hstrace[sglang]`); findings are judged for it by default.
-DEFAULT_SGLANG = "0.5.23"
+
+def _engine_options(f: Any) -> Any:
+    """`--engine NAME` (repeatable) and one `--NAME-version` per engine the registry judges."""
+    for spec in reversed(judged()):
+        f = click.option(
+            f"--{spec.name}-version",
+            f"{spec.name}_version",
+            default=None,
+            help=f"Judge for this {spec.label} version (default: the installed one, else "
+            f"{spec.default_version}, the newest hstrace supports); implies --engine {spec.name}.",
+        )(f)
+    return click.option(
+        "--engine",
+        "engine_names",
+        multiple=True,
+        type=click.Choice([s.name for s in judged()]),
+        help="Judge for this engine (repeatable). Default: every engine that can load the "
+        "checkpoint as it is; each finding names the engines it concerns.",
+    )(f)
 
 
 def _target_layers(target: str) -> int:
@@ -98,12 +116,7 @@ def _embedding(model: Any, report: Any, target: str | None) -> tuple[Any, str | 
     default=None,
     help="Override the detected checkpoint dialect.",
 )
-@click.option(
-    "--sglang-version",
-    default=None,
-    help="Judge for this SGLang version (default: the installed one, else "
-    f"{DEFAULT_SGLANG}, the newest hstrace supports).",
-)
+@_engine_options
 @click.option(
     "--all-versions",
     is_flag=True,
@@ -117,8 +130,9 @@ def check(
     steps: int,
     as_json: bool,
     dialect: str | None,
-    sglang_version: str | None,
+    engine_names: tuple[str, ...],
     all_versions: bool,
+    **engine_versions: str | None,
 ) -> int:
     """Load a drafter checkpoint and report static wiring problems.
 
@@ -155,30 +169,37 @@ def check(
         if resolution is not None and resolution["reading"] is not None:
             for name, v in norm_output_flags(value, resolution["reading"]).items():
                 setattr(model.cfg, name, v)
-    if not all_versions:
-        sglang_version = sglang_version or _installed_sglang() or DEFAULT_SGLANG
-    # A rule for another engine version (e.g. "sglang<0.5.12") is not a fault of this
-    # deployment; its findings are counted and named, not reported, unless --all-versions.
-    static = _internal(
-        failed,
-        "static rules",
-        lambda: run_static(
-            report,
-            model,
-            n_layers,
-            resolution,
-            advisory=True,
-            engine=None if all_versions else "sglang",
-            version=sglang_version,
-        ),
-    )
+    # Judged per engine: a rule for another engine or version (e.g. "sglang<0.5.12") is not a
+    # fault of this deployment; its findings are counted and named, not reported, unless
+    # --all-versions.
+    targets, not_loadable = _engines_to_judge(report, engine_names, engine_versions)
     findings: list[Finding] = []
+    concerns: dict[int, list[str]] = {}
     metrics: dict[str, Any] = {}
     hidden = 0
-    if static is not None:
-        run, metrics = static
-        findings, hidden = list(run.findings), len(run.other_versions)
-        failed.update(run.failed)  # `rule NAME`: the other rules still ran
+    if all_versions:
+        static = _internal(
+            failed,
+            "static rules",
+            lambda: run_static(report, model, n_layers, resolution, advisory=True),
+        )
+        if static is not None:
+            run, metrics = static
+            findings = list(run.findings)
+            failed.update(run.failed)  # `rule NAME`: the other rules still ran
+        # every version of every engine: a finding concerns the engines its scope names
+        concerns = {
+            id(f): [s.name for s in judged() if not f.applies_to or s.name in f.applies_to]
+            for f in findings
+        }
+    else:
+        judged_static = _internal(
+            failed,
+            "static rules",
+            lambda: _judge(report, model, n_layers, resolution, targets, failed),
+        )
+        if judged_static is not None:
+            findings, concerns, hidden, metrics = judged_static
     if resolution is not None:
         metrics["norm_output_resolution"] = resolution
     if td is not None:
@@ -203,12 +224,18 @@ def check(
     findings = in_dataflow_order(findings)
     faults = sum(f.severity == "fault" for f in findings)
     code = EXIT_FAULT if faults else (EXIT_COULD_NOT_JUDGE if failed else EXIT_CLEAN)
+    judged_for = None if all_versions else ", ".join(f"{n}=={v}" for n, v in targets)
     if as_json:
         doc = {
             "dialect": report.dialect,
-            "judged_for": None if all_versions else f"sglang=={sglang_version}",
+            "judged_for": judged_for,
             "findings_for_other_versions": hidden,
-            "findings": [f.to_json() for f in findings],
+            # engines that cannot load this checkpoint as it is, and why (said once)
+            "not_loadable": not_loadable,
+            "findings": [
+                {**f.to_json(), "engines": concerns.get(id(f), [n for n, _ in targets])}
+                for f in findings
+            ],
             "metrics": metrics,
             "load_report": report.to_json(),
             "complete": not failed,
@@ -217,10 +244,12 @@ def check(
         }
         click.echo(json.dumps(doc, indent=2, default=str))
     else:
-        _print_rich(report, findings, metrics, failed)
+        _print_rich(report, findings, metrics, failed, concerns)
+        for name, why in not_loadable.items():
+            click.echo(f"not loadable by {name} as it is: {why}")
         if not all_versions:
             more = f"; {hidden} more for other engine versions (--all-versions)" if hidden else ""
-            click.echo(f"judged for sglang {sglang_version}{more}")
+            click.echo(f"judged for {', '.join(f'{n} {v}' for n, v in targets)}{more}")
         for name, why in failed.items():  # last, one line each: what failed, and how
             click.echo(f"judgement incomplete: {name} failed internally: {why} (exit {code})")
     return code
@@ -242,17 +271,78 @@ def _internal(failed: dict[str, str], name: str, compute: Callable[[], T]) -> T 
         return None
 
 
-def _installed_sglang() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
+def _engines_to_judge(
+    report: Any, names: tuple[str, ...], versions: dict[str, str | None]
+) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """[(engine, version)] to judge for, and {engine: why it cannot load this checkpoint as it
+    is}. Named engines (`--engine`, `--NAME-version`) are judged even when they cannot load it
+    as it is (the rules still hold for the converted checkpoint, and the reason is said once);
+    by default, every judged engine that can."""
+    asked = list(dict.fromkeys([*names, *(n for n in versions_named(versions))]))
+    candidates = asked or [s.name for s in judged()]
+    targets: list[tuple[str, str]] = []
+    not_loadable: dict[str, str] = {}
+    for name in candidates:
+        spec = engine_spec(name)
+        why = spec.cannot_load(report.dialect, report.config)
+        if why is not None:
+            not_loadable[name] = why
+            if not asked:
+                continue
+        version = versions.get(f"{name}_version") or spec.judged_version()
+        targets.append((name, str(version)))
+    if not targets:  # no engine loads it as it is: judge for all of them, having said why
+        targets = [(s.name, str(s.judged_version())) for s in judged()]
+    return targets, not_loadable
 
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return None
+
+def versions_named(versions: dict[str, str | None]) -> list[str]:
+    """The engines whose `--NAME-version` was given."""
+    return [k.removesuffix("_version") for k, v in versions.items() if v]
+
+
+def _judge(
+    report: Any,
+    model: Any,
+    n_layers: int | None,
+    resolution: dict[str, Any] | None,
+    targets: list[tuple[str, str]],
+    failed: dict[str, str],
+) -> tuple[list[Finding], dict[int, list[str]], int, dict[str, Any]]:
+    """The rule table for each (engine, version): each rule's findings once, with the engines
+    they concern; and the number of findings only other engines or versions get."""
+    from hstrace.rules import RULES, run_static
+
+    order = {r.name: i for i, r in enumerate(RULES)}
+    found: dict[tuple[str, int], tuple[Finding, list[str]]] = {}
+    other: set[tuple[str, int]] = set()
+    metrics: dict[str, Any] = {}
+    for name, version in targets:
+        run, metrics = run_static(
+            report, model, n_layers, resolution, advisory=True, engine=name, version=version
+        )
+        failed.update(run.failed)  # `rule NAME`: the other rules still ran
+        for pairs, into_found in ((run.found, True), (run.other_versions, False)):
+            seen: dict[str, int] = {}
+            for rule, finding in pairs:
+                key = (rule.name, seen.get(rule.name, 0))
+                seen[rule.name] = key[1] + 1
+                if into_found:
+                    found.setdefault(key, (finding, []))[1].append(name)
+                else:
+                    other.add(key)
+    keys = sorted(found, key=lambda k: (order[k[0]], k[1]))
+    findings = [found[k][0] for k in keys]
+    concerns = {id(found[k][0]): found[k][1] for k in keys}
+    return findings, concerns, len(other - set(found)), metrics
 
 
 def _print_rich(
-    report: Any, findings: list[Finding], metrics: dict[str, Any], failed: dict[str, str]
+    report: Any,
+    findings: list[Finding],
+    metrics: dict[str, Any],
+    failed: dict[str, str],
+    concerns: dict[int, list[str]] | None = None,
 ) -> None:
     from rich.console import Console
 
@@ -265,6 +355,9 @@ def _print_rich(
     for f in findings:
         color = {"fault": "red", "warning": "yellow", "info": "blue"}[f.severity]
         scope = f"  [dim](applies to {f.applies_to})[/]" if f.applies_to else ""
+        engines = (concerns or {}).get(id(f))
+        if engines:
+            scope += f"  [dim](for {', '.join(engines)})[/]"
         con.print(f"[{color}]{f.severity}[/] [bold]{f.code}[/] [{f.stage}] ", end="")
         con.print(f.summary, markup=False, end="")
         con.print(scope)

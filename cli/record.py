@@ -7,13 +7,8 @@ from pathlib import Path
 
 import click
 
-from hstrace.engines.base import (
-    DEFAULT_STREAMS,
-    STREAMS,
-    EngineConfig,
-    RecordOptions,
-    get_engine,
-)
+from hstrace.engines.base import DEFAULT_STREAMS, STREAMS, EngineConfig, RecordOptions
+from hstrace.engines.registry import ENGINES, engine_for_command, engine_spec, get_engine
 from hstrace.errors import HstraceError
 from hstrace.prompts import load_prompts_from_training, load_prompts_jsonl
 
@@ -36,7 +31,7 @@ def parse_streams(value: str | None) -> frozenset[str]:
 @click.option(
     "--engine",
     "engine_name",
-    type=click.Choice(["sglang", "vllm", "reference"]),
+    type=click.Choice(list(ENGINES)),
     default=None,
     help="Backend. Default: read from --server-cmd (vllm for a vllm command, else sglang), "
     "else reference.",
@@ -143,12 +138,8 @@ def record(
     Exit 0 = recorded and closed cleanly, 1 = the recording failed (the trace keeps what was
     committed and says so), 2 = bad input or usage."""
     if engine_name is None:
-        from hstrace.engines.vllm import is_vllm_command
-
-        engine_name = (
-            ("vllm" if is_vllm_command(server_cmd) else "sglang") if server_cmd else "reference"
-        )
-    if engine_name in ("sglang", "vllm") and not server_cmd:
+        engine_name = engine_for_command(server_cmd) if server_cmd else "reference"
+    if engine_spec(engine_name).support is not None and not server_cmd:
         raise click.UsageError(f"--engine {engine_name} needs --server-cmd")
     if (prompts_file is None) == (training_dir is None):
         raise click.UsageError(
@@ -160,7 +151,7 @@ def record(
         raise HstraceError("--knob applies only to --engine reference")
     extra: dict = {}
     if knobs:
-        from hstrace.engines.reference import parse_knob
+        from hstrace.engines.reference.engine import parse_knob
 
         extra = dict(parse_knob(k) for k in knobs)
     options = RecordOptions(

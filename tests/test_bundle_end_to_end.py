@@ -15,7 +15,7 @@ from helpers.cli import run_main
 
 from hstrace.bundle import bundle_info
 from hstrace.engines.base import EngineConfig, RecordOptions
-from hstrace.engines.reference import ReferenceEngine
+from hstrace.engines.reference.engine import ReferenceEngine
 
 pytestmark = pytest.mark.slow
 

@@ -87,9 +87,23 @@ def test_flags_the_engine_ignores_with_versions(tmp_path, capsys):
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--sglang-version", "0.5.17")
     assert not any(f["applies_to"] == "sglang<0.5.17" for f in doc["findings"])
     assert doc["judged_for"] == "sglang==0.5.17" and doc["findings_for_other_versions"] >= 1
-    # By default: judged for the pinned SGLang (none is installed in this environment).
+    # By default: judged for the engines that can load the checkpoint as it is. SGLang cannot
+    # load a speculators layout without conversion: said once, and judged for vLLM only.
     rc, doc, _ = run_check(capsys, str(ck), "--json")
+    assert doc["judged_for"] == "vllm==0.32.0"
+    assert list(doc["not_loadable"]) == ["sglang"]
+    assert "speculators" in doc["not_loadable"]["sglang"]
+    assert "Eagle3DraftModel" in doc["not_loadable"]["sglang"]
+    assert all(f["engines"] == ["vllm"] for f in doc["findings"])
+    assert ("norm-flag-mismatch", "sglang<=0.5.23") not in {
+        (f["code"], f["applies_to"]) for f in doc["findings"]
+    }
+    # --engine sglang: judged for the pinned SGLang (none is installed in this environment)
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--engine", "sglang")
     assert doc["judged_for"] == "sglang==0.5.23"
+    assert ("norm-flag-mismatch", "sglang<=0.5.23") in {
+        (f["code"], f["applies_to"]) for f in doc["findings"]
+    }
     assert ("norm-flag-mismatch", "sglang<0.5.17") not in {
         (f["code"], f["applies_to"]) for f in doc["findings"]
     }
@@ -124,11 +138,16 @@ def test_slot_layout_from_config(tmp_path, capsys):
         ck, lambda c: c.update(eagle_aux_hidden_state_layer_ids=[0, 2, 16, 29])
     )  # embedding slot claimed
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--sglang-version", "0.5.23")
-    # speculators writes the ids at the top level, which SGLang ignores: a warning without
-    # --target (no layer count to compare SGLang's defaults with)
-    assert rc == 1 and codes(doc) == ["slot-layout", "aux-layers-default"]
-    assert doc["findings"][1]["severity"] == "warning"
-    assert doc["findings"][1]["evidence"]["top_level_ids"] == [0, 2, 16, 29]
+    # speculators writes the ids at the top level; SGLang 0.5.23 cannot load that layout
+    # without conversion, so no aux-layers-default about ids it would never read: said once
+    assert rc == 1 and codes(doc) == ["slot-layout"]
+    assert doc["findings"][0]["evidence"]["aux_layer_ids"] == [0, 2, 16, 29]
+    assert doc["judged_for"] == "sglang==0.5.23" and list(doc["not_loadable"]) == ["sglang"]
+    assert "cannot load a speculators-format drafter" in doc["not_loadable"]["sglang"]
+    # the text output says it once
+    rc, out, _ = run_check(capsys, str(ck), "--sglang-version", "0.5.23")
+    assert rc == 1 and out.count("not loadable by sglang as it is") == 1
+    assert "aux-layers-default" not in out
 
 
 @pytest.mark.parametrize(

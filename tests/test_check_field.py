@@ -153,10 +153,17 @@ def test_top_level_aux_ids_sglang_ignores(tmp_path, capsys):
     assert ev["top_level_ids"] == [2, 4, 6] and ev["trained_hf_indices"] == [3, 5, 7]
     assert ev["sglang_default_hf_indices"] == [2, 4, 5] and ev["target_layers"] == 8
     assert ev["read_by_sglang"] is None and ev["eagle_config"] is None
-    # without the target: no layer count, so a warning that says what --target would decide
+    # without the target: SGLang's own flat format with the ids where SGLang never reads them
+    # is a fault for SGLang (exit 1), naming what --target would decide
     rc, doc, _ = run_check(capsys, str(ck), "--json")
     f = _finding(doc, "aux-layers-default")
-    assert rc == 0 and f["severity"] == "warning" and "--target" in f["summary"]
+    assert rc == 1 and f["severity"] == "fault" and "--target" in f["summary"]
+    assert f["applies_to"] == "sglang<=0.5.23" and f["engines"] == ["sglang"]
+    assert f["evidence"]["top_level_ids"] == [2, 4, 6] and f["evidence"]["read_by_sglang"] is None
+    assert doc["judged_for"] == "sglang==0.5.23, vllm==0.32.0" and doc["not_loadable"] == {}
+    # judged for vLLM alone: vLLM reads the top-level ids, nothing to report
+    rc, doc, _ = run_check(capsys, str(ck), "--json", "--engine", "vllm")
+    assert rc == 0 and "aux-layers-default" not in codes(doc)
     # the ids SGLang's default happens to capture: harmless, nothing to report
     _top_level_ids(ck, [1, 3, 4])
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--target", target)

@@ -88,12 +88,30 @@ def test_a_version_outside_applies_to_drops_the_rule(tmp_path):
 
 def test_advisory_rules_only_when_asked(tmp_path):
     ck = tmp_path / "ck"
-    save_drafter(tiny_model(aux_layer_ids=[2, 16, 29]), ck, dialect="speculators")
+    save_drafter(tiny_model(aux_layer_ids=[2, 16, 29]), ck, dialect="specforge")
+
+    moved: list[int] = []
+
+    def top_level(c):  # SGLang's own flat format, the ids where SGLang never reads them
+        moved.extend(c.pop("eagle_config")["eagle_aux_hidden_state_layer_ids"])
+        c["eagle_aux_hidden_state_layer_ids"] = moved
+
+    edit_config(ck, top_level)
     model, rep = load_drafter(ck)
     asked, _ = run_static(rep, model, advisory=True)
-    assert "aux-ids-top-level" in asked.rules  # speculators writes the ids at the top level
+    assert "aux-ids-top-level" in asked.rules
+    (found,) = [f for r, f in asked.found if r.name == "aux-ids-top-level"]
+    assert found.severity == "fault" and found.evidence["top_level_ids"] == moved == [2, 16, 29]
     replayed, _ = run_static(rep, model)  # replay's config stage
     assert "aux-ids-top-level" not in replayed.rules
     with_target, _ = run_static(rep, model, n_layers=8, advisory=True)  # default [2, 4, 5]
     assert "aux-ids-top-level-vs-default" in with_target.rules
     assert "aux-ids-top-level" not in with_target.rules
+    # speculators writes the ids at the top level too, but SGLang cannot load that layout as
+    # it is: no finding about ids it would never read (`hstrace check` says why, once)
+    spec_ck = tmp_path / "spec"
+    save_drafter(tiny_model(aux_layer_ids=[2, 16, 29]), spec_ck, dialect="speculators")
+    model, rep = load_drafter(spec_ck)
+    assert rep.config["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29]
+    asked, _ = run_static(rep, model, advisory=True)
+    assert not {"aux-ids-top-level", "aux-ids-top-level-vs-default"} & set(asked.rules)

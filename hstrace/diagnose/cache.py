@@ -14,14 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from hstrace.engines.registry import prefix_cache_off
 from hstrace.findings import Finding
 from hstrace.replay.compare import AGREE_TOP1
 from hstrace.replay.evidence import Evidence
 
-FIX = {
-    "sglang": "serve once with --disable-radix-cache (and without --enable-hierarchical-cache)",
-    "vllm": "serve once with --no-enable-prefix-caching",
-}
 UPSTREAM = (
     "known upstream fixes: sglang PR #19897 (spec-v2 draft KV uninitialised on radix hits), "
     "PR #17338 and #30393 (HiCache did not manage the draft KV), PR #11215 (HiCache) and "
@@ -47,7 +44,7 @@ def draft_kv_stale(ev: Evidence) -> list[Finding]:
     elif not fresh["agrees"]:
         return []  # fresh requests disagree as well: not a cache question
     engine = str((ev.serving.meta.get("engine") or {}).get("name", ""))
-    check = FIX.get(engine, f"{FIX['sglang']} (SGLang) or {FIX['vllm']} (vLLM)")
+    check = prefix_cache_off(engine)  # the recording engine's flag, else every engine's
     evidence: dict[str, Any] = {
         "cache_hit": hit,
         "fresh": fresh,

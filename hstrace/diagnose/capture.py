@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from hstrace.engines.registry import aux_ids_fixes, prefix_cache_flags
 from hstrace.findings import Finding
 from hstrace.replay.evidence import Evidence
 from hstrace.replay.fingerprint import SAME_COS, UNRELATED_COS
@@ -29,18 +30,10 @@ LAYER_MATCH_COS = 0.9
 OWN_GAP_FACTOR = 4.0
 
 
-def _sglang_ids(hf: list[int]) -> list[int]:
-    """SGLang's explicit `eagle_aux_hidden_state_layer_ids` (output of layer k = HF k+1)."""
-    return [h - 1 for h in hf]
-
-
 def _layers_fix(train_hf: list[int]) -> str:
     return (
         f"make serving capture the training layers (HF hidden_states {train_hf}): in the draft "
-        'config.json set "eagle_config": {"eagle_aux_hidden_state_layer_ids": '
-        f"{_sglang_ids(train_hf)}}} for SGLang (it adds +1); for vLLM write {train_hf} "
-        '(HF hidden_states indices, no +1) as top-level "eagle_aux_hidden_state_layer_ids" '
-        "(vLLM reads the top level before eagle_config); "
+        f"config.json set {aux_ids_fixes(train_hf)}; "
         "or regenerate the training data with the layers serving captures"
     )
 
@@ -79,8 +72,7 @@ def _partly_dead(ev: Evidence) -> list[Finding]:
             + (
                 " (the leading rows: typically the cached prompt prefix, whose states the "
                 "engine zero-fills instead of taking them from the cache; serve once with the "
-                "prefix cache off, SGLang --disable-radix-cache / vLLM "
-                "--no-enable-prefix-caching, to confirm)"
+                f"prefix cache off, {prefix_cache_flags()}, to confirm)"
                 if prefix
                 else ""
             )

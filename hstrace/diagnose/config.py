@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hstrace.engines.sglang_audit import spec_findings
+from hstrace.engines.registry import ENGINES, engine_spec
 from hstrace.findings import CODES, Finding
 from hstrace.replay.compare import with_topk
 from hstrace.replay.evidence import Evidence
@@ -22,7 +22,10 @@ def spec_params(ev: Evidence) -> list[Finding]:
     spec = ev.static.get("spec")
     if not isinstance(spec, dict) or "adjusted" not in spec:
         return []
-    return spec_findings(spec)
+    name = str((ev.serving.meta.get("engine") or {}).get("name", ""))
+    # the engine that recorded the trace words it; a trace of an engine this build does not
+    # know is read as the first registered one's (SGLang's shape, as before the registry)
+    return engine_spec(name if name in ENGINES else next(iter(ENGINES))).spec_findings(spec)
 
 
 def static_load_findings(ev: Evidence) -> list[Finding]:

@@ -1,25 +1,19 @@
-"""Serving-engine adapters: one `Engine` per backend (SGLang, vLLM, the CPU reference chain).
+"""Serving engines: one package per engine (`sglang`, `vllm`, `reference`) behind one interface
+(`spec.EngineSpec`, plus the launcher adapter `base.Engine`) and one registry (`registry`).
 
-The interface lives in `base.py`; adapters load lazily by name so the core never imports an
-engine it does not use.
+Adapters and specs load lazily by name so the core never imports an engine it does not use.
 """
 
-from hstrace.engines.base import (
-    ENGINE_NAMES,
-    Engine,
-    EngineConfig,
-    Prompt,
-    RecordOptions,
-    RecordResult,
-    get_engine,
-)
+from hstrace.engines.base import Engine, EngineConfig, Prompt, RecordOptions, RecordResult
+from hstrace.engines.registry import ENGINES, engine_spec, get_engine
 
 __all__ = [
-    "ENGINE_NAMES",
+    "ENGINES",
     "Engine",
     "EngineConfig",
     "Prompt",
     "RecordOptions",
     "RecordResult",
+    "engine_spec",
     "get_engine",
 ]

@@ -3,31 +3,23 @@
 Small on purpose (like an HTTP client's transports): an adapter knows how to check that it can
 hook its engine, and how to run a list of prompts through it while recording a trace. The CLI
 builds an `EngineConfig` from its flags, asks `get_engine(name, config)` for the adapter, calls
-`check_supported()` before anything is started, then `record(prompts, out, options)`.
+`check_supported()` before anything is started, then `record(prompts, out, options)`. The
+adapter is the launcher half of an engine package; what hstrace knows about the engine itself is
+its `EngineSpec` (`hstrace.engines.spec`), and `hstrace.engines.registry` lists both.
 """
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from hstrace.errors import EngineError
-
 # Trace tables an engine may record (docs/internal-api.md), plus `logits`: full draft logits,
 # large, only on request (and, in SGLang, only in eager mode).
 STREAMS: tuple[str, ...] = ("target", "draft_extend", "draft_step", "verify", "requests", "logits")
 DEFAULT_STREAMS: frozenset[str] = frozenset(STREAMS) - {"logits"}
-
-# name -> "module:Class"; loaded lazily so the core imports without SGLang or transformers.
-ENGINE_NAMES: dict[str, str] = {
-    "sglang": "hstrace.engines.sglang:SGLangEngine",
-    "vllm": "hstrace.engines.vllm:VLLMEngine",
-    "reference": "hstrace.engines.reference:ReferenceEngine",
-}
 
 
 @dataclass(frozen=True)
@@ -113,17 +105,3 @@ class Engine(ABC):
     def record(self, prompts: Sequence[Prompt], out: Path, options: RecordOptions) -> RecordResult:
         """Run `prompts` through the engine and record a trace at `out` (created here). Must
         leave a readable trace even when the engine dies, and report that in the result."""
-
-
-def get_engine(name: str, config: EngineConfig) -> Engine:
-    if name not in ENGINE_NAMES:
-        raise EngineError(f"unknown engine {name!r}; choose one of: {', '.join(ENGINE_NAMES)}")
-    module_name, class_name = ENGINE_NAMES[name].split(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name:
-            raise EngineError(f"engine {name!r} is not available in this build") from exc
-        raise
-    engine_cls: type[Engine] = getattr(module, class_name)
-    return engine_cls(config)

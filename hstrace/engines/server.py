@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from hstrace.engines.base import Engine, Prompt, RecordOptions, RecordResult
-from hstrace.engines.hooks_common import EngineSupport
+from hstrace.engines.support import EngineSupport
 from hstrace.errors import EngineError
 
 
@@ -284,7 +284,7 @@ class ServerEngine(Engine):
         return argv
 
     def record(self, prompts: Sequence[Prompt], out: Path, options: RecordOptions) -> RecordResult:
-        from hstrace.hooks.bootstrap import ENV, write_sitecustomize
+        from hstrace.engines.protocol import ENV, write_sitecustomize
         from hstrace.trace import create_trace
 
         argv = self._argv()

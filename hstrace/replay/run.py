@@ -179,7 +179,7 @@ def _embed_from_target(
     explicit_target: bool,
 ) -> tuple[str | None, str | None]:
     """The checkpoint carries no embedding (SpecForge, EAGLE save none): give the drafter the
-    target's, as SGLang does (`set_embed`). Returns (where the embedding came from, why the
+    target's, as the serving engines do (SGLang's `set_embed`, vLLM's shared embedding). Returns (where the embedding came from, why the
     drafter cannot run); a drafter is never run with its random initial embedding."""
     from hstrace.target_io import load_target_embedding
 
@@ -208,12 +208,12 @@ def _embed_from_target(
     if emb is None:
         return None, (
             f"the drafter checkpoint ({dialect}) carries no embedding and the target's could not "
-            f"be loaded ({why}); SGLang uses the target's embedding, so the drafter-output "
+            f"be loaded ({why}); engines serve it with the target's embedding, so the drafter-output "
             "checks (engine vs reference, what-ifs, step-0 accuracy) did not run"
         )
     with torch.no_grad():
         own.copy_(emb.to(own.dtype))
-    return f"target ({target_path}): the checkpoint carries none, as SGLang serves it", None
+    return f"target ({target_path}): the checkpoint carries none, as engines serve it", None
 
 
 def _digest(salt: bytes) -> str:

@@ -43,16 +43,21 @@ class CheckpointFacts:
     n_layers: int | None = None
     resolution: dict[str, Any] | None = None
     vocab: CheckpointD2T = field(init=False)
+    # where SGLang reads the aux ids in this config (its spec's reading), and why SGLang cannot
+    # load this layout as it is (None: it can)
     aux_source: dict[str, Any] = field(init=False)
+    sglang_cannot_load: str | None = field(init=False)
 
     def __post_init__(self) -> None:
-        from hstrace.engines.sglang_audit import aux_layer_source
+        from hstrace.engines.registry import engine_spec
 
         m, rep = self.model, self.rep
         self.vocab = checkpoint_reading(
             m.d2t, m.t2d, m.cfg.vocab_size, "d2t" in rep.loaded, "t2d" in rep.loaded
         )
-        self.aux_source = aux_layer_source(rep.config)
+        sglang = engine_spec("sglang")
+        self.aux_source = sglang.aux_layer_source(rep.config, self.n_layers)
+        self.sglang_cannot_load = sglang.cannot_load(rep.dialect, rep.config)
 
     @property
     def cfg(self) -> DrafterConfig:
@@ -461,9 +466,13 @@ def sglang_default_hf_layers(n_layers: int) -> list[int]:
 def _top_level_ids(f: CheckpointFacts) -> list[int] | None:
     """Aux layer ids at the config's top level with no `eagle_config`: SGLang's target reads
     only `eagle_config.eagle_aux_hidden_state_layer_ids` and captures its defaults instead (the
-    recorder's audit says the same at record time: `sglang_audit.aux_layer_findings`)."""
+    recorder's audit says the same at record time: `sglang.audit.aux_layer_findings`). Not for
+    a layout SGLang cannot load as it is (speculators): it would never read these ids, and the
+    conversion it needs first decides where they go (`hstrace check` says so once)."""
     src = f.aux_source
-    if src["read_by_sglang"] is not None or src["top_level_ids"] is None:
+    if f.sglang_cannot_load is not None:
+        return None
+    if src["read"] is not None or src["top_level_ids"] is None:
         return None
     return [int(i) for i in src["top_level_ids"]]
 
@@ -525,11 +534,11 @@ SLOT_RULES: list[Rule[CheckpointFacts]] = [
         summary=lambda f, ids: (
             f"aux layer ids {ids} sit at the config's top level, which SGLang "
             "ignores: the target captures its default HF hidden_states [2, N//2, N-3] instead of "
-            f"{_trained_hf(f, ids)} (--target gives N and says whether they differ)"
+            f"{_trained_hf(f, ids)} (--target gives N and says whether they happen to agree)"
         ),
         evidence=_aux_source_evidence,
         fix=_AUX_SOURCE_FIX,
-        severity="warning",
+        # a fault for SGLang: its own (flat) format with the ids where it never reads them
         applies_to=SGLANG_ALL,
         advisory=True,
     ),

@@ -324,28 +324,41 @@ CHECKPOINT = {
 
 
 class EngineHooksContract:
-    """Subclasses name the engine's versions and patches modules and its load stand-in."""
+    """Subclasses name the engine (its spec in the registry names the versions and the patches
+    module), its recorder class and its load stand-in."""
 
     engine: str
-    versions: str
-    patches: str
     recorder_class: str
     drafter: type[torch.nn.Module]
     # what the engine's audit says d2t became (None: consumed through a parameter loader)
     d2t_special: str | None
 
-    def _versions(self):
-        import importlib
+    def _spec(self):
+        from hstrace.engines.registry import engine_spec
 
-        return importlib.import_module(self.versions)
+        return engine_spec(self.engine)
+
+    def _versions(self):
+        return self._spec()
 
     def _patches(self):
         import importlib
 
-        return importlib.import_module(self.patches)
+        return importlib.import_module(self._spec().patches)
+
+    def test_taps_module_has_the_declared_rows(self) -> None:
+        """The engine's taps conform to `EngineTaps` (the row builders every hooked engine has)."""
+        import importlib
+
+        from hstrace.engines.spec import EngineTaps
+
+        taps = importlib.import_module(self._spec().taps)
+        assert isinstance(taps, EngineTaps), [
+            n for n in ("requests_rows", "verify_rows", "draft_topk") if not hasattr(taps, n)
+        ]
 
     def test_every_supported_version_has_a_wrapper_for_each_point(self) -> None:
-        support = self._versions().SUPPORT
+        support = self._versions().support
         wrappers = self._patches().WRAPPERS
         lo, hi = support.min_supported, support.max_supported
         used: set[str] = set()
@@ -360,7 +373,7 @@ class EngineHooksContract:
         assert used == set(wrappers), f"wrappers no patch point uses: {set(wrappers) - used}"
 
     def test_versions_outside_the_table_are_refused_in_one_line(self) -> None:
-        support = self._versions().SUPPORT
+        support = self._versions().support
         lo, hi = support.min_supported, support.max_supported
         assert support.check_supported_version(".".join(map(str, lo))) == lo
         assert support.check_supported_version(".".join(map(str, hi))) == hi
@@ -379,15 +392,16 @@ class EngineHooksContract:
     def test_bootstrap_refuses_a_version_it_does_not_know(self, monkeypatch, tmp_path) -> None:
         from hstrace.hooks import bootstrap
 
-        support = self._versions().SUPPORT
+        support = self._versions().support
         status = tmp_path / "status.jsonl"
         cfg = {"out": str(tmp_path / "t.zarr"), "streams": [], "status": str(status)}
         if self.engine != "sglang":  # an SGLang run may leave "engine" out (the default)
             cfg["engine"] = self.engine
         monkeypatch.setenv(bootstrap.ENV, __import__("json").dumps(cfg))
         too_new = ".".join(map(str, (*support.max_supported[:2], support.max_supported[2] + 1)))
-        monkeypatch.setattr(f"{self.versions}.installed_version", lambda: too_new)
-        for other in bootstrap._ENGINES:  # another engine's entry point does nothing here
+        spec = self._spec()
+        monkeypatch.setattr(spec, "installed_version", lambda: too_new)
+        for other in bootstrap.hooked_engines():  # another engine's entry point does nothing here
             if other != self.engine:
                 monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
                 assert bootstrap.activate("plugin", engine=other) is False
@@ -399,7 +413,7 @@ class EngineHooksContract:
 
         refused = json.loads(status.read_text().splitlines()[-1])["refused"]
         assert f"{support.label} {too_new} is not supported" in refused and "\n" not in refused
-        monkeypatch.setattr(f"{self.versions}.installed_version", lambda: None)
+        monkeypatch.setattr(spec, "installed_version", lambda: None)
         monkeypatch.setattr(bootstrap, "_state", {"active": False, "via": None})
         with pytest.raises(SystemExit):
             bootstrap.activate("plugin", engine=self.engine)
@@ -415,7 +429,7 @@ class EngineHooksContract:
         from hstrace.trace import TraceWriter, create_trace
 
         patches = self._patches()
-        version = self._versions().SUPPORT.max_supported
+        version = self._versions().support.max_supported
         out = tmp_path / "t.zarr"
         create_trace(out, engine={"name": self.engine, "version": "x"}, command_line=[], static={})
         rec = getattr(patches, self.recorder_class)({"out": str(out), "streams": []}, version)
@@ -445,13 +459,11 @@ class EngineHooksContract:
         (finding,) = static["findings_load"]
         assert finding["code"] == "weights-dropped"
         assert finding["evidence"]["dropped_prefixes"] == ["transformer"]
-        assert self._versions().SUPPORT.label in finding["summary"]
+        assert self._versions().support.label in finding["summary"]
 
 
 class TestSGLangHooks(EngineHooksContract):
     engine = "sglang"
-    versions = "hstrace.engines.sglang_versions"
-    patches = "hstrace.hooks.sglang_patches"
     recorder_class = "Recorder"
     drafter = _StreamingDrafter
     d2t_special = "hot_token_id"
@@ -459,8 +471,80 @@ class TestSGLangHooks(EngineHooksContract):
 
 class TestVLLMHooks(EngineHooksContract):
     engine = "vllm"
-    versions = "hstrace.engines.vllm_versions"
-    patches = "hstrace.hooks.vllm_patches"
     recorder_class = "VLLMRecorder"
     drafter = _CollectingDrafter
     d2t_special = None  # loaded into draft_id_to_target_id: consumed
+
+
+# ---- the registry: every engine it lists has its conformance subclasses ----------------------
+
+
+def _subclasses(base: type) -> dict[str, type]:
+    return {
+        c.name if hasattr(c, "name") else c.engine: c
+        for c in globals().values()
+        if isinstance(c, type) and issubclass(c, base) and c is not base
+    }
+
+
+def test_every_registered_engine_has_a_conformance_subclass() -> None:
+    from hstrace.engines import registry
+    from hstrace.engines.spec import EngineSpec
+
+    contracts = _subclasses(EngineContract)
+    hooks = {c.engine: c for c in _subclasses(EngineHooksContract).values()}
+    for name in registry.ENGINES:
+        spec = registry.engine_spec(name)
+        assert isinstance(spec, EngineSpec) and spec.name == name
+        assert name in contracts, f"{name}: no EngineContract subclass in this file"
+        if spec.support is not None:
+            assert spec.patches and spec.taps, name
+            assert name in hooks, f"{name}: no EngineHooksContract subclass in this file"
+    assert set(contracts) == set(registry.ENGINES)
+    assert set(hooks) == {s.name for s in registry.hooked()}
+
+
+@pytest.mark.parametrize("name", ["sglang", "vllm", "reference"])
+def test_spec_answers_for_its_engine(name) -> None:
+    """What the rest of hstrace asks a spec: the aux-id key, its fix, the spec settings."""
+    from hstrace.engines.registry import engine_spec
+
+    spec = engine_spec(name)
+    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
+    source = spec.aux_layer_source(nested, 8)
+    assert source["read"] == [1, 3, 4] and source["source"] in spec.aux_ids_keys
+    top = spec.aux_layer_source({"eagle_aux_hidden_state_layer_ids": [2, 4, 5]}, 8)
+    assert top["top_level_ids"] == [2, 4, 5]
+    # SGLang (and the reference, which follows it) reads only the nested key; vLLM the top level
+    assert top["read"] == (None if name != "vllm" else [2, 4, 5])
+    assert str([2, 4, 5] if name == "vllm" else [1, 3, 4]) in spec.aux_ids_fix([2, 4, 5])
+    settings = spec.spec_settings(
+        {"num_steps": 3, "topk": 1, "num_draft_tokens": 8},
+        {"num_steps": 3, "topk": 1, "num_draft_tokens": 4},
+    )
+    assert settings["effective"]["num_draft_tokens"] == 4
+
+
+def test_the_registry_answers_for_the_cli_and_diagnose() -> None:
+    """What used to be string literals in cli/record.py and diagnose/: the engine of a server
+    command, and the flag that turns each engine's prefix cache off."""
+    from hstrace.engines import registry
+
+    assert registry.engine_for_command("vllm serve m --speculative-config {}") == "vllm"
+    assert registry.engine_for_command("python -m vllm.entrypoints.openai.api_server") == "vllm"
+    assert registry.engine_for_command("python -m sglang.launch_server --model x") == "sglang"
+    assert registry.engine_for_command("./serve.sh") == "sglang"  # the first engine with hooks
+    assert registry.prefix_cache_off("vllm") == "serve once with --no-enable-prefix-caching"
+    assert registry.prefix_cache_off("sglang") == (
+        "serve once with --disable-radix-cache (and without --enable-hierarchical-cache)"
+    )
+    both = registry.prefix_cache_off("reference")  # no such flag: every engine's
+    assert both == f"{registry.prefix_cache_off('sglang')} (SGLang) or " + (
+        f"{registry.prefix_cache_off('vllm')} (vLLM)"
+    )
+    assert registry.prefix_cache_flags() == (
+        "SGLang --disable-radix-cache / vLLM --no-enable-prefix-caching"
+    )
+    fix = registry.aux_ids_fixes([2, 4, 5])
+    assert '"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]} for SGLang' in fix
+    assert "for vLLM write [2, 4, 5]" in fix

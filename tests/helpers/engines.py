@@ -12,7 +12,7 @@ from typing import Any
 
 def signature_mismatches(points: Iterable[Any]) -> list[str]:
     """Each patch point whose function is missing or binds other leading parameters in the
-    installed engine (what `hooks_common.apply_point` would refuse to patch)."""
+    installed engine (what `hstrace.hooks.common.apply_point` would refuse to patch)."""
     bad = []
     for point in points:
         cls_name, attr = point.qualname.split(".")

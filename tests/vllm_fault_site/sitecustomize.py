@@ -6,7 +6,7 @@ import os as _os
 
 if _os.environ.get("HSTRACE_TEST_FAIL_TAP") == "verify" and _os.environ.get("HSTRACE_RECORD"):
     try:
-        import hstrace.engines.vllm_taps as _taps
+        import hstrace.engines.vllm.taps as _taps
     except ImportError:
         _taps = None
     if _taps is not None:

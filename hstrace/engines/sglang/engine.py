@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from hstrace.engines.base import Prompt, RecordOptions
 from hstrace.engines.server import ServerEngine, post_json
-from hstrace.engines.sglang_versions import SUPPORT
+from hstrace.engines.sglang.versions import SUPPORT
 
 SPEC_METRIC_KEYS = (
     "completion_tokens",

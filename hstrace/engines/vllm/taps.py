@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hstrace.engines.hooks_common import TableWrite, aux_hidden_attrs, request_keys, requests_write
+from hstrace.engines.rows import TableWrite, aux_hidden_attrs, request_keys, requests_write
 
 TOPK = 8  # draft top-k recorded per sampled row (vLLM computes the full draft logits anyway)
 PLACEHOLDER = -1  # vLLM's rejected / padding slot in sampled_token_ids

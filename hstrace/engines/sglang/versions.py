@@ -1,27 +1,74 @@
 """Which SGLang releases hstrace can hook, and where: the patch-point table, chosen by version.
 
 Pure data + lookups; importing this never imports SGLang. Signatures per release come from
-the released wheels (shared/reference/sglang-internals.md §3.3, §6); the CPU test suite checks
-the 0.5.23 rows against the real package with `inspect.signature`.
+the released wheels (shared/reference/sglang-internals.md §3.3, §6);
+tests/test_sglang_patch_points.py checks the 0.5.23 rows against the real package
+(`inspect.signature`; the capture rows against its sources: every class defining
+`set_eagle3_layers_to_capture` must have one).
 """
 
 from __future__ import annotations
 
-from hstrace.engines import hooks_common
+from hstrace.engines import support
 
 MIN_SUPPORTED = (0, 5, 13)  # v1 eagle_worker.py removed; EAGLEWorkerV2 always runs
 MAX_SUPPORTED = (0, 5, 23)
 PLUGIN_ENTRY_POINTS_SINCE = (0, 5, 11)  # sglang.srt.plugins entry-point group
 PLUGIN_GROUP = "sglang.srt.plugins"
 
-Version = hooks_common.Version
-# The patch-point row type is shared with vLLM's table (hstrace.engines.hooks_common).
-PatchPoint = hooks_common.PatchPoint
+Version = support.Version
+# The patch-point row type is shared with vLLM's table (hstrace.engines.support).
+PatchPoint = support.PatchPoint
 
 
 _W2 = "sglang.srt.speculative.eagle_worker_v2"
 _V = MIN_SUPPORTED
 _END = MAX_SUPPORTED
+
+# Every target class SGLang 0.5.23 defines `set_eagle3_layers_to_capture(self, layer_ids)` on
+# (module:Class under sglang.srt.models; read from the 0.5.23 sources): the architectures an
+# EAGLE-3 drafter can be served against. Subclasses that inherit the method (e.g. Mistral from
+# Llama) are covered through their base. Classes that only forward to an inner language model
+# (Gemma3/Llama4/Kimi-K2.5 multimodal, MindSpore) are patched too: the inner call records the
+# capture, the outer one records it again under the class SGLang was asked to serve. Not listed:
+# the inner model classes some targets delegate to (`Qwen2MoeModel`, `Qwen3NextModel`,
+# `qwen3_5.Qwen3_5ForCausalLM`: they take `layers_to_capture`, already resolved, not the ids).
+# Llama's row holds since the oldest supported release; the others are checked on 0.5.23 only.
+CAPTURE_TARGETS: tuple[tuple[str, Version], ...] = (
+    ("llama:LlamaForCausalLM", _V),
+    *(
+        (target, (0, 5, 23))
+        for target in (
+            "apertus:ApertusForCausalLM",
+            "bailing_moe:BailingMoEForCausalLM",
+            "deepseek_v2:DeepseekV2ForCausalLM",
+            "exaone_moe:ExaoneMoEForCausalLM",
+            "gemma3_causal:Gemma3ForCausalLM",
+            "gemma3_mm:Gemma3ForConditionalGeneration",
+            "gemma4_causal:Gemma4ForCausalLM",
+            "gemma4_mm:Gemma4ForConditionalGeneration",
+            "glm4_moe:Glm4MoeForCausalLM",
+            "glm4_moe_lite:Glm4MoeLiteForCausalLM",
+            "glm5_next:Glm5NextForConditionalGeneration",
+            "gpt_oss:GptOssForCausalLM",
+            "kimi_k25:KimiK25ForConditionalGeneration",
+            "longcat_flash:LongcatFlashForCausalLM",
+            "mindspore:MindSporeForCausalLM",
+            "minimax_m2:MiniMaxM2ForCausalLM",
+            "minimax_m3:MiniMaxM3SparseForCausalLM",
+            "minimax_m3_vl:MiniMaxM3SparseForConditionalGeneration",
+            "mllama4:Llama4ForConditionalGeneration",
+            "qwen2:Qwen2ForCausalLM",
+            "qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+            "qwen2_moe:Qwen2MoeForCausalLM",
+            "qwen3:Qwen3ForCausalLM",
+            "qwen3_5_text:Qwen3_5ForCausalLM",
+            "qwen3_moe:Qwen3MoeForCausalLM",
+            "qwen3_next:Qwen3NextForCausalLM",
+            "qwen3_vl:Qwen3VLForConditionalGeneration",
+        )
+    ),
+)
 
 PATCH_POINTS: tuple[PatchPoint, ...] = (
     # static audit
@@ -32,12 +79,16 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         _END,
         ("static.weights", "static.draft_config", "static.hot_token_id"),
     ),
-    PatchPoint(
-        "sglang.srt.models.llama:LlamaForCausalLM.set_eagle3_layers_to_capture",
-        ("self", "layer_ids"),
-        _V,
-        _END,
-        ("static.layers_to_capture",),
+    # the target's capture: one row per target class that defines the method (`CAPTURE_TARGETS`)
+    *(
+        PatchPoint(
+            f"sglang.srt.models.{target}.set_eagle3_layers_to_capture",
+            ("self", "layer_ids"),
+            since,
+            _END,
+            ("static.layers_to_capture",),
+        )
+        for target, since in CAPTURE_TARGETS
     ),
     PatchPoint(
         f"{_W2}:EAGLEWorkerV2.__init__",
@@ -127,7 +178,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
 )
 
 
-SUPPORT = hooks_common.EngineSupport(
+SUPPORT = support.EngineSupport(
     label="SGLang",
     distributions=("sglang",),
     min_supported=MIN_SUPPORTED,
@@ -139,11 +190,3 @@ SUPPORT = hooks_common.EngineSupport(
     plugins_since=PLUGIN_ENTRY_POINTS_SINCE,
     empty_env_allows_all=True,  # SGLang: an empty SGLANG_PLUGINS restricts nothing
 )
-parse_version = SUPPORT.parse_version
-check_supported_version = SUPPORT.check_supported_version
-patch_points_for = SUPPORT.patch_points_for
-installed_version = SUPPORT.installed_version
-
-
-def has_plugin_entry_points(version: Version) -> bool:
-    return version >= PLUGIN_ENTRY_POINTS_SINCE

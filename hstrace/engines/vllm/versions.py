@@ -8,7 +8,7 @@ covered (CPU uses it; Model Runner V2, GPU-only, moves the EAGLE-3 path to `v1/w
 
 from __future__ import annotations
 
-from hstrace.engines.hooks_common import EngineSupport, PatchPoint, Version
+from hstrace.engines.support import EngineSupport, PatchPoint, Version
 
 MIN_SUPPORTED: Version = (0, 32, 0)
 MAX_SUPPORTED: Version = (0, 32, 0)
@@ -108,11 +108,3 @@ SUPPORT = EngineSupport(
     plugins_env="VLLM_PLUGINS",
     empty_env_allows_all=False,  # vLLM: VLLM_PLUGINS="" loads no plugin
 )
-parse_version = SUPPORT.parse_version
-check_supported_version = SUPPORT.check_supported_version
-patch_points_for = SUPPORT.patch_points_for
-
-
-def installed_version() -> str | None:
-    """The vLLM version of this Python (either distribution), or None."""
-    return SUPPORT.installed_version()

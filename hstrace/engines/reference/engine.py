@@ -330,7 +330,7 @@ class ReferenceChain:
         return model.eval(), audit
 
     def static_audit(self) -> dict[str, Any]:
-        from hstrace.engines.sglang_audit import aux_layer_source, fc_width, spec_settings
+        from hstrace.engines.sglang.audit import aux_layer_source, fc_width, spec_settings
 
         k = self.knobs
         cfg = self.trained.cfg

@@ -21,7 +21,7 @@ from typing import Any
 
 from hstrace.engines.base import Prompt, RecordOptions
 from hstrace.engines.server import ServerEngine, close_traces, post_json
-from hstrace.engines.vllm_versions import SUPPORT
+from hstrace.engines.vllm.versions import SUPPORT
 
 __all__ = ["VLLMEngine", "close_traces", "is_vllm_command", "parse_spec_metrics"]
 
@@ -39,11 +39,13 @@ def is_vllm_command(server_cmd: str | None) -> bool:
         return False
     import shlex
 
+    from hstrace.engines.vllm import SPEC
+
     try:
         words = shlex.split(server_cmd)
     except ValueError:
         return False
-    return any(w.startswith("vllm.") or w == "vllm" or Path(w).name == "vllm" for w in words[:4])
+    return SPEC.serves(words)
 
 
 def parse_spec_metrics(text: str) -> dict[str, Any]:

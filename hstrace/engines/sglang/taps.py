@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-# The row type and the rows built the same way for every engine (hstrace.engines.hooks_common).
-from hstrace.engines.hooks_common import TableWrite, request_keys, requests_write
+# The row type and the rows built the same way for every engine (hstrace.engines.rows).
+from hstrace.engines.rows import TableWrite, request_keys, requests_write
 
 
 def _rids(batch: Any) -> list[str]:

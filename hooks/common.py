@@ -1,10 +1,11 @@
-"""What every engine's hooks share: the per-process recorder, the status protocol with the
-launcher, the row type the taps produce, and the patch-point machinery (signature-checked
-wrapping at import time).
+"""What every engine's hooks share inside a serving process: the per-process recorder (one
+trace writer per rank, closed at exit or on the launcher's signal), the status protocol with
+the launcher, and the patch-point machinery (signature-checked wrapping, applied now or right
+after a module's import through a meta-path finder).
 
-Used inside serving processes (SGLang schedulers, vLLM engine core / workers); imports no engine.
-The engine-specific parts are the patch tables (`*_versions.py`), the pure row builders
-(`*_taps.py`, `*_audit.py`) and the wrappers (`hstrace.hooks.*_patches`).
+Server-side only (SGLang schedulers, vLLM engine core / workers); imports no engine. The
+engine-specific parts are each engine package's patch table (`hstrace.engines.<name>.versions`),
+its pure row builders and audit (`taps`, `audit`) and its wrappers (`hstrace.hooks.<name>_patches`).
 """
 
 from __future__ import annotations
@@ -15,184 +16,20 @@ import importlib.util
 import inspect
 import json
 import os
-import re
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from hstrace.errors import EngineError
-
-Version = tuple[int, int, int]
-# What the launcher sends a recording process to close its trace (`Recorder._close_on_signal`).
-CLOSE_SIGNAL = __import__("signal").SIGUSR1
-
-
-def parse_version(text: str, engine: str = "engine") -> Version:
-    match = re.match(r"^\s*(\d+)\.(\d+)\.(\d+)", text)
-    if not match:
-        raise EngineError(f"cannot read {engine} version {text!r}")
-    return int(match[1]), int(match[2]), int(match[3])
-
-
-@dataclass(frozen=True)
-class PatchPoint:
-    """One function hstrace wraps: `module:Qual.name`, the parameter names it binds by, the
-    versions in which they look like that, and what it feeds."""
-
-    target: str
-    params: tuple[str, ...]
-    since: Version
-    until: Version  # inclusive
-    feeds: tuple[str, ...]
-
-    def applies_to(self, version: Version) -> bool:
-        return self.since <= version <= self.until
-
-    @property
-    def module(self) -> str:
-        return self.target.split(":")[0]
-
-    @property
-    def qualname(self) -> str:
-        return self.target.split(":")[1]
+from hstrace.engines.protocol import CLOSE_SIGNAL
+from hstrace.engines.rows import TableWrite
+from hstrace.engines.support import PatchPoint, Version
 
 
 def bind_args(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     """A wrapped call's arguments by parameter name (patch points bind by name)."""
     return inspect.signature(original).bind(*args, **kwargs).arguments
-
-
-def choose_points(table: tuple[PatchPoint, ...], version: Version) -> tuple[PatchPoint, ...]:
-    chosen = tuple(p for p in table if p.applies_to(version))
-    targets = [p.target for p in chosen]
-    duplicated = {t for t in targets if targets.count(t) > 1}
-    if duplicated:  # a table bug, not bad input
-        raise AssertionError(f"patch table has overlapping rows for {sorted(duplicated)}")
-    return chosen
-
-
-@dataclass(frozen=True)
-class EngineSupport:
-    """One engine's versions, as data: which releases the patch table covers, how its version
-    is read in a Python, and how its plugin entry point is found. Each `*_versions.py` holds one
-    (`SUPPORT`); the bootstrap and the launcher ask it, never the engine-specific module."""
-
-    label: str  # the engine's name in messages
-    distributions: tuple[str, ...]  # the distributions that install it (same import name)
-    min_supported: Version
-    max_supported: Version
-    install_hint: str  # what to install instead of an unsupported release
-    patch_points: tuple[PatchPoint, ...]
-    plugin_group: str
-    plugins_env: str  # the engine's allow-list of plugins (comma-separated names)
-    plugins_since: Version = (0, 0, 0)  # the first release that loads plugin entry points
-    empty_env_allows_all: bool = True  # SGLANG_PLUGINS="": all; VLLM_PLUGINS="": none
-
-    def parse_version(self, text: str) -> Version:
-        return parse_version(text, self.label)
-
-    def check_supported_version(self, version_text: str) -> Version:
-        """The parsed version, or an `EngineError` naming the supported range."""
-        version = self.parse_version(version_text)
-        if not (self.min_supported <= version <= self.max_supported):
-            lo = ".".join(map(str, self.min_supported))
-            hi = ".".join(map(str, self.max_supported))
-            span = lo if lo == hi else f"{lo}-{hi}"
-            raise EngineError(
-                f"{self.label} {version_text} is not supported by this hstrace (patch tables "
-                f"cover {span}); install {self.install_hint} or an hstrace release that knows "
-                f"{version_text}"
-            )
-        return version
-
-    def patch_points_for(self, version: Version) -> tuple[PatchPoint, ...]:
-        return choose_points(self.patch_points, version)
-
-    def installed_version(self) -> str | None:
-        """The engine's version in this Python (any of its distributions), or None."""
-        from importlib.metadata import PackageNotFoundError, version
-
-        for dist in self.distributions:
-            try:
-                return version(dist)
-            except PackageNotFoundError:
-                continue
-        return None
-
-    def plugin_will_run(self, installed: str | None) -> bool:
-        """Whether the engine will call hstrace's plugin entry point itself (then the generated
-        sitecustomize leaves activation to it)."""
-        from importlib.metadata import entry_points
-
-        if installed is None or self.parse_version(installed) < self.plugins_since:
-            return False
-        allowed = os.environ.get(self.plugins_env)
-        if allowed is not None and (allowed or not self.empty_env_allows_all):
-            if "hstrace" not in {x.strip() for x in allowed.split(",")}:
-                return False
-        return any(ep.name == "hstrace" for ep in entry_points(group=self.plugin_group))
-
-
-@dataclass
-class TableWrite:
-    """Rows of one trace table for one event, axis by axis (what `TraceWriter.write` takes)."""
-
-    table: str
-    step: dict[str, Any] = field(default_factory=dict)
-    req: dict[str, Any] = field(default_factory=dict)
-    tok: dict[str, Any] = field(default_factory=dict)
-    other: dict[str, dict[str, Any]] = field(
-        default_factory=dict
-    )  # extra axes: proposed, accepted, rid
-    column_attrs: dict[str, dict[str, Any]] | None = None
-
-
-# ---- rows every engine's taps build the same way ----------------------------------------------
-
-
-def request_keys(rids: Sequence[str]) -> Any:
-    """The store's stable 63-bit hash of each request id, as the `req_key` column."""
-    import torch
-
-    from hstrace.trace import request_key
-
-    return torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
-
-
-def requests_write(rids: Sequence[str], prompts: Sequence[Any], n_cached: Sequence[int]) -> Any:
-    """One `requests` row per new request: its id (bytes and hash), prompt token ids, and the
-    prompt tokens the engine served from its prefix cache."""
-    import torch
-
-    ids = [torch.as_tensor(list(p), dtype=torch.int64) for p in prompts]
-    rid_bytes = [torch.frombuffer(bytearray(str(r).encode()), dtype=torch.uint8) for r in rids]
-    return TableWrite(
-        "requests",
-        req={
-            "req_key": request_keys([str(r) for r in rids]),
-            "n_prompt": torch.tensor([len(p) for p in ids], dtype=torch.int64),
-            "rid_len": torch.tensor([len(b) for b in rid_bytes], dtype=torch.int64),
-            "n_cached": torch.tensor(list(n_cached), dtype=torch.int64),
-        },
-        tok={"prompt_ids": torch.cat(ids)},
-        other={"rid": {"bytes": torch.cat(rid_bytes)}},
-    )
-
-
-def aux_hidden_attrs(layer_ids: Sequence[int], width: int) -> dict[str, Any]:
-    """Column attributes of `target.aux_hidden`, as the reference engine writes them. Both
-    engines' capture id k is the residual stream entering decoder layer k = HF
-    `hidden_states[k]` (SGLang's `layers_to_capture`, vLLM's aux ids: no +1 at this point), and
-    captures are concatenated in layer order (so the slots are the sorted, distinct ids)."""
-    slots = sorted(set(layer_ids))
-    return {
-        "layer_ids": slots,
-        "layer_id_convention": "hf_hidden_states_index",
-        "slot_width": width // len(slots) if slots else width,
-    }
 
 
 # ---- the status protocol: the launcher's side channel (one JSON object a line) --------------

@@ -80,6 +80,25 @@ def aux_layer_findings(
     return []
 
 
+# Where SGLang's targets keep the resolved `layers_to_capture`: on the inner decoder (`self.model`,
+# most targets), on the inner language model's decoder or the language model itself (multimodal
+# targets that forward the call), or on the object itself.
+CAPTURE_HOLDERS = ("model", "language_model.model", "language_model", "")
+
+
+def captured_layers(target: Any) -> list[int]:
+    """The layers a target resolved in `set_eagle3_layers_to_capture` (SGLang's ids, = HF
+    hidden_states indices), from the first holder that has any; [] when none has."""
+    for path in CAPTURE_HOLDERS:
+        obj = target
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part, None)
+        ids = getattr(obj, "layers_to_capture", None) if obj is not None else None
+        if ids:
+            return [int(i) for i in ids]
+    return []
+
+
 def capture_order(layers_to_capture: Sequence[int]) -> list[int]:
     """The order SGLang concatenates captures: layer order (the decoder loop), duplicates once."""
     return sorted(set(layers_to_capture))
@@ -100,7 +119,7 @@ def spec_settings(raw: Mapping[str, Any], effective: Mapping[str, Any]) -> dict[
     }
 
 
-def spec_findings(settings: Mapping[str, Any]) -> list[Finding]:
+def spec_findings(settings: Mapping[str, Any], label: str = "SGLang") -> list[Finding]:
     if not settings["adjusted"]:
         return []
     parts = ", ".join(
@@ -109,7 +128,7 @@ def spec_findings(settings: Mapping[str, Any]) -> list[Finding]:
     return [
         Finding(
             "spec-params-adjusted",
-            f"SGLang changed speculative settings: {parts}",
+            f"{label} changed speculative settings: {parts}",
             evidence=dict(settings["adjusted"]),
             fix="pass the effective values explicitly (with topk=1, num_draft_tokens must be num_steps+1)",
             severity="warning",

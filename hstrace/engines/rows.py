@@ -1,0 +1,72 @@
+"""Trace rows every engine's taps build the same way: the row type (`TableWrite`), the
+`requests` row, the request-key column and the `aux_hidden` column attributes.
+
+Pure row building (torch tensors in, rows out); no engine, no writer, no patching. The taps of
+each engine package (`hstrace.engines.<name>.taps`) build on it; the hooks pass the rows to the
+rank's writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TableWrite:
+    """Rows of one trace table for one event, axis by axis (what `TraceWriter.write` takes)."""
+
+    table: str
+    step: dict[str, Any] = field(default_factory=dict)
+    req: dict[str, Any] = field(default_factory=dict)
+    tok: dict[str, Any] = field(default_factory=dict)
+    other: dict[str, dict[str, Any]] = field(
+        default_factory=dict
+    )  # extra axes: proposed, accepted, rid
+    column_attrs: dict[str, dict[str, Any]] | None = None
+
+
+# ---- rows every engine's taps build the same way ----------------------------------------------
+
+
+def request_keys(rids: Sequence[str]) -> Any:
+    """The store's stable 63-bit hash of each request id, as the `req_key` column."""
+    import torch
+
+    from hstrace.trace import request_key
+
+    return torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
+
+
+def requests_write(rids: Sequence[str], prompts: Sequence[Any], n_cached: Sequence[int]) -> Any:
+    """One `requests` row per new request: its id (bytes and hash), prompt token ids, and the
+    prompt tokens the engine served from its prefix cache."""
+    import torch
+
+    ids = [torch.as_tensor(list(p), dtype=torch.int64) for p in prompts]
+    rid_bytes = [torch.frombuffer(bytearray(str(r).encode()), dtype=torch.uint8) for r in rids]
+    return TableWrite(
+        "requests",
+        req={
+            "req_key": request_keys([str(r) for r in rids]),
+            "n_prompt": torch.tensor([len(p) for p in ids], dtype=torch.int64),
+            "rid_len": torch.tensor([len(b) for b in rid_bytes], dtype=torch.int64),
+            "n_cached": torch.tensor(list(n_cached), dtype=torch.int64),
+        },
+        tok={"prompt_ids": torch.cat(ids)},
+        other={"rid": {"bytes": torch.cat(rid_bytes)}},
+    )
+
+
+def aux_hidden_attrs(layer_ids: Sequence[int], width: int) -> dict[str, Any]:
+    """Column attributes of `target.aux_hidden`, as the reference engine writes them. Both
+    engines' capture id k is the residual stream entering decoder layer k = HF
+    `hidden_states[k]` (SGLang's `layers_to_capture`, vLLM's aux ids: no +1 at this point), and
+    captures are concatenated in layer order (so the slots are the sorted, distinct ids)."""
+    slots = sorted(set(layer_ids))
+    return {
+        "layer_ids": slots,
+        "layer_id_convention": "hf_hidden_states_index",
+        "slot_width": width // len(slots) if slots else width,
+    }
