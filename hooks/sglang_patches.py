@@ -20,6 +20,7 @@ from hstrace.engines import hooks_common, load_audit
 from hstrace.engines import sglang_audit as audit
 from hstrace.engines import sglang_taps as taps
 from hstrace.engines.sglang_versions import PatchPoint, Version, patch_points_for
+from hstrace.findings import from_fact
 
 
 class Recorder(hooks_common.Recorder):
@@ -75,7 +76,7 @@ def wrap_load_weights(original: Callable) -> Callable:
 
 
 def _audit_draft(
-    rec: Recorder, model: Any, wa: load_audit.WeightsAudit, weights_findings: list[Any]
+    rec: Recorder, model: Any, wa: load_audit.WeightsAudit, weights_facts: list[Any]
 ) -> None:
     """The draft's static record once SGLang loaded it (the weights are recorded already)."""
     cfg = model.config
@@ -90,7 +91,7 @@ def _audit_draft(
     )
     hot = getattr(model, "hot_token_id", None)
     rec.hot_token_id = hot
-    findings = weights_findings + audit.aux_layer_findings(source, None)
+    findings = [from_fact(f) for f in weights_facts + audit.aux_layer_facts(source, None)]
     rec.static(
         {
             "draft_config": on_disk or raw,
@@ -166,7 +167,9 @@ def wrap_worker_init(original: Callable) -> Callable:
                 rec.static(
                     {
                         "spec": {**settings["effective"], **settings},
-                        "findings_spec": [f.to_json() for f in audit.spec_findings(settings)],
+                        "findings_spec": [
+                            from_fact(f).to_json() for f in audit.spec_facts(settings)
+                        ],
                         "cuda_graphs": not getattr(sa, "disable_cuda_graph", True),
                     }
                 )
@@ -205,7 +208,7 @@ def wrap_resolve_once(original: Callable) -> Callable:
                     "spec": {**settings["effective"], **settings},
                     "spec_resolution": settings,
                     "findings_spec_resolution": [
-                        f.to_json() for f in audit.spec_findings(settings)
+                        from_fact(f).to_json() for f in audit.spec_facts(settings)
                     ],
                 }
             )

@@ -136,9 +136,9 @@ def test_whatif_search_finds_the_reproducing_hypothesis():
     ids = truth.topk(3).indices
     lp = gathered_logprobs(truth, ids)
     candidates = [
-        WhatIf("a", "rope-mismatch", "fix a", lambda: torch.randn(40, 50, generator=g)),
-        WhatIf("b", "norm-flag-mismatch", "fix b", lambda: truth.clone()),
-        WhatIf("c", "token-shift", "fix c", lambda: (_ for _ in ()).throw(ValueError("n/a"))),
+        WhatIf("a", "rope-theta", lambda: torch.randn(40, 50, generator=g)),
+        WhatIf("b", "norm-flag", lambda: truth.clone()),
+        WhatIf("c", "token-shift", lambda: (_ for _ in ()).throw(ValueError("n/a"))),
     ]
     results = search(candidates, ids, lp)
     assert [r.name for r in results] == ["b", "a"]  # "c" could not run

@@ -190,8 +190,8 @@ def test_whatif_search_scores_only_rows_with_topk():
     logits, ids, lps = _rows()
     shuffled = logits[:, torch.randperm(32, generator=torch.Generator().manual_seed(1))]
     whatifs = [
-        WhatIf("same", "x", "", lambda: logits),
-        WhatIf("other", "y", "", lambda: shuffled),
+        WhatIf("same", "x", lambda: logits),
+        WhatIf("other", "y", lambda: shuffled),
     ]
     best, other = search(whatifs, ids, lps)
     assert best.name == "same" and best.agreement == 1.0 and best.max_logprob_diff < 1e-5

@@ -1,11 +1,14 @@
-"""One small check per mismatch class, over the evidence of a replay.
+"""One small check per finding code, over the evidence of a replay.
 
 config → weights → vocab map → target capture → draft input → draft logits → acceptance.
 Each check takes the built `hstrace.replay.evidence.Evidence` (read-only) and returns findings
-(code, evidence, fix); it computes nothing another check needs and writes nothing, so the
-order of `CHECKS` changes no result (the findings are put in dataflow order at the end).
+built from the registry (`hstrace.findings.finding`: the code's stage, severity and fix
+template; `REGISTRY[code].checks` names the checks that may emit it). A check computes nothing
+another check needs and writes nothing, so the order of `CHECKS` changes no result.
 `diagnose` runs them all, merges findings that two checks reached for the same code (e.g. the
-static audit and the what-if search), and ends with `no-wiring-fault` when nothing diverges.
+static audit and the what-if search), and ends with `no-wiring-fault` when nothing diverges;
+the result (`ReplayResult`) puts the findings in dataflow order (`in_dataflow_order`, the one
+place findings are sorted).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from hstrace.diagnose import (
     weights,
 )
 from hstrace.errors import HstraceError, debugging
-from hstrace.findings import Finding, in_dataflow_order
+from hstrace.findings import Finding
 from hstrace.replay.evidence import Evidence
 from hstrace.replay.result import Judgement
 from hstrace.replay.unavailable import internal_failure, split_failures
@@ -32,7 +35,7 @@ from hstrace.replay.unavailable import internal_failure, split_failures
 Check = Callable[..., list[Finding]]
 
 # In dataflow order (for reading; the result does not depend on it). The what-if search is
-# evidence (`Evidence.agreement.whatif`); `config.whatif_findings` reports what it found.
+# evidence (`Evidence.whatif`); `config.whatif_findings` reports what it found.
 CHECKS: tuple[Check, ...] = (
     measurement.acceptance_simulated,
     config.spec_params,
@@ -43,7 +46,12 @@ CHECKS: tuple[Check, ...] = (
     weights.weights_dropped,
     vocab.vocab_mapping,
     batch.batch_coupling,
-    capture.capture_slots,
+    capture.hidden_corrupt,
+    capture.slot_layout,
+    capture.aux_order,
+    capture.target_drift,
+    capture.aux_layer_shift,
+    capture.aux_layers_default,
     draft_input.fc_skipped,
     draft_input.token_shift,
     draft_input.chunk_boundary_token,
@@ -66,10 +74,6 @@ def merge(findings: list[Finding]) -> list[Finding]:
         if f.severity == "fault" and kept.severity != "fault":
             kept.severity = "fault"
     return list(by_code.values())
-
-
-def no_wiring_fault(ev: Evidence) -> list[Finding]:
-    return [acceptance.no_wiring_fault(ev)]
 
 
 def run_check(ev: Evidence, check: Check, failed: dict[str, str]) -> list[Finding]:
@@ -107,5 +111,5 @@ def diagnose(ev: Evidence, checks: Sequence[Check] | None = None) -> Judgement:
     # of the evidence they read, failed internally (the result is "could not judge" instead).
     incomplete = failed or split_failures(ev.unavailable)[1]
     if not incomplete and not any(f.severity in ("fault", "warning") for f in found):
-        found.extend(run_check(ev, no_wiring_fault, failed))
-    return Judgement(in_dataflow_order(found), dict(sorted(failed.items())))
+        found.extend(run_check(ev, acceptance.no_wiring_fault, failed))
+    return Judgement(found, dict(sorted(failed.items())))

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hstrace.findings import Finding
+from hstrace.findings import from_fact
 
 # Draft parameters that never come from an EAGLE-3 checkpoint in SGLang or vLLM (when the
 # checkpoint has none): the embedding is shared from the target.
@@ -88,7 +88,9 @@ class LoadAuditSpec:
         return WeightsAudit(parameters=list(parameters), expected_unloaded=self.expected_unloaded)
 
 
-def weights_findings(wa: WeightsAudit, spec: LoadAuditSpec) -> list[Finding]:
+def weights_facts(wa: WeightsAudit, spec: LoadAuditSpec) -> list[dict[str, Any]]:
+    """The load's audit fact "weights-not-loaded" (`hstrace.findings.from_fact` names its code),
+    or none."""
     dropped, unloaded = wa.dropped_keys(), wa.unloaded_parameters()
     if not dropped and not unloaded:
         return []
@@ -102,23 +104,23 @@ def weights_findings(wa: WeightsAudit, spec: LoadAuditSpec) -> list[Finding]:
         "parameters were never loaded"
     )
     return [
-        Finding(
-            "weights-dropped",
-            summary,
-            evidence={
+        {
+            "fact": "weights-not-loaded",
+            "summary": summary,
+            "evidence": {
                 "dropped_keys": dropped[:50],
                 "unloaded_parameters": unloaded[:50],
                 "dropped_prefixes": sorted({k.split(".")[0] for k in dropped}),
             },
-            fix=spec.fix,
-        )
+            "fix": spec.fix,
+        }
     ]
 
 
 # ---- the wrapper --------------------------------------------------------------------------
 
-# (recorder, model, audit, its findings): what else an engine records off the loaded model
-AfterLoad = Callable[[Any, Any, WeightsAudit, list[Finding]], None]
+# (recorder, model, audit, its facts): what else an engine records off the loaded model
+AfterLoad = Callable[[Any, Any, WeightsAudit, list[dict[str, Any]]], None]
 
 
 def wrap_load_weights(
@@ -145,12 +147,15 @@ def wrap_load_weights(
 
         def record() -> None:
             wa = watch.finish()
-            findings = weights_findings(wa, spec)
+            facts = weights_facts(wa, spec)
             rec.static(
-                {"weights": wa.to_static(), "findings_load": [f.to_json() for f in findings]}
+                {
+                    "weights": wa.to_static(),
+                    "findings_load": [from_fact(f).to_json() for f in facts],
+                }
             )
             if after is not None:
-                after(rec, self, wa, findings)
+                after(rec, self, wa, facts)
 
         rec.run_tap("load_weights", record)
         return result

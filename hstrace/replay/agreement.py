@@ -14,6 +14,7 @@ run only when the engine disagrees with the reference.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +23,6 @@ import numpy as np
 import torch
 
 from hstrace.reference.step0 import Step0Input, plan_batches
-from hstrace.reference.target import ReferenceTarget
 from hstrace.replay.chain import ChainSums, chosen_chains
 from hstrace.replay.compare import (
     AGREE_TOP1,
@@ -37,7 +37,6 @@ from hstrace.replay.compare import (
 from hstrace.replay.runner import DrafterRunner
 from hstrace.replay.serving import ServingRequest
 from hstrace.replay.unavailable import Unavailable
-from hstrace.replay.whatif import WhatIfResult
 
 
 @dataclass(frozen=True)
@@ -82,28 +81,11 @@ class CacheSplit:
         return hit is not None and fresh is not None and fresh["agrees"] and not hit["agrees"]
 
 
-@dataclass(frozen=True)
-class WhatIfSearch:
-    ran: bool
-    reason: str | None = None  # why it did not run
-    baseline: float = 0.0  # reference top-1 agreement with the engine, without any what-if
-    results: list[WhatIfResult] = field(default_factory=list)  # best first
-    best: WhatIfResult | None = None  # the one that reproduces the engine, if any
-    tolerance: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        if not self.ran:
-            return {"ran": False, "reason": self.reason}
-        return {
-            "ran": True,
-            "baseline_top1": round(self.baseline, 6),
-            "results": [r.to_json() for r in self.results[:10]],
-            "reproduced_by": self.best.name if self.best else None,
-        }
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Agreement:
+    """Stage compare's evidence: built by keyword (`build_agreement`), read by the checks and
+    by the what-if stage (`hstrace.replay.whatif.search_whatifs`)."""
+
     requests: list[ServingRequest]  # requests whose draft rows are replayed (`rows.request`)
     rows: EngineRows | None
     fc_inputs_fit: bool  # every recorded draft hidden input is fc's input width
@@ -113,9 +95,8 @@ class Agreement:
     by_step: list[dict[str, Any]] | None  # per recorded draft_extend step
     chains: list[dict[str, Any]]  # engine vs reference at chain steps k >= 1 (`replay.chain`)
     # The same chains with `feed_normed` flipped, when the chains as trained disagree.
-    chains_feed_flipped: list[dict[str, Any]] | None
-    cache: CacheSplit | None
-    whatif: WhatIfSearch | None
+    chains_feed_flipped: list[dict[str, Any]] | None = None
+    cache: CacheSplit | None = None
     unavailable: dict[str, str] = field(default_factory=dict)
     # sqrt(mean(hidden_in ** 2)) over every recorded row (`fc-skipped` quotes it)
     hidden_in_rms: float | None = None
@@ -149,12 +130,8 @@ class Agreement:
         return a
 
 
-def build_agreement(
-    runner: DrafterRunner,
-    target: ReferenceTarget | None,
-    training_layers: list[int] | None,
-    training_step0: Any,
-) -> Agreement:
+def build_agreement(runner: DrafterRunner) -> Agreement:
+    """Stage compare: the reference on the recorded inputs, engine vs reference."""
     u = Unavailable()
     requests = _engine_requests(runner, u)
     rows = _engine_rows(runner, requests) if requests else None
@@ -194,7 +171,15 @@ def build_agreement(
             u.note("draft steps k >= 1", "the trace has no draft_step rows to replay")
         else:
             chains = u.guarded("draft steps k >= 1", first.chain_result) or []
-    a = Agreement(requests, rows, fits, ref, evr, by_step, chains, None, None, None)
+    a = Agreement(
+        requests=requests,
+        rows=rows,
+        fc_inputs_fit=fits,
+        reference=ref,
+        engine_vs_reference=evr,
+        by_step=by_step,
+        chains=chains,
+    )
     flipped = None
     if chains and not a.chains_match(chains):
         trained = bool(runner.cfg.feed_normed)
@@ -205,17 +190,8 @@ def build_agreement(
     cache = None
     if evr is not None:
         cache = u.guarded("cache hit / miss split", lambda: _cache_split(runner, a, u))
-    a = Agreement(requests, rows, fits, ref, evr, by_step, chains, flipped, cache, None)
-    whatif = None
-    if runner.can_run and rows is not None and rows.hidden_recorded:
-        from hstrace.replay.hypotheses import search_whatifs
-
-        whatif = u.guarded(
-            "what-if search",
-            lambda: search_whatifs(runner, a, target, training_layers, training_step0),
-        )
-    return Agreement(
-        requests, rows, fits, ref, evr, by_step, chains, flipped, cache, whatif, u.frozen(), rms
+    return dataclasses.replace(
+        a, chains_feed_flipped=flipped, cache=cache, unavailable=u.frozen(), hidden_in_rms=rms
     )
 
 

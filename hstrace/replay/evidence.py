@@ -30,8 +30,9 @@ from hstrace.replay.scan import CaptureScan
 from hstrace.replay.serving import ServingData
 from hstrace.replay.sides import Aligned, Alignment
 from hstrace.replay.slots import Slots, build_slots
-from hstrace.replay.unavailable import merged
+from hstrace.replay.unavailable import Unavailable, merged
 from hstrace.replay.vocab import VocabReadings, build_vocab_readings
+from hstrace.replay.whatif import WhatIfSearch, search_whatifs
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class Evidence:
     slots: Slots
     accuracy: Accuracy
     agreement: Agreement
+    whatif: WhatIfSearch | None  # the what-if stage (None: not run, `unavailable` says why)
     draft_inputs: DraftInputs
     vocab: VocabReadings
     batch: BatchCoupling
@@ -103,8 +105,8 @@ class Evidence:
         out.update(self.draft_inputs.to_json())
         out.update(self.vocab.to_json())
         out.update(self.batch.to_json())
-        if self.agreement.whatif is not None:
-            out["whatif"] = self.agreement.whatif.to_json()
+        if self.whatif is not None:
+            out["whatif"] = self.whatif.to_json()
         if self.agreement.cache is not None:
             out["engine_vs_reference_by_cache"] = self.agreement.cache.split
         out.update(self.accuracy.to_json())
@@ -157,7 +159,16 @@ def build_evidence(
         scan = CaptureScan(runner)  # one read of every request's captured rows
         slots = build_slots(alignment, cfg, load_report, target, runner.tick, scan)
         accuracy = build_accuracy(runner, target, scan)
-        agreement = build_agreement(runner, target, slots.training_layers, accuracy.training_step0)
+        agreement = build_agreement(runner)
+        searched = Unavailable()
+        whatif = None
+        if runner.can_run and agreement.rows is not None and agreement.rows.hidden_recorded:
+            whatif = searched.guarded(
+                "what-if search",
+                lambda: search_whatifs(
+                    runner, agreement, target, slots.training_layers, accuracy.training_step0
+                ),
+            )
         draft_inputs = build_draft_inputs(serving, agreement.rows, agreement.requests, target)
         vocab = build_vocab_readings(drafter, agreement.rows)
         batch = build_batch_coupling(alignment)
@@ -171,11 +182,20 @@ def build_evidence(
         slots=slots,
         accuracy=accuracy,
         agreement=agreement,
+        whatif=whatif,
         draft_inputs=draft_inputs,
         vocab=vocab,
         batch=batch,
         accept_len_by_rank=dict(accept_len_by_rank or {}),
         unavailable=merged(
-            first, notes or {}, slots, accuracy, agreement, draft_inputs, vocab, batch
+            first,
+            notes or {},
+            slots,
+            accuracy,
+            agreement,
+            searched.frozen(),
+            draft_inputs,
+            vocab,
+            batch,
         ),
     )
