@@ -1,4 +1,4 @@
-"""Replay's trace read (`hstrace.replay.serving.read_serving`): whole columns vs committed rows;
+"""Replay's trace read (`hstrace.replay.read.read_serving`): whole columns vs committed rows;
 and (`--requests`) a whole replay of many mostly-prefill requests, two hstrace trees side by side.
 
 Writes a trace through the real TraceWriter with Kimi-K2.5-wide aux rows (3 x 7168 bf16,
@@ -205,12 +205,12 @@ def write_many(path: Path, ckpt: Path, requests: int, prompt: int, hidden: int, 
 def measure_replay(path: Path, ckpt: Path) -> dict:
     """One whole replay in this process: wall, peak RSS, the wide rows read, the JSON digest."""
     import hstrace
-    from hstrace.pipelines import replay
+    from hstrace import replay_trace
 
     asked = count_wide_reads()
     u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    doc = replay(path, WORLD_TRAINING, ckpt).to_json()
+    doc = replay_trace(path, WORLD_TRAINING, ckpt).to_json()
     wall = time.perf_counter() - t0
     u1 = resource.getrusage(resource.RUSAGE_SELF)
     rss0, rss1 = u0.ru_maxrss, u1.ru_maxrss

@@ -356,7 +356,7 @@ _ALL: tuple[Code, ...] = (
         "teacher-norm",
         "acceptance",
         "the training teacher used another final norm than the target applies",
-        ("diagnose.acceptance:teacher_norm",),
+        ("diagnose.training_side:teacher_norm",),
         fix={
             "": "store the final state as the library expects: speculators wants the pre-norm "
             "final stream (vLLM capture id N, before model.norm), SpecForge the post-norm "
@@ -367,7 +367,7 @@ _ALL: tuple[Code, ...] = (
         "metric-overstates",
         "acceptance",
         "the training metric overstates what greedy serving can accept",
-        ("diagnose.acceptance:metric_overstates",),
+        ("diagnose.training_side:metric_overstates",),
         severity="warning",
         fix={
             "": "judge the drafter by accuracy against the full-vocab target argmax; rebuild "
@@ -378,7 +378,7 @@ _ALL: tuple[Code, ...] = (
         "no-wiring-fault",
         "acceptance",
         "serving and training agree; the drafter itself is weak",
-        ("diagnose.acceptance:no_wiring_fault",),
+        ("diagnose.training_side:no_wiring_fault",),
         severity="info",
         fix={
             "": "nothing to rewire: to raise acceptance, train the drafter longer or on data "

@@ -77,7 +77,13 @@ ROOMS: dict[str, tuple[str, ...]] = {
         "hstrace.reference",
         "hstrace.hooks",  # server.py's sitecustomize, hooks_common's state (issue 23 item 1)
     ),
-    "hstrace.hooks": ("hstrace.errors", "hstrace._version", "hstrace.trace", "hstrace.engines"),
+    "hstrace.hooks": (
+        "hstrace.errors",
+        "hstrace._version",
+        "hstrace.findings",  # the recorded audit facts become findings (`findings.from_fact`)
+        "hstrace.trace",
+        "hstrace.engines",
+    ),
     "hstrace.prompts": ("hstrace.errors", "hstrace.training", "hstrace.engines"),
     # the judge
     "hstrace.replay": (
@@ -180,9 +186,10 @@ ROOMS: dict[str, tuple[str, ...]] = {
     ),
     "hstrace.__main__": ("hstrace.cli",),
 }
-# The one sanctioned upward edge: `hstrace.replay(...)`, the public facade over the pipeline
-# (module, room it may import besides its room's list).
-FACADES = {("hstrace.replay", "hstrace.pipelines")}
+# Sanctioned upward edges (module, room it may import besides its room's list): none. The
+# public `hstrace.replay_trace` is `hstrace.pipelines`' own function; `hstrace.replay` is the
+# replay package only and never calls up.
+FACADES: set[tuple[str, str]] = set()
 
 
 def room_of(name: str) -> str | None:

@@ -140,9 +140,9 @@ def test_a_literal_code_in_a_check_is_declared_for_that_check():
         module = f"diagnose.{path.stem}"
         for fn, code, line in _emitted(path):
             names = REGISTRY[code].checks
-            assert f"{module}:{fn}" in names or any(
-                n.startswith(f"{module}:") for n in names
-            ), f"hstrace/diagnose/{path.name}:{line} ({fn}) emits {code!r}; registry: {names}"
+            assert f"{module}:{fn}" in names or any(n.startswith(f"{module}:") for n in names), (
+                f"hstrace/diagnose/{path.name}:{line} ({fn}) emits {code!r}; registry: {names}"
+            )
 
 
 def test_rules_use_registered_codes_that_name_the_rule_table():

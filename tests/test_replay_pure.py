@@ -9,9 +9,11 @@ import torch
 
 from hstrace.findings import Finding
 from hstrace.replay.align import align, common_prefix
-from hstrace.replay.compare import agreement_by_step, compare_topk, gathered_logprobs
-from hstrace.replay.fingerprint import (
+from hstrace.replay.compare import (
     SAME_COS,
+    agreement_by_step,
+    compare_topk,
+    gathered_logprobs,
     layer_fingerprint,
     rows_of_other_requests,
     slot_health,

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from helpers.cli import TRAINING
 
+from hstrace import replay_trace
 from hstrace.diagnose import diagnose
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
-from hstrace.pipelines import replay
 from hstrace.reference import step0
 from hstrace.replay import agreement, batch, scan, serving
 from hstrace.replay.run import judge, open_evidence
@@ -52,7 +52,7 @@ def _held_rows(data: serving.ServingData) -> int:
 
 
 def test_one_request_held_at_a_time(unaligned, monkeypatch):
-    default = replay(unaligned, TRAINING).to_json()
+    default = replay_trace(unaligned, TRAINING).to_json()
     one = functools.partial(step0.plan_batches, batch_tokens=1)  # a request per batch
     monkeypatch.setattr(agreement, "plan_batches", one)
     monkeypatch.setattr(scan, "plan_batches", one)

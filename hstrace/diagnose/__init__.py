@@ -16,13 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from hstrace.diagnose import (
-    acceptance,
     batch,
     cache,
     capture,
     config,
     draft_input,
     measurement,
+    training_side,
     vocab,
     weights,
 )
@@ -56,8 +56,8 @@ CHECKS: tuple[Check, ...] = (
     draft_input.token_shift,
     draft_input.chunk_boundary_token,
     cache.draft_kv_stale,
-    acceptance.teacher_norm,
-    acceptance.metric_overstates,
+    training_side.teacher_norm,
+    training_side.metric_overstates,
 )
 
 
@@ -111,5 +111,5 @@ def diagnose(ev: Evidence, checks: Sequence[Check] | None = None) -> Judgement:
     # of the evidence they read, failed internally (the result is "could not judge" instead).
     incomplete = failed or split_failures(ev.unavailable)[1]
     if not incomplete and not any(f.severity in ("fault", "warning") for f in found):
-        found.extend(run_check(ev, acceptance.no_wiring_fault, failed))
+        found.extend(run_check(ev, training_side.no_wiring_fault, failed))
     return Judgement(found, dict(sorted(failed.items())))

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from hstrace.findings import Finding, finding
+from hstrace.replay.compare import SAME_COS, UNRELATED_COS
 from hstrace.replay.evidence import Evidence
-from hstrace.replay.fingerprint import SAME_COS, UNRELATED_COS
 from hstrace.training.conventions import default_hf_indices
 
 # A recorded slot that matches no target layer this well is not a hidden state of the target.
@@ -68,7 +68,7 @@ class Reading:
 def dead_rows(ev: Evidence) -> list[dict[str, Any]]:
     """Per request, the captured rows that cannot be hidden states (a slot exactly zero or not
     finite) and the positions that have no target row although they should: found while the
-    evidence read each request's rows (`Slots.dead_rows`, `hstrace.replay.scan`)."""
+    evidence read each request's rows (`Slots.dead_rows`, `hstrace.replay.runner`)."""
     return ev.slots.dead_rows
 
 

@@ -136,7 +136,7 @@ def _agreement_by_distance(ev: Evidence) -> dict[str, Any]:
 def fed_back_state(ev: Evidence) -> list[Finding]:
     """Steps k >= 1: does the engine feed back what the drafter was trained to get? Decided by
     the recorded chains rerun with the trained `feed_normed` and with its opposite."""
-    from hstrace.replay.chain import pooled
+    from hstrace.replay.agreement import pooled
 
     a = ev.agreement
     if ev.drafter is None or a.engine_vs_reference is None:

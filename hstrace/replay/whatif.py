@@ -37,8 +37,8 @@ from hstrace.replay.compare import (
     gathered_logprobs,
     with_topk,
 )
+from hstrace.replay.read import ServingRequest
 from hstrace.replay.runner import DrafterRunner
-from hstrace.replay.serving import ServingRequest
 
 
 @dataclass(frozen=True)

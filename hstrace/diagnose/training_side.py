@@ -74,7 +74,7 @@ HEALTHY_ACC0 = 0.55
 def no_wiring_fault(ev: Evidence) -> list[Finding]:
     """Nothing diverges. Whether the drafter is weak is judged only from the number that
     matters for greedy serving: step-0 accuracy in target space against the target's own
-    argmax (`acc0_training_full_vocab`, `Accuracy.full_vocab`); accuracies against the
+    argmax (`acc0_training_full_vocab`, `Step0Accuracy.full_vocab`); accuracies against the
     dataset's or the committed tokens (sampled text, prompt tokens) are context, not a
     judgement."""
     evidence: dict[str, Any] = {}

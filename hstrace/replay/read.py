@@ -1,4 +1,7 @@
-"""What serving did, per request, read back from a trace (the only I/O of the replay side).
+"""Stage read (entry `read_serving`): what serving did, per request, read back from a trace.
+
+The first stage of the replay: read → align → compare → what-if → judge. The only trace I/O of
+the replay side.
 
 From the `target` table: the committed tokens by position and the aux hidden states the target
 captured for them (a verify round commits its first 1 + accept_len rows; the rest were rejected
