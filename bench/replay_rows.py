@@ -54,20 +54,22 @@ def _helper():
 
 def _serving_module(ref: str | None):
     if ref is None:
-        from hstrace.replay import serving
+        from hstrace.replay import read
 
-        return serving
-    src = subprocess.run(
-        ["git", "show", f"{ref}:hstrace/replay/serving.py"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+        return read
+    # The module was hstrace/replay/serving.py before the replay's stages were named.
+    for path in ("hstrace/replay/read.py", "hstrace/replay/serving.py"):
+        got = subprocess.run(
+            ["git", "show", f"{ref}:{path}"], cwd=REPO, capture_output=True, text=True
+        )
+        if got.returncode == 0:
+            break
+    got.check_returncode()
+    src = got.stdout
     spec = importlib.util.spec_from_loader("serving_at_ref", loader=None)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["serving_at_ref"] = mod
-    exec(compile(src, f"{ref}:hstrace/replay/serving.py", "exec"), mod.__dict__)  # noqa: S102
+    exec(compile(src, f"{ref}:{path}", "exec"), mod.__dict__)  # noqa: S102
     return mod
 
 

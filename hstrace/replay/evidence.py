@@ -25,7 +25,7 @@ from hstrace.reference.target import ReferenceTarget
 from hstrace.replay.accuracy import Step0Accuracy, build_accuracy
 from hstrace.replay.agreement import Agreement, build_agreement
 from hstrace.replay.align import AlignedPair, Alignment, Coverage, Match
-from hstrace.replay.inputs import (
+from hstrace.replay.fed import (
     BatchCoupling,
     DraftInputs,
     VocabReadings,

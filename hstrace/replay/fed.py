@@ -1,4 +1,4 @@
-"""Stage compare, the drafter's other inputs: `build_draft_inputs` (token pairing, positions,
+"""Stage compare, what the drafter was fed: `build_draft_inputs` (token pairing, positions,
 chunk seams), `build_vocab_readings` (how draft ids became target ids), `build_batch_coupling`
 (rows of another request of the batch).
 
