@@ -36,7 +36,10 @@ FINDINGS_DOC = "docs/findings.md"
 class Code:
     """One finding code, declared once. `checks` name the functions that may emit it
     (`"diagnose.capture:aux_order"` = `hstrace.diagnose.capture.aux_order`; `"rules.checkpoint"`
-    = a rule of that table; `"evaluation.slots"` = `hstrace check --against`'s slot checks);
+    = a rule of that table, which replay runs through `diagnose.config.checkpoint_findings`;
+    `"evaluation.slots"` = `hstrace check --against`'s slot checks), in precedence order: when
+    two of them find the code, the first keeps its summary and fix and the others add their
+    evidence (`hstrace.diagnose.merge`). The diagnose checks run are the ones named here.
     `fix` maps a variant name ("" the default) to a `str.format` template."""
 
     code: str
@@ -107,7 +110,7 @@ _ALL: tuple[Code, ...] = (
         "norm-flag-mismatch",
         "config",
         "a norm flag the drafter was trained with is ignored or read differently by the engine",
-        (_WHATIF, "diagnose.config:fed_back_state", _RULES),
+        (_RULES, _WHATIF, "diagnose.config:fed_back_state"),
         fix={
             "what-if": "the engine behaves as if {flag}={served}; the drafter was trained with "
             '{flag}={trained}: set "{key}": {trained_json} in the draft config.json and serve '
@@ -122,7 +125,7 @@ _ALL: tuple[Code, ...] = (
         "attention-window",
         "config",
         "training and serving use different attention windows for the drafter",
-        (_WHATIF, _RULES),
+        (_RULES, _WHATIF),
         fix={
             "what-if": "the engine's drafter uses {served}; it was trained with {trained}: set "
             '"sliding_window" ({window}) and "layer_types" in the draft config so the engine '
@@ -134,7 +137,7 @@ _ALL: tuple[Code, ...] = (
         "rope-mismatch",
         "config",
         "the drafter's RoPE settings differ between training and serving",
-        (_WHATIF, _RULES),
+        (_RULES, _WHATIF),
         fix={
             "what-if": "the engine uses rope_theta={served:g}; the drafter was trained with "
             '{trained:g}: set "rope_theta": {trained:g} in the draft config.json'
@@ -145,7 +148,7 @@ _ALL: tuple[Code, ...] = (
         "weights-dropped",
         "weights",
         "checkpoint tensors were not loaded (key prefix or name the engine does not map)",
-        ("diagnose.weights:weights_dropped", "diagnose.config:static_load_findings", _RULES),
+        ("diagnose.config:static_load_findings", _RULES, "diagnose.weights:weights_dropped"),
         fix={
             "": "rename the checkpoint keys to the names the engine maps (SGLang: fc.*, "
             "midlayer.* or layers.0.*, norm.*, lm_head.*, d2t); unknown keys are dropped "
@@ -158,7 +161,7 @@ _ALL: tuple[Code, ...] = (
         "embed-head-source",
         "weights",
         "embeddings or lm_head come from another source than in training",
-        (_WHATIF, _RULES),
+        (_RULES, _WHATIF),
         fix={
             "what-if": "the engine replaces the drafter's trained embed_tokens with the "
             "target's (SGLang set_embed); serve with an engine that loads the draft embedding, "
@@ -170,7 +173,7 @@ _ALL: tuple[Code, ...] = (
         "d2t-direct-table",
         "vocab-map",
         "d2t holds offsets but is read as a direct draft->target table (or vice versa)",
-        ("diagnose.vocab:vocab_mapping", _RULES),
+        (_RULES, "diagnose.vocab:vocab_mapping"),
         fix={
             "": "map draft id i to target id i + d2t[i] (SGLang: hot_token_id = d2t + arange); "
             "if a converter wrote absolute ids into d2t, store offsets instead "
@@ -183,7 +186,7 @@ _ALL: tuple[Code, ...] = (
         "vocab-map-missing",
         "vocab-map",
         "the draft vocab is smaller than the target's but no d2t mapping is applied",
-        ("diagnose.vocab:vocab_mapping", _RULES),
+        (_RULES, "diagnose.vocab:vocab_mapping"),
         fix={
             "": "ship the vocab mapping in the checkpoint (key `d2t`, int64 offsets, "
             "{draft_vocab_size} entries) and make sure the engine loads it"
@@ -197,10 +200,24 @@ _ALL: tuple[Code, ...] = (
         (_RULES,),
     ),
     Code(
+        "batch-coupling",
+        "target-capture",
+        "a request's aux rows or draft inputs belong to another request of the same batch",
+        ("diagnose.batch:batch_coupling",),
+        fix={
+            "": "the engine indexes the batch wrongly when it hands rows to the drafter (a "
+            "gather over the wrong group, offsets after a reorder or padding): confirm by "
+            "serving with --max-running-requests 1 (SGLang) / --max-num-seqs 1 (vLLM) and "
+            "without --enable-dp-attention; known fixes: sglang PR #20492 (eagle3 gather under "
+            "attention-DP), vllm-ascend PR #2794 (proposer source indices), TensorRT-LLM PR "
+            "#10654"
+        },
+    ),
+    Code(
         "aux-layers-default",
         "target-capture",
         "the engine captured its default aux layers, not the ones the drafter was trained on",
-        ("diagnose.capture:aux_layers_default", "diagnose.config:static_load_findings", _RULES),
+        ("diagnose.config:static_load_findings", _RULES, "diagnose.capture:aux_layers_default"),
         fix={
             "": _LAYERS_FIX,
             "top-level-ids": 'move the ids into "eagle_config": '
@@ -212,7 +229,7 @@ _ALL: tuple[Code, ...] = (
         "aux-layer-shift",
         "target-capture",
         "captured aux layers are shifted by a layer (index convention off by one)",
-        ("diagnose.capture:aux_layer_shift", _WHATIF, _RULES),
+        (_RULES, _WHATIF, "diagnose.capture:aux_layer_shift"),
         fix={
             "": _LAYERS_FIX,
             "what-if": "the engine fed aux layers shifted by {shift:+d} from training: fix the "
@@ -224,7 +241,7 @@ _ALL: tuple[Code, ...] = (
         "aux-order",
         "target-capture",
         "aux slots are concatenated in another order than in training",
-        ("diagnose.capture:aux_order", _RULES),
+        (_RULES, "diagnose.capture:aux_order"),
         fix={
             "": "concatenate the aux states in ascending layer order on both sides (engines "
             "capture inside the layer loop; the training pipeline must not follow the id list's "
@@ -235,7 +252,7 @@ _ALL: tuple[Code, ...] = (
         "slot-layout",
         "target-capture",
         "a slot is missing or extra (e.g. the embedding slot), or the stored layout differs",
-        ("diagnose.capture:slot_layout", "evaluation.slots", _RULES),
+        (_RULES, "diagnose.capture:slot_layout", "evaluation.slots"),
         fix={
             "": _LAYERS_FIX,
             "count": "train and serve on the same slots: compare the capture list with the "
@@ -282,24 +299,10 @@ _ALL: tuple[Code, ...] = (
         fix={"": _DRIFT_FIX},
     ),
     Code(
-        "batch-coupling",
-        "target-capture",
-        "a request's aux rows or draft inputs belong to another request of the same batch",
-        ("diagnose.batch:batch_coupling",),
-        fix={
-            "": "the engine indexes the batch wrongly when it hands rows to the drafter (a "
-            "gather over the wrong group, offsets after a reorder or padding): confirm by "
-            "serving with --max-running-requests 1 (SGLang) / --max-num-seqs 1 (vLLM) and "
-            "without --enable-dp-attention; known fixes: sglang PR #20492 (eagle3 gather under "
-            "attention-DP), vllm-ascend PR #2794 (proposer source indices), TensorRT-LLM PR "
-            "#10654"
-        },
-    ),
-    Code(
         "fc-skipped",
         "draft-input",
         "the drafter's fc projection was skipped (a width check passed)",
-        ("diagnose.draft_input:fc_skipped", _WHATIF),
+        (_WHATIF, "diagnose.draft_input:fc_skipped"),
         fix={
             "": "serve with --speculative-algorithm EAGLE3 (not EAGLE) so the target captures "
             "the {num_aux} aux layers and delivers {fc_in} values per token",
@@ -312,7 +315,7 @@ _ALL: tuple[Code, ...] = (
         "token-shift",
         "draft-input",
         "draft input tokens or positions are shifted relative to training",
-        ("diagnose.draft_input:token_shift", _WHATIF),
+        (_WHATIF, "diagnose.draft_input:token_shift"),
         fix={
             "": "pair the aux state of position t with the token at t+1 (shift the input ids "
             "left by one before the draft extend, as EAGLE-3 trains)",

@@ -191,3 +191,51 @@ def test_the_search_and_the_engines_name_no_codes(module):
     literals = _string_literals(PACKAGE / module)
     born = sorted(c for c in REGISTRY if c in literals and c not in HYPOTHESES)
     assert not born, f"hstrace/{module} names codes {born}"
+
+
+def test_the_checks_a_replay_runs_are_the_ones_the_registry_names_in_dataflow_order():
+    """`diagnose.CHECKS` is read off the registry (a new code's check needs no second list),
+    in the order findings were reported before it was (the batch check before the capture
+    ones, the rule table before the what-if search)."""
+    assert [_check_name(c) for c in CHECKS] == [
+        "diagnose.measurement:acceptance_simulated",
+        "diagnose.config:spec_params",
+        "diagnose.config:static_load_findings",
+        RULE_RUNNER,
+        "diagnose.config:whatif_findings",
+        "diagnose.config:fed_back_state",
+        "diagnose.weights:weights_dropped",
+        "diagnose.vocab:vocab_mapping",
+        "diagnose.batch:batch_coupling",
+        "diagnose.capture:aux_layers_default",
+        "diagnose.capture:aux_layer_shift",
+        "diagnose.capture:aux_order",
+        "diagnose.capture:slot_layout",
+        "diagnose.capture:hidden_corrupt",
+        "diagnose.capture:target_drift",
+        "diagnose.draft_input:fc_skipped",
+        "diagnose.draft_input:token_shift",
+        "diagnose.draft_input:chunk_boundary_token",
+        "diagnose.cache:draft_kv_stale",
+        "diagnose.training_side:teacher_norm",
+        "diagnose.training_side:metric_overstates",
+    ]
+
+
+def test_merge_keeps_the_first_check_of_the_codes_precedence_whatever_the_run_order():
+    from hstrace.diagnose import config, draft_input, merge
+
+    search = finding("fc-skipped", "by the search", {"what_if": "fc skipped"}, variant="what-if")
+    width = finding("fc-skipped", "by the width", {"width": 8}, num_aux=3, fc_in=24)
+    other = finding("token-shift", "t", {"shift": 1}, variant="positions")
+    for found in (
+        [(draft_input.fc_skipped, width), (config.whatif_findings, search)],
+        [(config.whatif_findings, search), (draft_input.fc_skipped, width)],
+    ):
+        fresh = [(c, Finding(f.code, f.summary, dict(f.evidence), f.fix)) for c, f in found]
+        (kept,) = merge(fresh)
+        # REGISTRY["fc-skipped"].checks: the what-if search first, then the width check.
+        assert kept.summary == "by the search"
+        assert kept.evidence == {"what_if": "fc skipped", "width": 8}
+    out = merge([(draft_input.token_shift, other), (config.whatif_findings, search)])
+    assert [f.code for f in out] == ["fc-skipped", "token-shift"]  # CHECKS order

@@ -102,43 +102,15 @@ def read_capture(ev: Evidence) -> Reading | None:
     width = ev.serving_width
     if cfg is not None and width == cfg.hidden_size and width != ev.fc_in:
         return None  # one H-wide state instead of the concat: fc-skipped, a draft-input fault
-    health = ev.slots.health
-    if health is not None:
-        bad = [i for i, h in enumerate(health) if h.corrupt]
-        if bad:
-            h = health[bad[0]]
-            kind = "all-zero" if h.zero_rows > 0.5 else "constant (identical rows)"
-            return Reading(
-                "hidden-corrupt",
-                f"serving aux slot(s) {bad} are {kind}: the capture did not track the tokens",
-                {
-                    "slots": bad,
-                    "zero_row_fraction": [round(x.zero_rows, 4) for x in health],
-                    "constant": [x.constant for x in health],
-                },
-                "slots",
-            )
-    partly = _partly_dead(ev)
-    if partly:  # never target-drift: dead rows drag every cosine down
-        return partly
+    dead = _dead_slots(ev) or _partly_dead(ev)
+    if dead is not None:  # never target-drift: dead rows drag every cosine down
+        return dead
     if ev.slots.serving is None:
         return None  # `skipped` says why (slot fingerprints)
-    serving, training = ev.slots.serving, ev.slots.training
-    ks, kt = serving.shape[1], training.shape[1]
+    evidence = _matrix_evidence(ev)
+    ks, kt = evidence["serving_slots"], evidence["training_slots"]
     m = ev.slots.matrix
     fps = ev.slots.fingerprints
-    evidence: dict[str, Any] = {
-        "serving_slots": ks,
-        "training_slots": kt,
-        "slot_cos": np.round(m.cos, 4).tolist(),
-        "slot_rel_norm": np.round(m.rel_norm, 4).tolist(),
-    }
-    if ev.sketched:  # a `--redact hidden` bundle: cosines between seeded projections
-        evidence["fingerprinted_from"] = "per-slot sketches (hidden states redacted)"
-    if fps is not None:
-        evidence["serving_layers"] = fps[0].layer
-        evidence["training_layers"] = fps[1].layer
-        evidence["serving_layer_cos"] = [round(c, 4) for c in fps[0].cos]
     if ks != kt:
         return Reading(
             "slot-layout",
@@ -169,53 +141,105 @@ def read_capture(ev: Evidence) -> Reading | None:
             {**evidence, "serving_slot_is_training_slot": best.tolist()},
             fields={"permutation": best.tolist()},
         )
-    train_hf = ev.slots.training_layers
     if fps is not None:
-        s_layers, t_layers = fps[0].layer, fps[1].layer
-        unmatched = [i for i, c in enumerate(fps[0].cos) if c < LAYER_MATCH_COS]
-        if unmatched and (m.cos[unmatched].max(axis=1) < UNRELATED_COS).all():
-            return Reading(
-                "hidden-corrupt",
-                f"serving aux slot(s) {unmatched} match no layer of the target and no training "
-                "slot: they are not the target's hidden states for these tokens",
-                evidence,
-                "unrelated",
-            )
-        if 0 in t_layers and 0 not in s_layers:
-            return Reading(
-                "slot-layout",
-                f"the training data's slot {t_layers.index(0)} is the embedding (HF index 0) "
-                f"while serving captures layers {s_layers}: the stored layout "
-                f"{t_layers} was read as aux layers",
-                evidence,
-                "embedding-slot",
-            )
-        if s_layers == t_layers:
-            return _judged_drift(ev, evidence, diag, fps)
-        d = np.array(s_layers) - np.array(t_layers)
-        if len(set(d.tolist())) == 1 and abs(int(d[0])) == 1:
-            return Reading(
-                "aux-layer-shift",
-                f"serving captured HF layers {s_layers}, training used {t_layers}: every slot "
-                f"is shifted by {int(d[0]):+d} layer (a layer-id convention read off by one)",
-                {**evidence, "shift": int(d[0])},
-                fields=_layers(t_layers),
-            )
-        if ev.target is not None and s_layers == default_hf_indices(ev.target.num_layers):
-            return Reading(
-                "aux-layers-default",
-                f"serving captured the default layers {s_layers}; the drafter was trained on "
-                f"{t_layers}: the configured aux layer ids were not applied",
-                evidence,
-                fields=_layers(t_layers),
-            )
+        return _by_layers(ev, evidence, diag, fps)
+    return _by_labels(ev, evidence, diag)
+
+
+def _dead_slots(ev: Evidence) -> Reading | None:
+    """A whole slot all-zero or constant (per-slot health over every captured row)."""
+    health = ev.slots.health
+    bad = [i for i, h in enumerate(health or []) if h.corrupt]
+    if not bad:
+        return None
+    h = health[bad[0]]
+    kind = "all-zero" if h.zero_rows > 0.5 else "constant (identical rows)"
+    return Reading(
+        "hidden-corrupt",
+        f"serving aux slot(s) {bad} are {kind}: the capture did not track the tokens",
+        {
+            "slots": bad,
+            "zero_row_fraction": [round(x.zero_rows, 4) for x in health],
+            "constant": [x.constant for x in health],
+        },
+        "slots",
+    )
+
+
+def _matrix_evidence(ev: Evidence) -> dict[str, Any]:
+    """The serving x training slot matrix (and the layer fingerprints) as every capture
+    finding quotes them."""
+    m = ev.slots.matrix
+    fps = ev.slots.fingerprints
+    ks, kt = ev.slots.serving.shape[1], ev.slots.training.shape[1]
+    evidence: dict[str, Any] = {
+        "serving_slots": ks,
+        "training_slots": kt,
+        "slot_cos": np.round(m.cos, 4).tolist(),
+        "slot_rel_norm": np.round(m.rel_norm, 4).tolist(),
+    }
+    if ev.sketched:  # a `--redact hidden` bundle: cosines between seeded projections
+        evidence["fingerprinted_from"] = "per-slot sketches (hidden states redacted)"
+    if fps is not None:
+        evidence["serving_layers"] = fps[0].layer
+        evidence["training_layers"] = fps[1].layer
+        evidence["serving_layer_cos"] = [round(c, 4) for c in fps[0].cos]
+    return evidence
+
+
+def _by_layers(ev: Evidence, evidence: dict[str, Any], diag: np.ndarray, fps) -> Reading | None:
+    """With the target at hand: which physical layer each slot holds decides."""
+    m = ev.slots.matrix
+    s_layers, t_layers = fps[0].layer, fps[1].layer
+    unmatched = [i for i, c in enumerate(fps[0].cos) if c < LAYER_MATCH_COS]
+    if unmatched and (m.cos[unmatched].max(axis=1) < UNRELATED_COS).all():
+        return Reading(
+            "hidden-corrupt",
+            f"serving aux slot(s) {unmatched} match no layer of the target and no training "
+            "slot: they are not the target's hidden states for these tokens",
+            evidence,
+            "unrelated",
+        )
+    if 0 in t_layers and 0 not in s_layers:
         return Reading(
             "slot-layout",
-            f"serving captured HF layers {s_layers}, training stored {t_layers}",
+            f"the training data's slot {t_layers.index(0)} is the embedding (HF index 0) "
+            f"while serving captures layers {s_layers}: the stored layout "
+            f"{t_layers} was read as aux layers",
+            evidence,
+            "embedding-slot",
+        )
+    if s_layers == t_layers:
+        return _judged_drift(ev, evidence, diag, fps)
+    d = np.array(s_layers) - np.array(t_layers)
+    if len(set(d.tolist())) == 1 and abs(int(d[0])) == 1:
+        return Reading(
+            "aux-layer-shift",
+            f"serving captured HF layers {s_layers}, training used {t_layers}: every slot "
+            f"is shifted by {int(d[0]):+d} layer (a layer-id convention read off by one)",
+            {**evidence, "shift": int(d[0])},
+            fields=_layers(t_layers),
+        )
+    if ev.target is not None and s_layers == default_hf_indices(ev.target.num_layers):
+        return Reading(
+            "aux-layers-default",
+            f"serving captured the default layers {s_layers}; the drafter was trained on "
+            f"{t_layers}: the configured aux layer ids were not applied",
             evidence,
             fields=_layers(t_layers),
         )
-    # Without a target: only the slot matrix and the static audit's labels remain.
+    return Reading(
+        "slot-layout",
+        f"serving captured HF layers {s_layers}, training stored {t_layers}",
+        evidence,
+        fields=_layers(t_layers),
+    )
+
+
+def _by_labels(ev: Evidence, evidence: dict[str, Any], diag: np.ndarray) -> Reading:
+    """Without a target: only the slot matrix and the static audit's labels remain."""
+    m = ev.slots.matrix
+    train_hf = ev.slots.training_layers
     if (diag >= 0.95).all() and np.allclose(np.diag(m.rel_norm), 1.0, atol=0.1):
         return _drift(evidence, diag)
     captured = (ev.static.get("capture") or {}).get("layers_to_capture")
