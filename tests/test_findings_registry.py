@@ -196,8 +196,10 @@ def test_the_search_and_the_engines_name_no_codes(module):
 def test_the_checks_a_replay_runs_are_the_ones_the_registry_names_in_dataflow_order():
     """`diagnose.CHECKS` is read off the registry (a new code's check needs no second list),
     in the order findings were reported before it was (the batch check before the capture
-    ones, the rule table before the what-if search)."""
-    assert [_check_name(c) for c in CHECKS] == [
+    ones, the rule table before the what-if search). A new code's check may come in between."""
+    names = [_check_name(c) for c in CHECKS]
+    assert len(set(names)) == len(names)
+    before = [
         "diagnose.measurement:acceptance_simulated",
         "diagnose.config:spec_params",
         "diagnose.config:static_load_findings",
@@ -220,6 +222,7 @@ def test_the_checks_a_replay_runs_are_the_ones_the_registry_names_in_dataflow_or
         "diagnose.training_side:teacher_norm",
         "diagnose.training_side:metric_overstates",
     ]
+    assert [n for n in names if n in before] == before
 
 
 def test_merge_keeps_the_first_check_of_the_codes_precedence_whatever_the_run_order():
