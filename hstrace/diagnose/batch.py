@@ -18,7 +18,7 @@ from hstrace.replay.evidence import Evidence
 
 
 def batch_coupling(ev: Evidence) -> list[Finding]:
-    b = ev.batch  # measured from the trace's batch composition (`replay.batch`)
+    b = ev.batch  # measured from the trace's batch composition (`replay.fed`)
     by_size, aux, fed = b.accept_len_by_verify_batch_size, b.aux_rows, b.draft_inputs
     if not b.coupled:
         return []

@@ -47,7 +47,7 @@ def fc_skipped(ev: Evidence) -> list[Finding]:
 
 def token_shift(ev: Evidence) -> list[Finding]:
     rows = ev.agreement.rows
-    scores = ev.draft_inputs.token_agreement_by_shift  # `replay.draft_inputs`
+    scores = ev.draft_inputs.token_agreement_by_shift  # `replay.fed`
     if rows is None or scores is None:
         return []
     found: list[Finding] = []
@@ -98,7 +98,7 @@ def chunk_boundary_token(ev: Evidence) -> list[Finding]:
     chunk's first prompt token; an engine that hands it the target's prediction there
     (sglang PR #26329, fixed by #26800) is wrong on one row per seam, which a global shift test
     cannot see. The seams come from the trace: one target step per prefill chunk."""
-    seams = ev.draft_inputs.seams  # the seam rows as measured (`replay.draft_inputs`)
+    seams = ev.draft_inputs.seams  # the seam rows as measured (`replay.fed`)
     seams_seen, wrong = seams.rows, seams.wrong
     other_ok, other_total = seams.other_ok, seams.other_total
     if not wrong or not other_total or other_ok / other_total < SEAM_CONTEXT_AGREE:

@@ -14,7 +14,7 @@ from hstrace.replay.evidence import Evidence
 
 
 def vocab_mapping(ev: Evidence) -> list[Finding]:
-    v = ev.vocab  # the readings scored on the engine's own ids (`replay.vocab`)
+    v = ev.vocab  # the readings scored on the engine's own ids (`replay.fed`)
     if v.scores is None:
         return []  # `skipped` says why (vocab map)
     scores, draft, served, d2t = v.scores, v.draft, v.served, v.d2t

@@ -96,7 +96,7 @@ class Agreement:
     reference: RefRows | None
     engine_vs_reference: LogitAgreement | None
     by_step: list[dict[str, Any]] | None  # per recorded draft_extend step
-    chains: list[dict[str, Any]]  # engine vs reference at chain steps k >= 1 (`replay.chain`)
+    chains: list[dict[str, Any]]  # engine vs reference at chain steps k >= 1 (`replay.agreement`)
     # The same chains with `feed_normed` flipped, when the chains as trained disagree.
     chains_feed_flipped: list[dict[str, Any]] | None = None
     cache: CacheSplit | None = None
