@@ -323,18 +323,28 @@ def _shifted_layers(
 
 
 def whatif_list(h: _Inputs) -> list[Hypothesis]:
+    """Every hypothesis for these rows: the config and input misreadings when the recorded
+    hidden input is fc's width, else (one H-wide state) fc skipped."""
+    if h.fits:
+        return [
+            *_flag_hypotheses(h),
+            *_rope_hypotheses(h),
+            *_window_hypotheses(h),
+            *_embedding_hypotheses(h),
+            *_shift_hypotheses(h),
+        ]
+    if h.rows.hidden_recorded and set(h.rows.hidden_widths) == {int(h.runner.cfg.hidden_size)}:
+        return [Hypothesis("fc skipped", "no-fc", {}, lambda: _no_fc(h))]
+    return []
+
+
+def _flag_hypotheses(h: _Inputs) -> list[Hypothesis]:
     cfg = h.runner.cfg
-    items = h.rows.items
-    fits = h.fits
-    found: list[Hypothesis] = []
-
-    def add(name: str, kind: str, params: dict[str, Any], model, fed=None) -> None:
-        found.append(Hypothesis(name, kind, params, model, fed))
-
-    if fits:
-        for flag, key in FLAG_KEYS.items():
-            trained = getattr(cfg, flag)
-            add(
+    out = []
+    for flag, key in FLAG_KEYS.items():
+        trained = getattr(cfg, flag)
+        out.append(
+            Hypothesis(
                 f"{flag}={not trained}",
                 "norm-flag",
                 {
@@ -346,74 +356,86 @@ def whatif_list(h: _Inputs) -> list[Hypothesis]:
                 },
                 lambda flag=flag, trained=trained: h.runner.variant(**{flag: not trained}),
             )
-        thetas = set(COMMON_THETAS)
-        if h.target is not None and h.target.rope_theta:
-            thetas.add(float(h.target.rope_theta))
-        for theta in sorted(thetas - {float(cfg.rope_theta)}):
-            add(
-                f"rope_theta={theta:g}",
-                "rope-theta",
-                {"served": theta, "trained": float(cfg.rope_theta)},
-                lambda theta=theta: h.runner.variant(rope_theta=theta),
-            )
-        longest = max(len(it.input_ids) for it in items)
-        windows: list[int | None] = [None] if cfg.sliding_window is not None else []
-        w = 8
-        while w < longest:
-            windows.append(w)
-            w *= 2
-        for window in windows:
-            served = "full attention" if window is None else f"a sliding window of {window}"
-            trained = (
-                "full attention"
-                if cfg.sliding_window is None
-                else f"sliding_window={cfg.sliding_window}"
-            )
-            add(
-                f"sliding_window={window}",
-                "sliding-window",
-                {"served": served, "trained": trained, "window": cfg.sliding_window},
-                lambda window=window: h.runner.variant(sliding_window=window),
-            )
-        if (
-            h.target is not None
-            and h.target.embed.shape == h.runner.drafter.embed_tokens.weight.shape
-        ):
-            if not torch.equal(
-                h.target.embed.float(), h.runner.drafter.embed_tokens.weight.float()
-            ):
-                add(
-                    "embed_tokens=target",
-                    "target-embedding",
-                    {},
-                    lambda: _with_target_embedding(h),
-                )
-        for shift in (-1, 1):
-            add(
-                f"token_shift={shift:+d}",
-                "token-shift",
-                {"shift": shift, "pairing": 1 + shift},
-                lambda: h.runner.drafter,
-                lambda its, reqs, shift=shift: _shifted_tokens(h, shift, its, reqs),
-            )
-        for shift in (-1, 1):
-            add(
-                f"aux_layers{shift:+d}",
-                "aux-layer-shift",
-                {"shift": shift},
-                lambda: h.runner.drafter,
-                lambda its, reqs, shift=shift: _shifted_layers(h, shift, its, reqs),
-            )
-    elif h.rows.hidden_recorded:
-        widths = set(h.rows.hidden_widths)
-        if widths == {int(cfg.hidden_size)}:
-            add(
-                "fc skipped",
-                "no-fc",
-                {},
-                lambda: _no_fc(h),
-            )
-    return found
+        )
+    return out
+
+
+def _rope_hypotheses(h: _Inputs) -> list[Hypothesis]:
+    cfg = h.runner.cfg
+    thetas = set(COMMON_THETAS)
+    if h.target is not None and h.target.rope_theta:
+        thetas.add(float(h.target.rope_theta))
+    return [
+        Hypothesis(
+            f"rope_theta={theta:g}",
+            "rope-theta",
+            {"served": theta, "trained": float(cfg.rope_theta)},
+            lambda theta=theta: h.runner.variant(rope_theta=theta),
+        )
+        for theta in sorted(thetas - {float(cfg.rope_theta)})
+    ]
+
+
+def _window_hypotheses(h: _Inputs) -> list[Hypothesis]:
+    cfg = h.runner.cfg
+    longest = max(len(it.input_ids) for it in h.rows.items)
+    windows: list[int | None] = [None] if cfg.sliding_window is not None else []
+    w = 8
+    while w < longest:
+        windows.append(w)
+        w *= 2
+    trained = (
+        "full attention" if cfg.sliding_window is None else f"sliding_window={cfg.sliding_window}"
+    )
+    return [
+        Hypothesis(
+            f"sliding_window={window}",
+            "sliding-window",
+            {
+                "served": "full attention" if window is None else f"a sliding window of {window}",
+                "trained": trained,
+                "window": cfg.sliding_window,
+            },
+            lambda window=window: h.runner.variant(sliding_window=window),
+        )
+        for window in windows
+    ]
+
+
+def _embedding_hypotheses(h: _Inputs) -> list[Hypothesis]:
+    own = h.runner.drafter.embed_tokens.weight
+    if h.target is None or h.target.embed.shape != own.shape:
+        return []
+    if torch.equal(h.target.embed.float(), own.float()):
+        return []
+    return [
+        Hypothesis("embed_tokens=target", "target-embedding", {}, lambda: _with_target_embedding(h))
+    ]
+
+
+def _shift_hypotheses(h: _Inputs) -> list[Hypothesis]:
+    """Tokens, then aux layers, shifted by one either way (the recorded drafter, other items)."""
+    tokens = [
+        Hypothesis(
+            f"token_shift={shift:+d}",
+            "token-shift",
+            {"shift": shift, "pairing": 1 + shift},
+            lambda: h.runner.drafter,
+            lambda its, reqs, shift=shift: _shifted_tokens(h, shift, its, reqs),
+        )
+        for shift in (-1, 1)
+    ]
+    layers = [
+        Hypothesis(
+            f"aux_layers{shift:+d}",
+            "aux-layer-shift",
+            {"shift": shift},
+            lambda: h.runner.drafter,
+            lambda its, reqs, shift=shift: _shifted_layers(h, shift, its, reqs),
+        )
+        for shift in (-1, 1)
+    ]
+    return tokens + layers
 
 
 def _tolerance_without_baseline(h: _Inputs) -> float | None:
