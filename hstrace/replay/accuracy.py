@@ -43,7 +43,7 @@ class TrainingStep0:
         return self.mask if self.mask.any() else torch.ones_like(self.mask)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Step0Accuracy:
     serving: float | None  # acc0_serving
     training: float | None  # acc0_training
@@ -102,7 +102,14 @@ def build_accuracy(
                 "library metric vs full vocab", lambda: _full_vocab(runner, target, ts)
             )
     return Step0Accuracy(
-        acc_serving, acc_training, aligned, ts, full_vocab, teacher, rel, u.frozen()
+        serving=acc_serving,
+        training=acc_training,
+        serving_aligned=aligned,
+        training_step0=ts,
+        full_vocab=full_vocab,
+        teacher_state=teacher,
+        teacher_rel_norms=rel,
+        unavailable=u.frozen(),
     )
 
 

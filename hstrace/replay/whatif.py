@@ -138,7 +138,7 @@ def reproducing(
     return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WhatIfSearch:
     ran: bool
     reason: str | None = None  # why it did not run
@@ -208,7 +208,9 @@ def search_whatifs(
     results = _search(h, whatif_list(h))
     tolerance = base.tolerance if base is not None else _tolerance_without_baseline(h)
     best = reproducing(results, baseline, tolerance)
-    return WhatIfSearch(True, None, baseline, results, best, tolerance)
+    return WhatIfSearch(
+        ran=True, baseline=baseline, results=results, best=best, tolerance=tolerance
+    )
 
 
 @dataclass(frozen=True)
