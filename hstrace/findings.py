@@ -66,12 +66,12 @@ class Code:
         return self.fix[variant].format(**fields)
 
 
+# `engine_ids`: what each serving engine's draft config needs to capture those layers (the
+# engines' own key names and id conventions; `diagnose.capture` fills it).
 _LAYERS_FIX = (
     "make serving capture the training layers (HF hidden_states {train_hf}): in the draft "
-    'config.json set "eagle_config": {{"eagle_aux_hidden_state_layer_ids": {sglang_ids}}} for '
-    "SGLang (it adds +1); for vLLM write {train_hf} (HF hidden_states indices, no +1) as "
-    'top-level "eagle_aux_hidden_state_layer_ids" (vLLM reads the top level before '
-    "eagle_config); or regenerate the training data with the layers serving captures"
+    "config.json set {engine_ids}; or regenerate the training data with the layers serving "
+    "captures"
 )
 _DRIFT_FIX = (
     "serve the same target weights, dtype and quantisation as at data generation (FP8 or "

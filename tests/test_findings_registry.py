@@ -66,11 +66,9 @@ def test_a_code_the_registry_lacks_cannot_be_emitted():
 
 
 def test_fix_templates_fill_from_the_registry():
-    f = finding("aux-layer-shift", "s", {"shift": 1}, train_hf=[2, 4], sglang_ids=[1, 3])
+    f = finding("aux-layer-shift", "s", {"shift": 1}, train_hf=[2, 4], engine_ids="X: [1, 3]")
     assert f.severity == "fault" and f.stage == "target-capture"
-    assert "HF hidden_states [2, 4]" in f.fix and '"eagle_aux_hidden_state_layer_ids": [1, 3]' in (
-        f.fix
-    )
+    assert "(HF hidden_states [2, 4]): in the draft config.json set X: [1, 3]; or" in f.fix
     assert finding("metric-overstates", "s").severity == "warning"
     assert finding("no-wiring-fault", "s").severity == "info"
     with pytest.raises(KeyError, match="no fix variant"):

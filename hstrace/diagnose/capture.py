@@ -41,8 +41,15 @@ def _sglang_ids(hf: list[int]) -> list[int]:
 
 
 def _layers(train_hf: list[int]) -> dict[str, Any]:
-    """The fields of the registry's layer fix (`hstrace.findings`, variant "")."""
-    return {"train_hf": train_hf, "sglang_ids": _sglang_ids(train_hf)}
+    """The fields of the registry's layer fix (`hstrace.findings`, variant ""): the layers, and
+    what each serving engine's draft config needs to capture them."""
+    engine_ids = (
+        '"eagle_config": {"eagle_aux_hidden_state_layer_ids": '
+        f"{_sglang_ids(train_hf)}}} for SGLang (it adds +1); for vLLM write {train_hf} "
+        '(HF hidden_states indices, no +1) as top-level "eagle_aux_hidden_state_layer_ids" '
+        "(vLLM reads the top level before eagle_config)"
+    )
+    return {"train_hf": train_hf, "engine_ids": engine_ids}
 
 
 @dataclass(frozen=True)
