@@ -26,8 +26,9 @@ def spec_params(ev: Evidence) -> list[Finding]:
         return []
     adjusted = spec["adjusted"]
     parts = ", ".join(f"{n} {v['user']} -> {v['effective']}" for n, v in adjusted.items())
-    engine = str((ev.serving.meta.get("engine") or {}).get("name", "")) or "the engine"
-    label = {"sglang": "SGLang", "vllm": "vLLM"}.get(engine, engine)
+    engine = str((ev.serving.meta.get("engine") or {}).get("name", ""))
+    # SGLang's wording unless vLLM recorded it (the reference engine adjusts like SGLang).
+    label = "vLLM" if engine == "vllm" else "SGLang"
     return [
         finding(
             "spec-params-adjusted",
