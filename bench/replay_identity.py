@@ -128,13 +128,13 @@ def _batched(out: Path) -> None:
 
 
 def _rids(tr) -> list[str]:
-    from hstrace.replay.serving import read_serving
+    from hstrace.replay.read import read_serving
 
     return [r.rid for r in read_serving(tr).requests]
 
 
 def replay_all(traces: Path) -> dict:
-    from hstrace.pipelines import replay
+    from hstrace import replay_trace
 
     paths = sorted(EXAMPLES.glob("*.zarr")) + sorted(traces.glob("*.zarr"))
     paths += sorted(traces.glob("*.zip"))
@@ -145,7 +145,7 @@ def replay_all(traces: Path) -> dict:
     out = {}
     for key, p, against in runs:
         try:
-            out[key] = replay(p, against).to_json()
+            out[key] = replay_trace(p, against).to_json()
         except Exception as exc:  # noqa: BLE001 -- an error is a result to compare too
             out[key] = {"error": f"{type(exc).__name__}: {exc}"}
         print(key, out[key].get("verdict", {}).get("code", out[key].get("error")), file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Replay's trace read (`hstrace.replay.serving.read_serving`): whole columns vs committed rows;
+"""Replay's trace read (`hstrace.replay.read.read_serving`): whole columns vs committed rows;
 and (`--requests`) a whole replay of many mostly-prefill requests, two hstrace trees side by side.
 
 Writes a trace through the real TraceWriter with Kimi-K2.5-wide aux rows (3 x 7168 bf16,
@@ -54,20 +54,22 @@ def _helper():
 
 def _serving_module(ref: str | None):
     if ref is None:
-        from hstrace.replay import serving
+        from hstrace.replay import read
 
-        return serving
-    src = subprocess.run(
-        ["git", "show", f"{ref}:hstrace/replay/serving.py"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+        return read
+    # The module was hstrace/replay/serving.py before the replay's stages were named.
+    for path in ("hstrace/replay/read.py", "hstrace/replay/serving.py"):
+        got = subprocess.run(
+            ["git", "show", f"{ref}:{path}"], cwd=REPO, capture_output=True, text=True
+        )
+        if got.returncode == 0:
+            break
+    got.check_returncode()
+    src = got.stdout
     spec = importlib.util.spec_from_loader("serving_at_ref", loader=None)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["serving_at_ref"] = mod
-    exec(compile(src, f"{ref}:hstrace/replay/serving.py", "exec"), mod.__dict__)  # noqa: S102
+    exec(compile(src, f"{ref}:{path}", "exec"), mod.__dict__)  # noqa: S102
     return mod
 
 
@@ -205,12 +207,12 @@ def write_many(path: Path, ckpt: Path, requests: int, prompt: int, hidden: int, 
 def measure_replay(path: Path, ckpt: Path) -> dict:
     """One whole replay in this process: wall, peak RSS, the wide rows read, the JSON digest."""
     import hstrace
-    from hstrace.pipelines import replay
+    from hstrace import replay_trace
 
     asked = count_wide_reads()
     u0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
-    doc = replay(path, WORLD_TRAINING, ckpt).to_json()
+    doc = replay_trace(path, WORLD_TRAINING, ckpt).to_json()
     wall = time.perf_counter() - t0
     u1 = resource.getrusage(resource.RUSAGE_SELF)
     rss0, rss1 = u0.ru_maxrss, u1.ru_maxrss

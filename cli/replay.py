@@ -56,7 +56,7 @@ def replay(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from hstrace.pipelines import replay as run_replay
+    from hstrace.pipelines import replay_trace
     from hstrace.report import render_json, render_markdown, render_terminal
 
     err = Console(stderr=True)
@@ -76,7 +76,7 @@ def replay(
                 tasks[label] = bar.add_task(f"{label} (tokens)", total=None)
             bar.advance(tasks[label], n)
 
-        result = run_replay(
+        result = replay_trace(
             trace,
             against,
             drafter_path=drafter,

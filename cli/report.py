@@ -58,9 +58,9 @@ def report(
 
     summarize(tr)
     if against:
-        from hstrace.pipelines import replay
+        from hstrace.pipelines import replay_trace
 
-        result = replay(
+        result = replay_trace(
             Path(trace),
             Path(against),
             Path(drafter) if drafter else None,

@@ -1,7 +1,8 @@
 """The drafter's load_weights audit inside a serving process: the engine's `load_weights(self,
 weights)` wrapped (`wrap_load_weights`), each parameter's `weight_loader` watched, the
 checkpoint iterator tapped. The result is a `hstrace.engines.load_audit.WeightsAudit` (pure:
-which key filled which parameter) with the engine's `LoadAuditSpec` deciding the findings.
+which key filled which parameter) with the engine's `LoadAuditSpec` deciding the facts
+(`hstrace.findings.from_fact` names their codes).
 
 Patching machinery, so it lives with the hooks; imports no engine.
 """
@@ -13,11 +14,11 @@ import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from hstrace.engines.load_audit import LoadAuditSpec, WeightsAudit, weights_findings
-from hstrace.findings import Finding
+from hstrace.engines.load_audit import LoadAuditSpec, WeightsAudit, weights_facts
+from hstrace.findings import from_fact
 
-# (recorder, model, audit, its findings): what else an engine records off the loaded model
-AfterLoad = Callable[[Any, Any, WeightsAudit, list[Finding]], None]
+# (recorder, model, audit, its facts): what else an engine records off the loaded model
+AfterLoad = Callable[[Any, Any, WeightsAudit, list[dict[str, Any]]], None]
 
 
 def wrap_load_weights(
@@ -44,12 +45,15 @@ def wrap_load_weights(
 
         def record() -> None:
             wa = watch.finish()
-            findings = weights_findings(wa, spec)
+            facts = weights_facts(wa, spec)
             rec.static(
-                {"weights": wa.to_static(), "findings_load": [f.to_json() for f in findings]}
+                {
+                    "weights": wa.to_static(),
+                    "findings_load": [from_fact(f).to_json() for f in facts],
+                }
             )
             if after is not None:
-                after(rec, self, wa, findings)
+                after(rec, self, wa, facts)
 
         rec.run_tap("load_weights", record)
         return result

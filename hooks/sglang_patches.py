@@ -23,6 +23,7 @@ from hstrace.engines import load_audit, rows
 from hstrace.engines.sglang import audit, taps
 from hstrace.engines.sglang.versions import CAPTURE_TARGETS, SUPPORT
 from hstrace.engines.support import PatchPoint, Version
+from hstrace.findings import from_fact
 
 
 class Recorder(hooks_common.Recorder):
@@ -78,7 +79,7 @@ def wrap_load_weights(original: Callable) -> Callable:
 
 
 def _audit_draft(
-    rec: Recorder, model: Any, wa: load_audit.WeightsAudit, weights_findings: list[Any]
+    rec: Recorder, model: Any, wa: load_audit.WeightsAudit, weights_facts: list[Any]
 ) -> None:
     """The draft's static record once SGLang loaded it (the weights are recorded already)."""
     cfg = model.config
@@ -93,7 +94,7 @@ def _audit_draft(
     )
     hot = getattr(model, "hot_token_id", None)
     rec.hot_token_id = hot
-    findings = weights_findings + audit.aux_layer_findings(source, None)
+    findings = [from_fact(f) for f in weights_facts + audit.aux_layer_facts(source, None)]
     rec.static(
         {
             "draft_config": on_disk or raw,
@@ -170,7 +171,9 @@ def wrap_worker_init(original: Callable) -> Callable:
                 rec.static(
                     {
                         "spec": {**settings["effective"], **settings},
-                        "findings_spec": [f.to_json() for f in audit.spec_findings(settings)],
+                        "findings_spec": [
+                            from_fact(f).to_json() for f in audit.spec_facts(settings)
+                        ],
                         "cuda_graphs": not getattr(sa, "disable_cuda_graph", True),
                     }
                 )
@@ -209,7 +212,7 @@ def wrap_resolve_once(original: Callable) -> Callable:
                     "spec": {**settings["effective"], **settings},
                     "spec_resolution": settings,
                     "findings_spec_resolution": [
-                        f.to_json() for f in audit.spec_findings(settings)
+                        from_fact(f).to_json() for f in audit.spec_facts(settings)
                     ],
                 }
             )

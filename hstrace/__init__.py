@@ -18,7 +18,9 @@ from hstrace._version import __version__
 _PUBLIC = {
     "open_trace": "hstrace.trace",
     "TraceWriter": "hstrace.trace",
-    "replay": "hstrace.pipelines",
+    # `hstrace.replay` is the replay room (a package); the function that replays a trace and
+    # diagnoses it is `replay_trace`.
+    "replay_trace": "hstrace.pipelines",
     "load_drafter": "hstrace.drafter",
     "open_training": "hstrace.training",
     "Finding": "hstrace.findings",
@@ -30,13 +32,13 @@ __all__ = [
     "load_drafter",
     "open_trace",
     "open_training",
-    "replay",
+    "replay_trace",
 ]
 
 if TYPE_CHECKING:
     from hstrace.drafter import load_drafter
     from hstrace.findings import Finding
-    from hstrace.pipelines import replay
+    from hstrace.pipelines import replay_trace
     from hstrace.trace import TraceWriter, open_trace
     from hstrace.training import open_training
 

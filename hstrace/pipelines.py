@@ -1,6 +1,6 @@
 """The top of the library: pipelines that put the rooms together, so the rooms need not.
 
-`replay` = the replay room's evidence (`hstrace.replay.run.replay_with`) judged by the
+`replay_trace` (public: `hstrace.replay_trace`) = the replay room's evidence (`hstrace.replay.run.replay_with`) judged by the
 diagnose room's checks; `bundle` = a bundle whose REPORT.md verdict is that replay, run on the
 bundled subset. The rooms below never import this module or each other upwards: bundle does
 not run replay, replay does not import diagnose (docs/architecture.md).
@@ -16,7 +16,7 @@ from typing import Any
 from hstrace.replay.result import ReplayResult
 
 
-def replay(
+def replay_trace(
     trace_path: str | os.PathLike[str],
     against: str | os.PathLike[str],
     drafter_path: str | os.PathLike[str] | None = None,
@@ -40,12 +40,13 @@ def replay(
 
 
 def replay_verdict(against: str | os.PathLike[str], drafter: str | os.PathLike[str] | None) -> Any:
-    """A bundle's verdict function: (Markdown, replay JSON) of `replay(store, against, drafter)`."""
+    """A bundle's verdict function: (Markdown, replay JSON) of
+    `replay_trace(store, against, drafter)`."""
 
     def verdict(store: Path) -> tuple[str, dict[str, Any]]:
         from hstrace.report import render_markdown
 
-        result = replay(store, against, drafter)
+        result = replay_trace(store, against, drafter)
         return render_markdown(result), result.to_json()
 
     return verdict

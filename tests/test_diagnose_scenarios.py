@@ -17,10 +17,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from hstrace import replay_trace
 from hstrace.drafter import load_drafter, save_drafter
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
 from hstrace.reference.target import ReferenceTarget
-from hstrace.replay import replay
 from hstrace.training import open_training
 
 WORLD = Path(__file__).resolve().parent.parent / "traces" / "tiny-world"
@@ -71,7 +71,7 @@ def record(out: Path, prompts, drafter: Path = DRAFTER, **knobs) -> Path:
 
 
 def verdict(trace: Path, against: Path = TRAINING, **kw):
-    result = replay(trace, against, **kw)
+    result = replay_trace(trace, against, **kw)
     return result.verdict.code, result
 
 
@@ -302,7 +302,7 @@ def test_against_a_second_trace(prompts, scenario_dir):
 
 def test_json_has_documented_keys(prompts, scenario_dir):
     trace = record(scenario_dir / "json.zarr", prompts, d2t_as_table=True)
-    data = json.loads(json.dumps(replay(trace, TRAINING).to_json()))
+    data = json.loads(json.dumps(replay_trace(trace, TRAINING).to_json()))
     assert {"schema_version", "verdict", "findings", "metrics", "coverage"} <= set(data)
     assert data["verdict"]["code"] == "d2t-direct-table"
     assert {"code", "stage", "summary", "fix"} <= set(data["verdict"])

@@ -19,11 +19,11 @@ import pytest
 import torch
 from helpers import field_producer as fp
 
+from hstrace import replay_trace
 from hstrace.drafter import load_drafter
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
 from hstrace.reference.target import ReferenceTarget
-from hstrace.replay import replay
-from hstrace.replay.serving import read_serving
+from hstrace.replay.read import read_serving
 from hstrace.trace import open_trace, request_key
 from hstrace.training import open_training
 
@@ -116,7 +116,7 @@ def test_cache_hit_trace_replays_clean(cached):
     assert by_name["a-long"].aux_rows == by_name["a-long"].aux_end - 17
     assert int(by_name["a-long"].draft.positions[0]) == 17
     assert int(by_name["a-long"].draft.index[0]) == 17
-    result = replay(cached, TRAINING)
+    result = replay_trace(cached, TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
     assert result.exit_code == 0 and not result.faults
     assert "token-shift" not in codes(result) and "target-drift" not in codes(result)
@@ -141,7 +141,7 @@ def test_sglang_shaped_cache_hits_replay_clean(work, cached):
             if key in seen:
                 tok["topk_logprobs"][b - 1] = np.nan
             seen.add(key)
-    result = replay(fp.write(t, work / "cached-sglang-shape.zarr"), TRAINING)
+    result = replay_trace(fp.write(t, work / "cached-sglang-shape.zarr"), TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
     evr = result.metrics["engine_vs_reference"]
     assert evr["rows_without_topk"] > 0 and evr["rows_ids_only"] > 0
@@ -156,7 +156,7 @@ def test_cache_hit_bundles_replay_clean(work, cached, redact):
 
     out = work / f"cached-bundle-{'-'.join(redact) or 'plain'}.zip"
     make_bundle(cached, out, BundleOptions(redact=redact))
-    result = replay(out, TRAINING)
+    result = replay_trace(out, TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
     assert not [k for k, v in result.skipped.items() if "failed internally" in v], result.skipped
     if "hidden" not in redact:
@@ -174,7 +174,7 @@ def test_cache_hits_do_not_mask_a_real_fault(work, cache_prompts, code, knobs):
     """With prefix caching on, a wiring fault that hits every request is still named (not
     draft-kv-stale: fresh requests disagree too)."""
     trace = record(work / f"cached-{code}.zarr", cache_prompts, prefix_cache=True, **knobs)
-    result = replay(trace, TRAINING)
+    result = replay_trace(trace, TRAINING)
     assert result.verdict.code == code, dump(result)
     assert "draft-kv-stale" not in codes(result)
     if code == "norm-flag-mismatch":
@@ -207,7 +207,7 @@ def _assert_kv_stale(result, stale_requests: set[str]) -> None:
 def test_draft_kv_stale_zero_kv(work, cache_prompts):
     """The engine's drafter attends over zero states for every cached span."""
     trace = record(work / "kv-zero.zarr", cache_prompts, prefix_cache=True, draft_kv_stale="zeros")
-    result = replay(trace, TRAINING)
+    result = replay_trace(trace, TRAINING)
     _assert_kv_stale(result, {"a-long", "b-long"})
     assert result.verdict.evidence["what_if_cached_span_zero_top1"] >= 0.9
 
@@ -219,7 +219,7 @@ def test_draft_kv_stale_third_party(work, cached, drafter):
     for rid in ("a-long", "b-long"):
         fp.redraft(t, request_key(rid), drafter)
     trace = fp.write(t, work / "kv-dropped.zarr")
-    result = replay(trace, TRAINING)
+    result = replay_trace(trace, TRAINING)
     _assert_kv_stale(result, {"a-long", "b-long"})
     assert result.verdict.evidence["cache_hit"]["top1_agreement"] < 0.9
 
@@ -240,7 +240,7 @@ def test_partly_zero_hidden_is_hidden_corrupt(work, clean, drafter):
     key = request_key("heldout:42")
     _zero_rows(t, key, range(0, 8))
     fp.redraft(t, key, drafter)
-    result = replay(fp.write(t, work / "zero-part.zarr"), TRAINING)
+    result = replay_trace(fp.write(t, work / "zero-part.zarr"), TRAINING)
     assert result.verdict.code == "hidden-corrupt", dump(result)
     assert "target-drift" not in codes(result)
     dead = result.verdict.evidence["dead_rows"]
@@ -273,7 +273,7 @@ def test_zero_filled_cached_prefix_is_hidden_corrupt(work, cached):
     tok["positions"] = np.concatenate([np.arange(17), tok["positions"]])
     tok["aux_hidden"] = torch.cat([torch.zeros(17, width, dtype=torch.bfloat16), tok["aux_hidden"]])
     e.axes["req"]["n_tok"] = e.axes["req"]["n_tok"] + 17
-    result = replay(fp.write(t, work / "zero-prefix.zarr"), TRAINING)
+    result = replay_trace(fp.write(t, work / "zero-prefix.zarr"), TRAINING)
     assert result.verdict.code == "hidden-corrupt", dump(result)
     assert "target-drift" not in codes(result)
     dead = result.verdict.evidence["dead_rows"]
@@ -290,7 +290,7 @@ def test_missing_chunk_is_hidden_corrupt(work, chunked):
     e = [e for e, _a, _b in fp.request_rows(t, "target", key) if e.axes["step"]["mode"] == 0][1]
     assert e.keys == [key] and int(e.axes["tok"]["positions"][0]) == 8
     t.events.remove(e)
-    result = replay(fp.write(t, work / "missing-chunk.zarr"), TRAINING)
+    result = replay_trace(fp.write(t, work / "missing-chunk.zarr"), TRAINING)
     assert result.verdict.code == "hidden-corrupt", dump(result)
     assert "target-drift" not in codes(result)
     dead = result.verdict.evidence["dead_rows"]
@@ -310,7 +310,7 @@ def test_rows_beyond_the_declared_cache_are_missing(work, cached):
     for col, v in e.axes["tok"].items():
         e.axes["tok"][col] = v[4:]
     e.axes["req"]["n_tok"] = e.axes["req"]["n_tok"] - 4
-    result = replay(fp.write(t, work / "beyond-cache.zarr"), TRAINING)
+    result = replay_trace(fp.write(t, work / "beyond-cache.zarr"), TRAINING)
     assert result.verdict.code == "hidden-corrupt", dump(result)
     dead = result.verdict.evidence["dead_rows"]
     assert [(d["request"], d["positions"], d["kind"], d["n_cached"]) for d in dead] == [
@@ -321,7 +321,7 @@ def test_rows_beyond_the_declared_cache_are_missing(work, cached):
 # -- 4. acceptance-simulated --------------------------------------------------------------------
 def test_simulated_acceptance_leads_the_verdict(work, heldout_prompts):
     trace = record(work / "simulated.zarr", heldout_prompts, simulate_accept_len=3)
-    result = replay(trace, TRAINING)
+    result = replay_trace(trace, TRAINING)
     assert result.verdict.code == "acceptance-simulated", dump(result)
     assert result.findings[0].code == "acceptance-simulated"
     ev = result.verdict.evidence
@@ -368,7 +368,7 @@ def test_simulated_acceptance_third_party(work, clean, where):
             "SGLANG_SIMULATE_ACC_METHOD": "",
         }
         expect = "static.env.SGLANG_SIMULATE_ACC_LEN"
-    result = replay(fp.write(t, work / f"simulated-{where}.zarr"), TRAINING)
+    result = replay_trace(fp.write(t, work / f"simulated-{where}.zarr"), TRAINING)
     assert result.verdict.code == "acceptance-simulated", dump(result)
     assert expect in result.verdict.evidence["switches"]
     assert all("SIMULATE_ACC_METHOD" not in k for k in result.verdict.evidence["switches"])
@@ -385,7 +385,7 @@ def test_switch_off_is_no_finding(work, clean):
         "synthetic_acceptance_length": None,
     }
     t.meta["static"]["env"] = {"SGLANG_SIMULATE_ACC_LEN": "", "SGLANG_SIMULATE_ACC_METHOD": "0"}
-    result = replay(fp.write(t, work / "switch-off.zarr"), TRAINING)
+    result = replay_trace(fp.write(t, work / "switch-off.zarr"), TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
     assert "acceptance-simulated" not in codes(result)
 
@@ -401,7 +401,7 @@ def test_chunked_prefill_replays_clean(chunked):
         serving = read_serving(tr)
     assert all(r.prefill_chunks == [(0, 8), (8, 16), (16, 24)] for r in serving.requests)
     assert all(r.seams == [7, 15] for r in serving.requests)
-    result = replay(chunked, TRAINING)
+    result = replay_trace(chunked, TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
     assert result.metrics["chunk_seams"] == {"rows": 8, "wrong": 0}
 
@@ -428,7 +428,7 @@ def test_chunk_boundary_token_names_the_seam_rows(work, chunked, drafter):
                 expected.add((rid, pos))
         fp.redraft(t, key, drafter)
     assert len(expected) >= 3  # the tiny target mispredicts 5 of the 8 seams
-    result = replay(fp.write(t, work / "chunk-seam.zarr"), TRAINING)
+    result = replay_trace(fp.write(t, work / "chunk-seam.zarr"), TRAINING)
     assert result.verdict.code == "chunk-boundary-token", dump(result)
     assert "token-shift" not in codes(result)
     ev = result.verdict.evidence
@@ -459,7 +459,7 @@ def test_batched_trace_replays_clean(work, clean):
     with open_trace(trace) as tr:
         serving = read_serving(tr)
     assert max(len(k) for k in serving.target_batches) == 2
-    result = replay(trace, TRAINING)
+    result = replay_trace(trace, TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
     by_size = result.metrics["accept_len_by_verify_batch_size"]
     assert by_size["2"]["verify_rows"] == 2 and by_size["1"]["verify_rows"] >= 4
@@ -482,7 +482,7 @@ def test_batch_coupling_names_the_owner(work, clean, drafter, what):
     else:  # heldout:41's draft rows are fed heldout:40's tokens
         tok["input_ids"][b0 : b0 + n] = tok["input_ids"][a0 : a0 + n]
     fp.redraft(t, b, drafter)
-    result = replay(fp.write(t, work / f"coupled-{what}.zarr"), TRAINING)
+    result = replay_trace(fp.write(t, work / f"coupled-{what}.zarr"), TRAINING)
     assert result.verdict.code == "batch-coupling", dump(result)
     ev = result.verdict.evidence
     if what == "aux":
@@ -501,7 +501,7 @@ def test_batch_coupling_names_the_owner(work, clean, drafter, what):
 
 # -- 10. no-wiring-fault judges the drafter by the number that matters for greedy serving -----
 def test_no_wiring_fault_says_which_accuracy_judged_the_drafter(clean):
-    result = replay(clean, TRAINING)
+    result = replay_trace(clean, TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
     judged = result.verdict.evidence["judged_by"]
     assert judged["metric"] == "acc0_training_full_vocab"
@@ -519,7 +519,7 @@ def test_no_wiring_fault_without_target_makes_no_judgement(work, clean):
     t = fp.read(clean)
     del t.meta["static"]["target"]  # the trace no longer names its target
     trace = fp.write(t, work / "no-target.zarr")
-    result = replay(trace, TRAINING)
+    result = replay_trace(trace, TRAINING)
     assert result.verdict.code == "no-wiring-fault", dump(result)
     assert "judged_by" not in result.verdict.evidence
     assert "weak" not in result.verdict.summary

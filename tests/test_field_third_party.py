@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hstrace.replay.serving import accept_len_by_rank, read_serving
+from hstrace.replay.read import accept_len_by_rank, read_serving
 from hstrace.testing import ProducedTrace, StoreConformance, record_writes
 from hstrace.trace import TraceWriter, open_trace, request_key, summarize
 

@@ -23,7 +23,7 @@ from helpers.demo_trace import H, K
 from hstrace.bundle import BundleOptions, make_bundle
 from hstrace.findings import Finding
 from hstrace.html import write_report_html
-from hstrace.replay.fingerprint import as_slots, slot_matrix
+from hstrace.replay.compare import as_slots, slot_matrix
 from hstrace.replay.result import ReplayResult
 from hstrace.trace import open_trace
 

@@ -11,31 +11,38 @@ import hstrace
 def test_every_public_name_resolves_to_its_defining_module():
     from hstrace.drafter import load_drafter
     from hstrace.findings import Finding
-    from hstrace.replay import replay
+    from hstrace.pipelines import replay_trace
     from hstrace.trace import TraceWriter, open_trace
     from hstrace.training import open_training
 
     expected = {
         "open_trace": open_trace,
         "TraceWriter": TraceWriter,
-        "replay": replay,
+        "replay_trace": replay_trace,
         "load_drafter": load_drafter,
         "open_training": open_training,
         "Finding": Finding,
     }
     assert set(hstrace.__all__) == {*expected, "__version__"}
     for name, obj in expected.items():
-        if name == "replay":  # the package object is bound there too; it calls the function
-            assert callable(hstrace.replay) and hstrace.replay.replay is obj
-            continue
         assert getattr(hstrace, name) is obj, name
+
+
+def test_hstrace_replay_is_the_package_and_replay_trace_the_function():
+    """One name, one concept: `hstrace.replay` is the replay room (a package, not callable),
+    `hstrace.replay_trace` the public function."""
+    import hstrace.replay.run  # binds the package as `hstrace.replay`
+
+    assert hstrace.replay.__name__ == "hstrace.replay" and not callable(hstrace.replay)
+    assert not hasattr(hstrace.replay, "replay")
+    assert hstrace.replay_trace.__module__ == "hstrace.pipelines"
 
 
 def test_hstrace_replay_runs_a_replay():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    result = hstrace.replay(
+    result = hstrace.replay_trace(
         root / "traces/examples/aux-layer-shift.zarr",
         root / "traces/tiny-world/training-speculators",
     )

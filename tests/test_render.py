@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from helpers.cli import EXAMPLES, TRAINING, invoke
 
-from hstrace.html.acceptance import acceptance_of
+from hstrace.html.verify_stats import acceptance_of
 from hstrace.trace import open_trace, summarize
 from hstrace.trace.acceptance_by_position import by_position
 

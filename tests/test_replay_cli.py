@@ -128,15 +128,15 @@ def test_corrupt_drafter_checkpoint_exits_2(tmp_path):
 def test_replay_reads_a_bundle_and_says_what_redaction_removed(tmp_path):
     """A bundle zip replays directly; with hidden states redacted, replay still checks what
     it can (the vocab map) and lists what it could not."""
+    from hstrace import replay_trace
     from hstrace.bundle import BundleOptions, make_bundle
-    from hstrace.replay import replay
 
     plain = tmp_path / "plain.zip"
     make_bundle(EXAMPLES / "aux-layer-shift.zarr", plain, BundleOptions())
-    assert replay(plain, TRAINING).verdict.code == "aux-layer-shift"
+    assert replay_trace(plain, TRAINING).verdict.code == "aux-layer-shift"
     redacted = tmp_path / "redacted.zip"
     make_bundle(EXAMPLES / "aux-layer-shift.zarr", redacted, BundleOptions(redact=("hidden",)))
-    result = replay(redacted, TRAINING)
+    result = replay_trace(redacted, TRAINING)
     assert "target.aux_hidden" in result.skipped and "draft_extend.hidden_in" in result.skipped
     assert "redact hidden" in result.skipped["draft_extend.hidden_in"]  # names the redaction
     assert "width" not in result.skipped["serving step-0 accuracy"]  # no misleading misfit
@@ -153,12 +153,12 @@ def test_replay_reads_a_bundle_and_says_what_redaction_removed(tmp_path):
 def test_hidden_redacted_clean_bundle_is_not_a_fault(tmp_path):
     """Sketch cosines are approximate, but identical states sketch identically: a clean trace's
     slots still match the training slots one to one."""
+    from hstrace import replay_trace
     from hstrace.bundle import BundleOptions, make_bundle
-    from hstrace.replay import replay
 
     redacted = tmp_path / "clean-redacted.zip"
     make_bundle(EXAMPLES / "clean.zarr", redacted, BundleOptions(redact=("hidden",)))
-    result = replay(redacted, TRAINING)
+    result = replay_trace(redacted, TRAINING)
     assert result.exit_code == 0, result.verdict
     assert result.fingerprints["serving_layers"]["layer"] == [2, 4, 5]
     cos = result.fingerprints["serving_x_training"]["cos"]

@@ -35,14 +35,14 @@ def trace(tmp_path_factory):
 
 
 def test_eagle31_drafter_runs_under_the_reading_its_training_tensors_pick(trace):
+    from hstrace import replay_trace
     from hstrace.drafter import load_drafter
     from hstrace.drafter.norm_output import POST_879
-    from hstrace.replay import replay
 
     ck = WORLD / "drafter-specforge-eagle31"
     _, report = load_drafter(ck)
     assert report.dialect == "specforge" and report.config["norm_output"] is True
-    doc = replay(
+    doc = replay_trace(
         trace, WORLD / "training-specforge", drafter_path=ck, target_path=WORLD / "target"
     ).to_json()
     got = doc["inputs"]["specforge_norm_output"]
@@ -56,8 +56,10 @@ def test_eagle31_drafter_runs_under_the_reading_its_training_tensors_pick(trace)
 
 def test_speculators_drafter_has_no_norm_output_reading(trace):
     """Only SpecForge's `norm_output` is ambiguous: a speculators drafter leaves inputs alone."""
-    from hstrace.replay import replay
+    from hstrace import replay_trace
 
-    doc = replay(trace, WORLD / "training-speculators", target_path=WORLD / "target").to_json()
+    doc = replay_trace(
+        trace, WORLD / "training-speculators", target_path=WORLD / "target"
+    ).to_json()
     assert "specforge_norm_output" not in doc["inputs"]
     assert doc["inputs"]["drafter_dialect"] == "speculators"

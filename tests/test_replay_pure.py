@@ -9,9 +9,11 @@ import torch
 
 from hstrace.findings import Finding
 from hstrace.replay.align import align, common_prefix
-from hstrace.replay.compare import agreement_by_step, compare_topk, gathered_logprobs
-from hstrace.replay.fingerprint import (
+from hstrace.replay.compare import (
     SAME_COS,
+    agreement_by_step,
+    compare_topk,
+    gathered_logprobs,
     layer_fingerprint,
     rows_of_other_requests,
     slot_health,
@@ -136,9 +138,9 @@ def test_whatif_search_finds_the_reproducing_hypothesis():
     ids = truth.topk(3).indices
     lp = gathered_logprobs(truth, ids)
     candidates = [
-        WhatIf("a", "rope-mismatch", "fix a", lambda: torch.randn(40, 50, generator=g)),
-        WhatIf("b", "norm-flag-mismatch", "fix b", lambda: truth.clone()),
-        WhatIf("c", "token-shift", "fix c", lambda: (_ for _ in ()).throw(ValueError("n/a"))),
+        WhatIf("a", "rope-theta", lambda: torch.randn(40, 50, generator=g)),
+        WhatIf("b", "norm-flag", lambda: truth.clone()),
+        WhatIf("c", "token-shift", lambda: (_ for _ in ()).throw(ValueError("n/a"))),
     ]
     results = search(candidates, ids, lp)
     assert [r.name for r in results] == ["b", "a"]  # "c" could not run

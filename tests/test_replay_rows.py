@@ -16,7 +16,7 @@ import torch
 from helpers.cli import EXAMPLES, TRAINING, invoke
 from helpers.wide_trace import write_wide_trace
 
-from hstrace.replay.serving import read_serving
+from hstrace.replay.read import read_serving
 from hstrace.trace import open_trace
 from hstrace.trace import rows as rows_mod
 from hstrace.trace.reader import TableView

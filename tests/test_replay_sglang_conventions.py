@@ -23,8 +23,8 @@ import pytest
 import torch
 import zarr
 
+from hstrace import replay_trace
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
-from hstrace.replay import replay
 from hstrace.replay.compare import compare_topk
 from hstrace.replay.whatif import WhatIf, search
 from hstrace.training import open_training
@@ -92,7 +92,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_specforge_drafter_replays_with_the_target_embedding(specforge_trace):
-    result = replay(specforge_trace, TRAINING, drafter_path=DRAFTER, target_path=TARGET)
+    result = replay_trace(specforge_trace, TRAINING, drafter_path=DRAFTER, target_path=TARGET)
     assert result.verdict.code == "no-wiring-fault", result.to_json()
     assert result.inputs["drafter_embedding"].startswith("target")
     evr = result.metrics["engine_vs_reference"]
@@ -151,7 +151,7 @@ def test_a_check_that_fails_internally_is_not_raised_nor_a_clean_verdict(
         raise RuntimeError("boom in a check")
 
     monkeypatch.setattr(diagnose, "CHECKS", (broken_check, *diagnose.CHECKS))
-    result = replay(specforge_trace, TRAINING, drafter_path=DRAFTER, target_path=TARGET)
+    result = replay_trace(specforge_trace, TRAINING, drafter_path=DRAFTER, target_path=TARGET)
     assert result.failed["check broken_check"] == "RuntimeError: boom in a check"
     assert "check broken_check" not in result.skipped  # a failure is not missing evidence
     # Issue 24: the other checks still ran, but "no wiring fault" is not claimed: exit 3.
@@ -190,8 +190,8 @@ def test_whatif_search_scores_only_rows_with_topk():
     logits, ids, lps = _rows()
     shuffled = logits[:, torch.randperm(32, generator=torch.Generator().manual_seed(1))]
     whatifs = [
-        WhatIf("same", "x", "", lambda: logits),
-        WhatIf("other", "y", "", lambda: shuffled),
+        WhatIf("same", "x", lambda: logits),
+        WhatIf("other", "y", lambda: shuffled),
     ]
     best, other = search(whatifs, ids, lps)
     assert best.name == "same" and best.agreement == 1.0 and best.max_logprob_diff < 1e-5

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 from helpers.cli import TRAINING
 
+from hstrace import replay_trace
 from hstrace.diagnose import diagnose
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
-from hstrace.pipelines import replay
 from hstrace.reference import step0
-from hstrace.replay import agreement, batch, scan, serving
+from hstrace.replay import agreement, fed, read, runner
 from hstrace.replay.run import judge, open_evidence
 
 WORLD = TRAINING.parent
@@ -46,29 +46,29 @@ def unaligned(tmp_path_factory):
     return out
 
 
-def _held_rows(data: serving.ServingData) -> int:
+def _held_rows(data: read.ServingData) -> int:
     owners = [o for r in data.requests for o in (r, r.draft) if o is not None]
     return sum(len(t) for o in owners for t in o.held.values())
 
 
 def test_one_request_held_at_a_time(unaligned, monkeypatch):
-    default = replay(unaligned, TRAINING).to_json()
+    default = replay_trace(unaligned, TRAINING).to_json()
     one = functools.partial(step0.plan_batches, batch_tokens=1)  # a request per batch
     monkeypatch.setattr(agreement, "plan_batches", one)
-    monkeypatch.setattr(scan, "plan_batches", one)
-    monkeypatch.setattr(scan, "DEFAULT_BATCH_TOKENS", 1)
-    monkeypatch.setattr(batch, "BLOCK_ROWS", 1)
+    monkeypatch.setattr(runner, "plan_batches", one)
+    monkeypatch.setattr(runner, "DEFAULT_BATCH_TOKENS", 1)
+    monkeypatch.setattr(fed, "BLOCK_ROWS", 1)
     seen: list[tuple[int, int]] = []  # (requests holding a wide tensor, rows held)
-    holding = serving.ServingData.holding
+    holding = read.ServingData.holding
 
     @functools.wraps(holding)
-    def watched(self, requests, kinds=serving.WIDE_KINDS):
+    def watched(self, requests, kinds=read.WIDE_KINDS):
         with holding(self, requests, kinds) as got:
             owners = {id(r) for r in self.requests if r.held or (r.draft and r.draft.held)}
             seen.append((len(owners), _held_rows(self)))
             yield got
 
-    monkeypatch.setattr(serving.ServingData, "holding", serving.contextlib.contextmanager(watched))
+    monkeypatch.setattr(read.ServingData, "holding", read.contextlib.contextmanager(watched))
     ev, inputs = open_evidence(unaligned, TRAINING)
     data = ev.serving
     assert not ev.aligned and len(data.requests) == 6

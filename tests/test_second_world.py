@@ -216,9 +216,9 @@ def served_prompts():
 
 
 def _replay(trace: Path) -> dict:
-    from hstrace.replay import replay
+    from hstrace import replay_trace
 
-    return replay(trace, WORLD / "training-speculators").to_json()
+    return replay_trace(trace, WORLD / "training-speculators").to_json()
 
 
 def test_third_party_trace_clean_in_bf16(tmp_path, served_prompts):

@@ -97,9 +97,9 @@ def tied(tmp_path_factory):
 
 
 def _replay(trace: Path, training: Path, target: Path) -> dict:
-    from hstrace.replay import replay
+    from hstrace import replay_trace
 
-    return replay(trace, training, target_path=target).to_json()
+    return replay_trace(trace, training, target_path=target).to_json()
 
 
 def _redacted(trace: Path, out: Path) -> Path:

@@ -36,11 +36,11 @@ def _break_check(monkeypatch, module: str, name: str, message: str) -> None:
 
 def test_a_check_that_raises_is_exit_3_in_text_json_and_markdown(monkeypatch, tmp_path):
     # Without the failure this trace replays clean (exit 0, no-wiring-fault): see below.
-    _break_check(monkeypatch, "capture", "capture_slots", "slot matrix is ragged\nsecond line")
+    _break_check(monkeypatch, "capture", "hidden_corrupt", "slot matrix is ragged\nsecond line")
     md = tmp_path / "report.md"
     text = run_main("replay", str(CLEAN), "--against", str(TRAINING), "--markdown", str(md))
     assert text.returncode == 3, text.stdout + text.stderr
-    line = "judgement incomplete: check capture_slots failed internally: ValueError: slot matrix is ragged"
+    line = "judgement incomplete: check hidden_corrupt failed internally: ValueError: slot matrix is ragged"
     assert line in text.stdout, text.stdout
     assert "second line" not in text.stdout  # one line per failure
     assert "no-wiring-fault" not in text.stdout and "could-not-judge" in text.stdout
@@ -54,12 +54,12 @@ def test_a_check_that_raises_is_exit_3_in_text_json_and_markdown(monkeypatch, tm
     assert run.returncode == 3, run.stderr
     doc = json.loads(run.stdout)
     assert doc["complete"] is False and doc["exit_code"] == 3
-    assert doc["failed"] == {"check capture_slots": "ValueError: slot matrix is ragged"}
+    assert doc["failed"] == {"check hidden_corrupt": "ValueError: slot matrix is ragged"}
     assert doc["verdict"]["code"] == "could-not-judge"
     assert doc["verdict"]["severity"] == "incomplete"
-    assert "check capture_slots failed internally" in doc["verdict"]["summary"]
+    assert "check hidden_corrupt failed internally" in doc["verdict"]["summary"]
     assert "no-wiring-fault" not in [f["code"] for f in doc["findings"]]
-    assert "check capture_slots" not in doc["skipped"]  # a failure, not missing evidence
+    assert "check hidden_corrupt" not in doc["skipped"]  # a failure, not missing evidence
     # the other checks and the metrics still ran
     assert doc["metrics"]["engine_vs_reference"]["top1_agreement"] == 1.0
 
@@ -103,14 +103,14 @@ def test_evidence_that_fails_internally_is_a_failure_too(monkeypatch):
 
 
 def test_the_html_report_says_incomplete_and_exits_3(monkeypatch, tmp_path):
-    _break_check(monkeypatch, "capture", "capture_slots", "slot matrix is ragged")
+    _break_check(monkeypatch, "capture", "hidden_corrupt", "slot matrix is ragged")
     page = tmp_path / "r.html"
     run = run_main("report", str(CLEAN), "--against", str(TRAINING), "--html", str(page), "--json")
     assert run.returncode == 3, run.stderr
     html = page.read_text()
     assert "Judgement incomplete</b> (exit 3)" in html
     assert (
-        "judgement incomplete: check capture_slots failed internally: "
+        "judgement incomplete: check hidden_corrupt failed internally: "
         "ValueError: slot matrix is ragged" in html
     )
     assert "no-wiring-fault" not in html
@@ -119,12 +119,12 @@ def test_the_html_report_says_incomplete_and_exits_3(monkeypatch, tmp_path):
 
 
 def test_debug_raises_the_failure_with_its_traceback(monkeypatch):
-    from hstrace.pipelines import replay
+    from hstrace.pipelines import replay_trace
 
-    _break_check(monkeypatch, "capture", "capture_slots", "slot matrix is ragged")
+    _break_check(monkeypatch, "capture", "hidden_corrupt", "slot matrix is ragged")
     monkeypatch.setenv("HSTRACE_DEBUG", "1")
     with pytest.raises(ValueError, match="slot matrix is ragged"):
-        replay(CLEAN, TRAINING)
+        replay_trace(CLEAN, TRAINING)
 
 
 # -- pure: the result type ---------------------------------------------------------------------

@@ -34,9 +34,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 import torch  # noqa: E402
 
+from hstrace import replay_trace  # noqa: E402
 from hstrace.engines import EngineConfig, RecordOptions, get_engine  # noqa: E402
 from hstrace.prompts import load_prompts_from_training  # noqa: E402
-from hstrace.replay import replay  # noqa: E402
 from hstrace.trace import open_trace, request_key  # noqa: E402
 from hstrace.training import open_training  # noqa: E402
 
@@ -119,7 +119,7 @@ def clean(tmp_path_factory):
     assert cli.returncode == 0, cli.stderr[-3000:]
     baseline = record(tmp / "baseline.zarr", TINY / "drafter-speculators", 18432, baseline=True)
     assert baseline.ok, baseline.error
-    result = replay(out, TRAINING)
+    result = replay_trace(out, TRAINING)
     return {"out": out, "cli": cli, "baseline": baseline, "replay": result}
 
 
@@ -254,7 +254,7 @@ def specforge(tmp_path_factory):
     out = tmp_path_factory.mktemp("specforge") / "specforge.zarr"
     res = record(out, TINY / "drafter-specforge", 18433, eager=True)
     assert res.ok, res.error
-    return {"out": out, "replay": replay(out, TRAINING)}
+    return {"out": out, "replay": replay_trace(out, TRAINING)}
 
 
 def test_specforge_drafter_on_vllm_is_an_aux_layer_shift(specforge) -> None:
@@ -282,7 +282,7 @@ def no_nbr(tmp_path_factory):
     out = tmp / "no_nbr.zarr"
     res = record(out, drafter, 18434, eager=True)
     assert res.ok, res.error
-    return {"out": out, "replay": replay(out, TRAINING)}
+    return {"out": out, "replay": replay_trace(out, TRAINING)}
 
 
 def test_absent_norm_before_residual_is_served_true(no_nbr) -> None:

@@ -27,7 +27,7 @@ def write_report(
     store: Path, opts: Any, how: Any, reproduce: str
 ) -> tuple[str, str, dict[str, Any] | None]:
     """(markdown, "replay" | "summary", replay JSON or None)."""
-    from hstrace.html.acceptance import acceptance_of
+    from hstrace.html.verify_stats import acceptance_of
     from hstrace.report.acceptance import markdown_table
     from hstrace.report.markdown import cell, row
     from hstrace.trace import open_trace

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
 from hstrace.replay.evidence import Evidence
 
 
 def batch_coupling(ev: Evidence) -> list[Finding]:
-    b = ev.batch  # measured from the trace's batch composition (`replay.batch`)
+    b = ev.batch  # measured from the trace's batch composition (`replay.fed`)
     by_size, aux, fed = b.accept_len_by_verify_batch_size, b.aux_rows, b.draft_inputs
     if not b.coupled:
         return []
@@ -33,19 +33,11 @@ def batch_coupling(ev: Evidence) -> list[Finding]:
     if ev.accept_len_by_rank:
         evidence["accept_len_by_rank"] = ev.accept_len_by_rank
     return [
-        Finding(
+        finding(
             "batch-coupling",
             f"the {what} of {first['request']}{where} in batched step {first['step']} are "
             f"those of {owner}, batched with it: rows were taken from the wrong request of the "
             "batch",
             evidence=evidence,
-            fix=(
-                "the engine indexes the batch wrongly when it hands rows to the drafter (a "
-                "gather over the wrong group, offsets after a reorder or padding): confirm by "
-                "serving with --max-running-requests 1 (SGLang) / --max-num-seqs 1 (vLLM) and "
-                "without --enable-dp-attention; known fixes: sglang PR #20492 (eagle3 gather "
-                "under attention-DP), vllm-ascend PR #2794 (proposer source indices), "
-                "TensorRT-LLM PR #10654"
-            ),
         )
     ]

@@ -15,16 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 from hstrace.engines.registry import prefix_cache_off
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
 from hstrace.replay.compare import AGREE_TOP1
 from hstrace.replay.evidence import Evidence
-
-UPSTREAM = (
-    "known upstream fixes: sglang PR #19897 (spec-v2 draft KV uninitialised on radix hits), "
-    "PR #17338 and #30393 (HiCache did not manage the draft KV), PR #11215 (HiCache) and "
-    "#11231 (SWA radix cache); vllm#41838 (block hashes committed before the forward wrote the "
-    "KV); TensorRT-LLM PR #5285 (last draft token's KV never written)"
-)
 
 
 def draft_kv_stale(ev: Evidence) -> list[Finding]:
@@ -69,15 +62,4 @@ def draft_kv_stale(ev: Evidence) -> list[Finding]:
             else ""
         )
     )
-    return [
-        Finding(
-            "draft-kv-stale",
-            summary,
-            evidence=evidence,
-            fix=(
-                f"confirm: {check}; if the cache-hit requests' acceptance recovers, the "
-                f"engine's draft KV for cached prefixes is stale: upgrade to a version with the "
-                f"fix ({UPSTREAM}), or keep the prefix cache off for the drafter"
-            ),
-        )
-    ]
+    return [finding("draft-kv-stale", summary, evidence, confirm=check)]

@@ -9,14 +9,15 @@ the same numbers) → shift by one layer → default layers → other layers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from hstrace.engines.registry import aux_ids_fixes, prefix_cache_flags
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
+from hstrace.replay.compare import SAME_COS, UNRELATED_COS
 from hstrace.replay.evidence import Evidence
-from hstrace.replay.fingerprint import SAME_COS, UNRELATED_COS
 from hstrace.training.conventions import default_hf_indices
 
 # A recorded slot that matches no target layer this well is not a hidden state of the target.
@@ -30,29 +31,52 @@ LAYER_MATCH_COS = 0.9
 OWN_GAP_FACTOR = 4.0
 
 
-def _layers_fix(train_hf: list[int]) -> str:
+def _prefix_hint() -> str:
     return (
-        f"make serving capture the training layers (HF hidden_states {train_hf}): in the draft "
-        f"config.json set {aux_ids_fixes(train_hf)}; "
-        "or regenerate the training data with the layers serving captures"
+        " (the leading rows: typically the cached prompt prefix, whose states the engine "
+        "zero-fills instead of taking them from the cache; serve once with the prefix cache "
+        f"off, {prefix_cache_flags()}, to confirm)"
     )
 
 
-def _finding(code: str, summary: str, evidence: dict[str, Any], fix: str) -> list[Finding]:
-    return [Finding(code, summary, evidence=evidence, fix=fix)]
+def _layers(train_hf: list[int]) -> dict[str, Any]:
+    """The fields of the registry's layer fix (`hstrace.findings`, variant ""): the layers, and
+    what each serving engine's draft config needs to capture them (the engine registry's
+    `aux_ids_fixes`)."""
+    return {"train_hf": train_hf, "engine_ids": aux_ids_fixes(train_hf)}
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the serving aux slots hold, read once from the evidence: one `code` (or None:
+    nothing wrong), the summary, the evidence and the registry's fix variant and fields. The
+    checks below each report one code of it."""
+
+    code: str
+    summary: str
+    evidence: dict[str, Any]
+    variant: str = ""
+    fields: dict[str, Any] = field(default_factory=dict)
+
+    def findings(self, code: str) -> list[Finding]:
+        if self.code != code:
+            return []
+        return [
+            finding(self.code, self.summary, self.evidence, variant=self.variant, **self.fields)
+        ]
 
 
 def dead_rows(ev: Evidence) -> list[dict[str, Any]]:
     """Per request, the captured rows that cannot be hidden states (a slot exactly zero or not
     finite) and the positions that have no target row although they should: found while the
-    evidence read each request's rows (`Slots.dead_rows`, `hstrace.replay.scan`)."""
+    evidence read each request's rows (`Slots.dead_rows`, `hstrace.replay.runner`)."""
     return ev.slots.dead_rows
 
 
-def _partly_dead(ev: Evidence) -> list[Finding]:
+def _partly_dead(ev: Evidence) -> Reading | None:
     found = dead_rows(ev)
     if not found:
-        return []
+        return None
     total = sum(f["rows"] for f in found)
     first = found[0]
     spans = ", ".join(f"{a}-{b}" if a != b else f"{a}" for a, b in first["positions"][:4])
@@ -60,60 +84,95 @@ def _partly_dead(ev: Evidence) -> list[Finding]:
         f["kind"] != "missing" and f["positions"][0][0] == 0 and f["rows"] < f["of_rows"]
         for f in found
     )
-    return _finding(
+    return Reading(
         "hidden-corrupt",
         f"{total} serving aux row(s) are {first['kind']} in {len(found)} request(s), e.g. "
         f"{first['request']} positions {spans} ({first['rows']} of {first['of_rows']} rows): "
         "the capture did not cover them (the drafter's hidden input there is unknown or "
         "zero)",
         {"dead_rows": found[:20], "requests": len(found), "rows": total},
-        (
-            "the capture skipped part of these requests"
-            + (
-                " (the leading rows: typically the cached prompt prefix, whose states the "
-                "engine zero-fills instead of taking them from the cache; serve once with the "
-                f"prefix cache off, {prefix_cache_flags()}, to confirm)"
-                if prefix
-                else ""
-            )
-            + "; a producer must record only rows it computed (a cached prefix has no target "
-            "rows, see docs/trace-format.md), never zeros in their place"
-        ),
+        "rows",
+        {"prefix_hint": _prefix_hint() if prefix else ""},
     )
 
 
-def capture_slots(ev: Evidence) -> list[Finding]:
+def read_capture(ev: Evidence) -> Reading | None:
+    """The one classification of the captured slots, in the order that makes each answer
+    specific (module docstring); None when the slots hold what training holds."""
     cfg = ev.cfg
     width = ev.serving_width
     if cfg is not None and width == cfg.hidden_size and width != ev.fc_in:
-        return []  # one H-wide state instead of the concat: fc-skipped, a draft-input fault
-    health = ev.slots.health
-    if health is not None:
-        bad = [i for i, h in enumerate(health) if h.corrupt]
-        if bad:
-            h = health[bad[0]]
-            kind = "all-zero" if h.zero_rows > 0.5 else "constant (identical rows)"
-            return _finding(
-                "hidden-corrupt",
-                f"serving aux slot(s) {bad} are {kind}: the capture did not track the tokens",
-                {
-                    "slots": bad,
-                    "zero_row_fraction": [round(x.zero_rows, 4) for x in health],
-                    "constant": [x.constant for x in health],
-                },
-                "the target's aux capture is inactive or stale (a CUDA-graph buffer captured "
-                "before the layers were configured, sglang PR #22836; a hybrid model that "
-                "writes nothing): rerun with --disable-cuda-graph to confirm, then upgrade",
-            )
-    partly = _partly_dead(ev)
-    if partly:  # never target-drift: dead rows drag every cosine down
-        return partly
+        return None  # one H-wide state instead of the concat: fc-skipped, a draft-input fault
+    dead = _dead_slots(ev) or _partly_dead(ev)
+    if dead is not None:  # never target-drift: dead rows drag every cosine down
+        return dead
     if ev.slots.serving is None:
-        return []  # `skipped` says why (slot fingerprints)
-    serving, training = ev.slots.serving, ev.slots.training
-    ks, kt = serving.shape[1], training.shape[1]
+        return None  # `skipped` says why (slot fingerprints)
+    evidence = _matrix_evidence(ev)
+    ks, kt = evidence["serving_slots"], evidence["training_slots"]
     m = ev.slots.matrix
     fps = ev.slots.fingerprints
+    if ks != kt:
+        return Reading(
+            "slot-layout",
+            f"serving delivers {ks} aux slots, the training data has {kt}",
+            evidence,
+            "count",
+        )
+    diag = np.diag(m.cos)
+    if (diag >= SAME_COS).all():
+        return None
+    crossed = ev.slots.crossed
+    if crossed and ev.batch.coupled:
+        return None  # rows of a request of the same batch: batch-coupling says whose
+    if crossed:
+        i, j, c = crossed[0]
+        return Reading(
+            "hidden-corrupt",
+            f"serving aux rows of request {i} are the training rows of request {j} "
+            f"(cos {c:.4f}): rows crossed between requests",
+            {**evidence, "crossed": [list(x) for x in crossed[:10]]},
+            "crossed",
+        )
+    best = m.cos.argmax(axis=1)
+    if sorted(best.tolist()) == list(range(ks)) and (m.cos[np.arange(ks), best] >= SAME_COS).all():
+        return Reading(
+            "aux-order",
+            f"serving concatenates the aux slots in order {best.tolist()} of the training order",
+            {**evidence, "serving_slot_is_training_slot": best.tolist()},
+            fields={"permutation": best.tolist()},
+        )
+    if fps is not None:
+        return _by_layers(ev, evidence, diag, fps)
+    return _by_labels(ev, evidence, diag)
+
+
+def _dead_slots(ev: Evidence) -> Reading | None:
+    """A whole slot all-zero or constant (per-slot health over every captured row)."""
+    health = ev.slots.health
+    bad = [i for i, h in enumerate(health or []) if h.corrupt]
+    if not bad:
+        return None
+    h = health[bad[0]]
+    kind = "all-zero" if h.zero_rows > 0.5 else "constant (identical rows)"
+    return Reading(
+        "hidden-corrupt",
+        f"serving aux slot(s) {bad} are {kind}: the capture did not track the tokens",
+        {
+            "slots": bad,
+            "zero_row_fraction": [round(x.zero_rows, 4) for x in health],
+            "constant": [x.constant for x in health],
+        },
+        "slots",
+    )
+
+
+def _matrix_evidence(ev: Evidence) -> dict[str, Any]:
+    """The serving x training slot matrix (and the layer fingerprints) as every capture
+    finding quotes them."""
+    m = ev.slots.matrix
+    fps = ev.slots.fingerprints
+    ks, kt = ev.slots.serving.shape[1], ev.slots.training.shape[1]
     evidence: dict[str, Any] = {
         "serving_slots": ks,
         "training_slots": kt,
@@ -126,90 +185,62 @@ def capture_slots(ev: Evidence) -> list[Finding]:
         evidence["serving_layers"] = fps[0].layer
         evidence["training_layers"] = fps[1].layer
         evidence["serving_layer_cos"] = [round(c, 4) for c in fps[0].cos]
-    if ks != kt:
-        return _finding(
-            "slot-layout",
-            f"serving delivers {ks} aux slots, the training data has {kt}",
-            evidence,
-            "train and serve on the same slots: compare the capture list with the stored slots "
-            "(a final-state or embedding slot counted as aux is the usual cause)",
-        )
-    diag = np.diag(m.cos)
-    if (diag >= SAME_COS).all():
-        return []
-    crossed = ev.slots.crossed
-    if crossed and ev.batch.coupled:
-        return []  # rows of a request of the same batch: batch-coupling says whose
-    if crossed:
-        i, j, c = crossed[0]
-        return _finding(
+    return evidence
+
+
+def _by_layers(ev: Evidence, evidence: dict[str, Any], diag: np.ndarray, fps) -> Reading | None:
+    """With the target at hand: which physical layer each slot holds decides."""
+    m = ev.slots.matrix
+    s_layers, t_layers = fps[0].layer, fps[1].layer
+    unmatched = [i for i, c in enumerate(fps[0].cos) if c < LAYER_MATCH_COS]
+    if unmatched and (m.cos[unmatched].max(axis=1) < UNRELATED_COS).all():
+        return Reading(
             "hidden-corrupt",
-            f"serving aux rows of request {i} are the training rows of request {j} "
-            f"(cos {c:.4f}): rows crossed between requests",
-            {**evidence, "crossed": [list(x) for x in crossed[:10]]},
-            "the capture writes rows of another request (batch indexing after a reorder or "
-            "padding): check the row order of the aux buffer against the batch's requests",
-        )
-    best = m.cos.argmax(axis=1)
-    if sorted(best.tolist()) == list(range(ks)) and (m.cos[np.arange(ks), best] >= SAME_COS).all():
-        return _finding(
-            "aux-order",
-            f"serving concatenates the aux slots in order {best.tolist()} of the training order",
-            {**evidence, "serving_slot_is_training_slot": best.tolist()},
-            "concatenate the aux states in ascending layer order on both sides (engines capture "
-            "inside the layer loop; the training pipeline must not follow the id list's order), "
-            f"or permute fc.weight's input blocks by {best.tolist()}",
-        )
-    train_hf = ev.slots.training_layers
-    if fps is not None:
-        s_layers, t_layers = fps[0].layer, fps[1].layer
-        unmatched = [i for i, c in enumerate(fps[0].cos) if c < LAYER_MATCH_COS]
-        if unmatched and (m.cos[unmatched].max(axis=1) < UNRELATED_COS).all():
-            return _finding(
-                "hidden-corrupt",
-                f"serving aux slot(s) {unmatched} match no layer of the target and no training "
-                "slot: they are not the target's hidden states for these tokens",
-                evidence,
-                "check which tensor the capture returns for these rows (truncation, wrong rows, "
-                "a pipeline-parallel layer index restarting at 0)",
-            )
-        if 0 in t_layers and 0 not in s_layers:
-            return _finding(
-                "slot-layout",
-                f"the training data's slot {t_layers.index(0)} is the embedding (HF index 0) "
-                f"while serving captures layers {s_layers}: the stored layout "
-                f"{t_layers} was read as aux layers",
-                evidence,
-                "train on the layers serving captures (drop the embedding slot and read the "
-                "last stored slot as the teacher, not as aux), or capture the embedding in "
-                "serving (SGLang id -1, 0.5.22+)",
-            )
-        if s_layers == t_layers:
-            return _judged_drift(ev, evidence, diag, fps)
-        d = np.array(s_layers) - np.array(t_layers)
-        if len(set(d.tolist())) == 1 and abs(int(d[0])) == 1:
-            return _finding(
-                "aux-layer-shift",
-                f"serving captured HF layers {s_layers}, training used {t_layers}: every slot "
-                f"is shifted by {int(d[0]):+d} layer (a layer-id convention read off by one)",
-                {**evidence, "shift": int(d[0])},
-                _layers_fix(t_layers),
-            )
-        if ev.target is not None and s_layers == default_hf_indices(ev.target.num_layers):
-            return _finding(
-                "aux-layers-default",
-                f"serving captured the default layers {s_layers}; the drafter was trained on "
-                f"{t_layers}: the configured aux layer ids were not applied",
-                evidence,
-                _layers_fix(t_layers),
-            )
-        return _finding(
-            "slot-layout",
-            f"serving captured HF layers {s_layers}, training stored {t_layers}",
+            f"serving aux slot(s) {unmatched} match no layer of the target and no training "
+            "slot: they are not the target's hidden states for these tokens",
             evidence,
-            _layers_fix(t_layers),
+            "unrelated",
         )
-    # Without a target: only the slot matrix and the static audit's labels remain.
+    if 0 in t_layers and 0 not in s_layers:
+        return Reading(
+            "slot-layout",
+            f"the training data's slot {t_layers.index(0)} is the embedding (HF index 0) "
+            f"while serving captures layers {s_layers}: the stored layout "
+            f"{t_layers} was read as aux layers",
+            evidence,
+            "embedding-slot",
+        )
+    if s_layers == t_layers:
+        return _judged_drift(ev, evidence, diag, fps)
+    d = np.array(s_layers) - np.array(t_layers)
+    if len(set(d.tolist())) == 1 and abs(int(d[0])) == 1:
+        return Reading(
+            "aux-layer-shift",
+            f"serving captured HF layers {s_layers}, training used {t_layers}: every slot "
+            f"is shifted by {int(d[0]):+d} layer (a layer-id convention read off by one)",
+            {**evidence, "shift": int(d[0])},
+            fields=_layers(t_layers),
+        )
+    if ev.target is not None and s_layers == default_hf_indices(ev.target.num_layers):
+        return Reading(
+            "aux-layers-default",
+            f"serving captured the default layers {s_layers}; the drafter was trained on "
+            f"{t_layers}: the configured aux layer ids were not applied",
+            evidence,
+            fields=_layers(t_layers),
+        )
+    return Reading(
+        "slot-layout",
+        f"serving captured HF layers {s_layers}, training stored {t_layers}",
+        evidence,
+        fields=_layers(t_layers),
+    )
+
+
+def _by_labels(ev: Evidence, evidence: dict[str, Any], diag: np.ndarray) -> Reading:
+    """Without a target: only the slot matrix and the static audit's labels remain."""
+    m = ev.slots.matrix
+    train_hf = ev.slots.training_layers
     if (diag >= 0.95).all() and np.allclose(np.diag(m.rel_norm), 1.0, atol=0.1):
         return _drift(evidence, diag)
     captured = (ev.static.get("capture") or {}).get("layers_to_capture")
@@ -217,23 +248,23 @@ def capture_slots(ev: Evidence) -> list[Finding]:
         d = np.array(sorted(captured)) - np.array(train_hf)
         evidence.update({"static_layers_to_capture": captured, "training_layers": train_hf})
         if len(set(d.tolist())) == 1 and abs(int(d[0])) == 1:
-            return _finding(
+            return Reading(
                 "aux-layer-shift",
                 f"serving captured layers {sorted(captured)} (static audit), training used "
                 f"{train_hf}: shifted by {int(d[0]):+d}",
                 {**evidence, "shift": int(d[0])},
-                _layers_fix(train_hf),
+                fields=_layers(train_hf),
             )
-    return _finding(
+    return Reading(
         "slot-layout",
         "serving aux slots do not match the training slots on the same tokens "
         f"(diagonal cos {np.round(diag, 3).tolist()})",
         evidence,
-        "give --target DIR to fingerprint each slot against the target's layers",
+        "no-target",
     )
 
 
-def _judged_drift(ev: Evidence, evidence: dict[str, Any], diag: np.ndarray, fps) -> list[Finding]:
+def _judged_drift(ev: Evidence, evidence: dict[str, Any], diag: np.ndarray, fps) -> Reading | None:
     """Same layers, not the same numbers: drift, or only the target's own precision gap?
 
     Both sides are measured against the fp32 reference forward at the layer each slot holds
@@ -263,13 +294,13 @@ def _judged_drift(ev: Evidence, evidence: dict[str, Any], diag: np.ndarray, fps)
         "own_gap_factor": OWN_GAP_FACTOR,
     }
     if not s_bad and not t_bad:
-        return []  # both sides within the target's own precision gap: noise, not drift
+        return None  # both sides within the target's own precision gap: noise, not drift
     side, bad, cos_of = (
         ("serving", s_bad, serving_cos) if s_bad else ("training", t_bad, training_cos)
     )
     i = bad[0]
     both = " (the training side too)" if s_bad and t_bad else ""
-    return _finding(
+    return Reading(
         "target-drift",
         f"{side} aux slot(s) {bad} hold the same layers as training but are further from the "
         f"fp32 target than {dtype} alone moves it: {side} cos {cos_of[i]:.5f} vs the target's "
@@ -283,20 +314,44 @@ def _judged_drift(ev: Evidence, evidence: dict[str, Any], diag: np.ndarray, fps)
             "serving_drift_slots": s_bad,
             "training_drift_slots": t_bad,
         },
-        "serve the same target weights, dtype and quantisation as at data generation (FP8 or "
-        "another checkpoint drifts), or regenerate the training hidden states with the "
-        "serving target",
     )
 
 
-def _drift(evidence: dict[str, Any], diag: np.ndarray) -> list[Finding]:
-    return _finding(
+def _drift(evidence: dict[str, Any], diag: np.ndarray) -> Reading:
+    return Reading(
         "target-drift",
         "serving and training aux hold the same layers but differ beyond precision noise "
         f"(per-slot cos {np.round(diag, 4).tolist()}, bf16 noise would give > {SAME_COS}; no "
         "target model to measure its own precision gap, give --target DIR)",
         {**evidence, "diag_cos": np.round(diag, 6).tolist()},
-        "serve the same target weights, dtype and quantisation as at data generation (FP8 or "
-        "another checkpoint drifts), or regenerate the training hidden states with the "
-        "serving target",
     )
+
+
+# -- one check per code: each reports its own code of the one reading -----------------------
+def _of(ev: Evidence, code: str) -> list[Finding]:
+    reading = read_capture(ev)
+    return reading.findings(code) if reading is not None else []
+
+
+def hidden_corrupt(ev: Evidence) -> list[Finding]:
+    return _of(ev, "hidden-corrupt")
+
+
+def slot_layout(ev: Evidence) -> list[Finding]:
+    return _of(ev, "slot-layout")
+
+
+def aux_order(ev: Evidence) -> list[Finding]:
+    return _of(ev, "aux-order")
+
+
+def target_drift(ev: Evidence) -> list[Finding]:
+    return _of(ev, "target-drift")
+
+
+def aux_layer_shift(ev: Evidence) -> list[Finding]:
+    return _of(ev, "aux-layer-shift")
+
+
+def aux_layers_default(ev: Evidence) -> list[Finding]:
+    return _of(ev, "aux-layers-default")

@@ -2,10 +2,12 @@
 
 - `spec-params-adjusted`: the static audit shows the engine changed speculative settings.
 - findings the recorder already made at load time (the static audit carries them).
-- the what-if search (`replay.hypotheses`, run once as evidence): when the engine's draft
+- the what-if search (`replay.whatif`, run once as evidence): when the engine's draft
   logits disagree with the reference on identical recorded inputs, the single misreading that
   reproduces them (norm flags, RoPE, window, embedding source, fc skipped, tokens or layers
-  shifted by one).
+  shifted by one). The search names a hypothesis and its kind; the registry
+  (`hstrace.findings.HYPOTHESES`) says which code it confirms, and its fix is that code's
+  "what-if" template filled with the hypothesis' parameters.
 """
 
 from __future__ import annotations
@@ -13,19 +15,21 @@ from __future__ import annotations
 from typing import Any
 
 from hstrace.engines.registry import ENGINES, engine_spec
-from hstrace.findings import CODES, Finding
+from hstrace.findings import HYPOTHESES, REGISTRY, Finding, finding, from_fact
 from hstrace.replay.compare import with_topk
 from hstrace.replay.evidence import Evidence
 
 
 def spec_params(ev: Evidence) -> list[Finding]:
+    """The static audit's `spec` (`spec_settings` shape): settings the engine changed."""
     spec = ev.static.get("spec")
-    if not isinstance(spec, dict) or "adjusted" not in spec:
+    if not isinstance(spec, dict) or not spec.get("adjusted"):
         return []
     name = str((ev.serving.meta.get("engine") or {}).get("name", ""))
-    # the engine that recorded the trace words it; a trace of an engine this build does not
-    # know is read as the first registered one's (SGLang's shape, as before the registry)
-    return engine_spec(name if name in ENGINES else next(iter(ENGINES))).spec_findings(spec)
+    # the engine that recorded the trace words it ("spec-adjusted" audit facts); a trace of an
+    # engine this build does not know is read as the first registered one's (SGLang's shape)
+    spec_of = engine_spec(name if name in ENGINES else next(iter(ENGINES)))
+    return [from_fact(fact) for fact in spec_of.spec_facts(spec)]
 
 
 def static_load_findings(ev: Evidence) -> list[Finding]:
@@ -34,12 +38,12 @@ def static_load_findings(ev: Evidence) -> list[Finding]:
     out = []
     for key in ("findings_load", "findings_spec"):
         for f in ev.static.get(key) or []:
-            if isinstance(f, dict) and f.get("code") in CODES:
+            if isinstance(f, dict) and f.get("code") in REGISTRY:
                 out.append(
-                    Finding(
+                    finding(
                         f["code"],
                         f.get("summary", ""),
-                        evidence={**(f.get("evidence") or {}), "source": f"static audit ({key})"},
+                        {**(f.get("evidence") or {}), "source": f"static audit ({key})"},
                         fix=f.get("fix", ""),
                         severity="fault"
                         if f["code"] == "spec-params-adjusted"
@@ -65,11 +69,14 @@ def checkpoint_findings(ev: Evidence) -> list[Finding]:
     return kept
 
 
-# -- the what-if search (evidence: `Evidence.agreement.whatif`, `replay.hypotheses`) -------
+# -- the what-if search (evidence: `Evidence.whatif`, `replay.whatif`) -----------------------
 def whatif_findings(ev: Evidence) -> list[Finding]:
-    search = ev.agreement.whatif
+    search = ev.whatif
     if search is None or not search.ran or search.best is None:
         return []
+    code = HYPOTHESES.get(search.best.kind)
+    if code is None:
+        raise ValueError(f"what-if kind {search.best.kind!r} confirms no registered code")
     base = ev.agreement.engine_vs_reference
     best, results, baseline, tolerance = (
         search.best,
@@ -86,15 +93,17 @@ def whatif_findings(ev: Evidence) -> list[Finding]:
         "reference_agreement_without_it": round(baseline, 4),
         "runner_up": results[1].to_json() if len(results) > 1 else None,
     }
-    if best.code == "attention-window" and base is not None:
+    if code == "attention-window" and base is not None:
         evidence.update(_agreement_by_distance(ev))
     return [
-        Finding(
-            best.code,
+        finding(
+            code,
             f"the engine's draft logits are reproduced by the reference with {best.name} "
             f"({best.agreement:.0%} top-1 agreement vs {baseline:.0%} without)",
-            evidence=evidence,
-            fix=best.fix,
+            evidence,
+            variant="what-if",
+            severity="fault",
+            **best.params,
         )
     ]
 
@@ -122,7 +131,7 @@ def _agreement_by_distance(ev: Evidence) -> dict[str, Any]:
 def fed_back_state(ev: Evidence) -> list[Finding]:
     """Steps k >= 1: does the engine feed back what the drafter was trained to get? Decided by
     the recorded chains rerun with the trained `feed_normed` and with its opposite."""
-    from hstrace.replay.chain import pooled
+    from hstrace.replay.agreement import pooled
 
     a = ev.agreement
     if ev.drafter is None or a.engine_vs_reference is None:
@@ -139,13 +148,13 @@ def fed_back_state(ev: Evidence) -> list[Finding]:
     base, flipped = pooled(base_steps), pooled(flipped_steps)
     state = "norm(h)" if not trained else "h (pre-norm)"
     return [
-        Finding(
+        finding(
             "norm-flag-mismatch",
             f"at draft steps k >= 1 the engine feeds back {state}: it behaves as if "
             f"feed_normed={not trained} (top-1 {base:.3f}, max log-prob diff "
             f"{max(p['max_logit_diff'] for p in base_steps):.3f} as trained; {flipped:.3f} and "
             f"within the tolerance {tol:.3f} flipped); step 0 cannot show this",
-            evidence={
+            {
                 "flag": "feed_normed",
                 "trained": trained,
                 "engine_behaves_as": not trained,
@@ -153,10 +162,7 @@ def fed_back_state(ev: Evidence) -> list[Finding]:
                 "by_draft_step_flipped": flipped_steps,
                 "tolerance": round(tol, 6),
             },
-            fix=(
-                f'set "norm_output": {str(trained).lower()} (speculators/vLLM meaning: feed '
-                "the normed state back) in the draft config.json and serve with an engine "
-                "version that reads it, or retrain with the state the engine feeds back"
-            ),
+            variant="fed-back",
+            trained_json=str(trained).lower(),
         )
     ]

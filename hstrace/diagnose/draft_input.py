@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
 from hstrace.replay.compare import AGREE_TOP1
 from hstrace.replay.evidence import Evidence
 
@@ -30,24 +30,24 @@ def fc_skipped(ev: Evidence) -> list[Finding]:
     }
     if ev.agreement.hidden_in_rms is not None:
         evidence["hidden_in_rms"] = ev.agreement.hidden_in_rms
-    search = ev.agreement.whatif
+    search = ev.whatif
     if search is not None and search.best is not None and search.best.name == "fc skipped":
         evidence["reproduced_by_reference_without_fc"] = True
     return [
-        Finding(
+        finding(
             "fc-skipped",
             f"the drafter received one {cfg.hidden_size}-wide state instead of the "
             f"{ev.fc_in}-wide aux concat, so fc was skipped (the width check passed)",
             evidence=evidence,
-            fix="serve with --speculative-algorithm EAGLE3 (not EAGLE) so the target captures "
-            f"the {cfg.num_aux} aux layers and delivers {ev.fc_in} values per token",
+            num_aux=cfg.num_aux,
+            fc_in=ev.fc_in,
         )
     ]
 
 
 def token_shift(ev: Evidence) -> list[Finding]:
     rows = ev.agreement.rows
-    scores = ev.draft_inputs.token_agreement_by_shift  # `replay.draft_inputs`
+    scores = ev.draft_inputs.token_agreement_by_shift  # `replay.fed`
     if rows is None or scores is None:
         return []
     found: list[Finding] = []
@@ -55,37 +55,34 @@ def token_shift(ev: Evidence) -> list[Finding]:
         shift = max((-1, 1), key=lambda s: scores[s])
         if scores[shift] >= AGREE_TOP1:
             found.append(
-                Finding(
+                finding(
                     "token-shift",
                     f"the drafter was fed token t{1 + shift:+d} with aux row t instead of t+1 "
                     f"({scores[shift]:.0%} of rows; {scores[0]:.0%} have the right pairing)",
                     evidence={"token_agreement_by_shift": ev.draft_inputs.by_shift_json},
-                    fix="pair the aux state of position t with the token at t+1 (shift the "
-                    "input ids left by one before the draft extend, as EAGLE-3 trains)",
                 )
             )
     values = ev.draft_inputs.position_offsets
     if values:
         if len(values) > 1:
             found.append(
-                Finding(
+                finding(
                     "token-shift",
                     f"draft positions are not the token positions: offsets {values[:8]}",
                     evidence={"position_offsets": values[:16]},
-                    fix="feed each draft row the position of its aux state",
+                    variant="positions",
                 )
             )
         elif values[0] != 0:
             # RoPE is relative: a constant offset changes no logit unless a window or an
             # absolute-position scaling is in play. Worth knowing, not a fault.
             found.append(
-                Finding(
+                finding(
                     "token-shift",
                     f"draft positions start at {int(values[0])} instead of 0 (constant offset; "
                     "harmless with RoPE and full attention)",
                     evidence={"position_offset": int(values[0])},
-                    fix="none needed unless the drafter uses a sliding window or absolute "
-                    "position scaling",
+                    variant="position-offset",
                     severity="info",
                 )
             )
@@ -101,14 +98,14 @@ def chunk_boundary_token(ev: Evidence) -> list[Finding]:
     chunk's first prompt token; an engine that hands it the target's prediction there
     (sglang PR #26329, fixed by #26800) is wrong on one row per seam, which a global shift test
     cannot see. The seams come from the trace: one target step per prefill chunk."""
-    seams = ev.draft_inputs.seams  # the seam rows as measured (`replay.draft_inputs`)
+    seams = ev.draft_inputs.seams  # the seam rows as measured (`replay.fed`)
     seams_seen, wrong = seams.rows, seams.wrong
     other_ok, other_total = seams.other_ok, seams.other_total
     if not wrong or not other_total or other_ok / other_total < SEAM_CONTEXT_AGREE:
         return []  # no seam is wrong, or everything is: token-shift speaks for that
     first = wrong[0]
     return [
-        Finding(
+        finding(
             "chunk-boundary-token",
             f"at {len(wrong)} of {seams_seen} chunked-prefill seam row(s) the drafter was fed "
             f"another token than the next prompt token (e.g. {first['request']} position "
@@ -120,11 +117,5 @@ def chunk_boundary_token(ev: Evidence) -> list[Finding]:
                 "seams": seams_seen,
                 "other_rows_token_agreement": round(other_ok / other_total, 4),
             },
-            fix=(
-                "at the end of a non-final prefill chunk the draft input's last token must be "
-                "the first token of the next chunk, not the target's sampled prediction: "
-                "upgrade SGLang to a version with PR #26800 (the fix of PR #26329), or serve "
-                "with a --chunked-prefill-size larger than the prompts to confirm"
-            ),
         )
     ]

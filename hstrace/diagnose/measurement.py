@@ -18,7 +18,7 @@ import re
 import shlex
 from typing import Any
 
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
 from hstrace.replay.evidence import Evidence
 
 # Environment variables that simulate acceptance (any non-empty value other than 0/false).
@@ -108,18 +108,11 @@ def acceptance_simulated(ev: Evidence) -> list[Finding]:
             "convention": "accepted draft tokens per verify, excluding the bonus token",
         }
     return [
-        Finding(
+        finding(
             "acceptance-simulated",
             "the engine ran with a simulated-acceptance switch "
             f"({', '.join(sorted(switches))}): the verifier accepted what the switch said, not "
             "what the target agreed with, so every accept length in this trace is fake",
             evidence=evidence,
-            fix=(
-                "record again with the switch off: unset SGLANG_SIMULATE_ACC_LEN / "
-                'SGLANG_SIMULATE_ACC_METHOD (SGLang), drop "rejection_sample_method": '
-                '"synthetic" from --speculative-config (vLLM), unset '
-                "TLLM_SPEC_DECODE_FORCE_NUM_ACCEPTED_TOKENS (TensorRT-LLM); judge the drafter "
-                "only from a run without it"
-            ),
         )
     ]

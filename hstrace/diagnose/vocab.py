@@ -8,13 +8,13 @@ reading of `d2t` to the engine's own draft ids shows which one it used: offsets
 from __future__ import annotations
 
 from hstrace.drafter.vocab import map_draft_ids
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
 from hstrace.replay.compare import AGREE_TOP1
 from hstrace.replay.evidence import Evidence
 
 
 def vocab_mapping(ev: Evidence) -> list[Finding]:
-    v = ev.vocab  # the readings scored on the engine's own ids (`replay.vocab`)
+    v = ev.vocab  # the readings scored on the engine's own ids (`replay.fed`)
     if v.scores is None:
         return []  # `skipped` says why (vocab map)
     scores, draft, served, d2t = v.scores, v.draft, v.served, v.d2t
@@ -33,38 +33,33 @@ def vocab_mapping(ev: Evidence) -> list[Finding]:
     }
     if best == "direct table" and scores[best] >= AGREE_TOP1:
         return [
-            Finding(
+            finding(
                 "d2t-direct-table",
                 "the engine reads d2t as a direct draft->target table, but the checkpoint holds "
                 f"offsets: {scores[best]:.0%} of proposed target ids equal d2t[i], "
                 f"{scores['offsets']:.0%} equal i + d2t[i]",
                 evidence=evidence,
-                fix="map draft id i to target id i + d2t[i] (SGLang: hot_token_id = d2t + arange); "
-                "if a converter wrote absolute ids into d2t, store offsets instead "
-                "(d2t = ids - arange(draft_vocab_size))",
             )
         ]
     if best == "no mapping" and scores[best] >= AGREE_TOP1:
         return [
-            Finding(
+            finding(
                 "vocab-map-missing",
                 "the engine proposes draft ids as target ids without applying d2t: "
                 f"{scores[best]:.0%} of proposed target ids equal the draft ids "
                 f"(draft vocab {ev.cfg.draft_vocab_size} < target vocab {vocab})",
                 evidence=evidence,
-                fix="ship the vocab mapping in the checkpoint (key `d2t`, int64 offsets, "
-                f"{ev.cfg.draft_vocab_size} entries) and make sure the engine loads it",
+                draft_vocab_size=ev.cfg.draft_vocab_size,
             )
         ]
     return [
-        Finding(
+        finding(
             "d2t-direct-table",
             "the engine's target ids match no known reading of d2t "
             f"(offsets {scores['offsets']:.0%}, table {scores['direct table']:.0%}, "
             f"none {scores['no mapping']:.0%})",
             evidence=evidence,
-            fix="compare the engine's d2t / hot_token_id with the checkpoint's d2t "
-            "(`hstrace check DRAFTER`)",
+            variant="unknown",
             severity="warning",
         )
     ]

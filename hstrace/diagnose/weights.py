@@ -7,14 +7,8 @@ reference and no single what-if explains it (random or uninitialised weights loo
 
 from __future__ import annotations
 
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
 from hstrace.replay.evidence import Evidence
-
-FIX = (
-    "rename the checkpoint keys to the names the engine maps (SGLang: fc.*, midlayer.* or "
-    "layers.0.*, norm.*, lm_head.*, d2t); unknown keys are dropped silently and the parameters "
-    "keep their initial values — `hstrace check DRAFTER` lists each key and what took it"
-)
 
 
 def weights_dropped(ev: Evidence) -> list[Finding]:
@@ -30,7 +24,7 @@ def weights_dropped(ev: Evidence) -> list[Finding]:
         }
     if dropped or unloaded:
         return [
-            Finding(
+            finding(
                 "weights-dropped",
                 f"the engine did not load {len(unloaded)} drafter parameters "
                 f"({len(dropped)} checkpoint keys dropped)",
@@ -39,10 +33,9 @@ def weights_dropped(ev: Evidence) -> list[Finding]:
                     "unloaded_parameters": unloaded[:20],
                     **runtime,
                 },
-                fix=FIX,
             )
         ]
-    search = ev.agreement.whatif  # the what-if search, as evidence (`replay.hypotheses`)
+    search = ev.whatif  # the what-if search, as evidence (`replay.whatif`)
     if (
         agreement is not None
         and not (agreement.agrees and agreement.within_noise)
@@ -51,7 +44,7 @@ def weights_dropped(ev: Evidence) -> list[Finding]:
         and search.best is None
     ):
         return [
-            Finding(
+            finding(
                 "weights-dropped",
                 "on identical recorded inputs the engine's draft logits disagree with the "
                 f"reference ({agreement.top1:.0%} top-1 agreement) and no single misreading "
@@ -60,7 +53,6 @@ def weights_dropped(ev: Evidence) -> list[Finding]:
                     **runtime,
                     "whatif_best": search.results[0].to_json() if search.results else None,
                 },
-                fix=FIX,
                 severity="warning",
             )
         ]

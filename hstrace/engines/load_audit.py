@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hstrace.findings import Finding
-
 # Draft parameters that never come from an EAGLE-3 checkpoint in SGLang or vLLM (when the
 # checkpoint has none): the embedding is shared from the target.
 SHARED_FROM_TARGET = ("model.embed_tokens.weight",)
@@ -87,7 +85,9 @@ class LoadAuditSpec:
         return WeightsAudit(parameters=list(parameters), expected_unloaded=self.expected_unloaded)
 
 
-def weights_findings(wa: WeightsAudit, spec: LoadAuditSpec) -> list[Finding]:
+def weights_facts(wa: WeightsAudit, spec: LoadAuditSpec) -> list[dict[str, Any]]:
+    """The load's audit fact "weights-not-loaded" (`hstrace.findings.from_fact` names its code),
+    or none."""
     dropped, unloaded = wa.dropped_keys(), wa.unloaded_parameters()
     if not dropped and not unloaded:
         return []
@@ -101,16 +101,16 @@ def weights_findings(wa: WeightsAudit, spec: LoadAuditSpec) -> list[Finding]:
         "parameters were never loaded"
     )
     return [
-        Finding(
-            "weights-dropped",
-            summary,
-            evidence={
+        {
+            "fact": "weights-not-loaded",
+            "summary": summary,
+            "evidence": {
                 "dropped_keys": dropped[:50],
                 "unloaded_parameters": unloaded[:50],
                 "dropped_prefixes": sorted({k.split(".")[0] for k in dropped}),
             },
-            fix=spec.fix,
-        )
+            "fix": spec.fix,
+        }
     ]
 
 

@@ -20,7 +20,6 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from hstrace.engines.rows import TableWrite
 from hstrace.engines.support import EngineSupport
-from hstrace.findings import Finding
 
 
 @runtime_checkable
@@ -102,7 +101,7 @@ class EngineSpec(ABC):
         """num_steps / topk / num_draft_tokens as asked (`raw`) and as served (`effective`):
         `{"raw", "effective", "adjusted"}` (adjusted: name -> {"user", "effective"})."""
 
-    def spec_findings(self, settings: Mapping[str, Any]) -> list[Finding]:
-        """Findings on `spec_settings`'s answer (`spec-params-adjusted` where the engine changes
-        the settings it was given); none by default."""
+    def spec_facts(self, settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """Audit facts on `spec_settings`'s answer ("spec-adjusted" where the engine changes the
+        settings it was given; `hstrace.findings.from_fact` names the code); none by default."""
         return []

@@ -11,7 +11,7 @@ import torch
 
 from hstrace.drafter.dialects import DIALECT_CONVENTION
 from hstrace.drafter.model import Eagle3Drafter
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
 from hstrace.training.conventions import hf_index
 
 
@@ -31,11 +31,12 @@ def slot_findings(model: Eagle3Drafter, dialect: str, first: Any) -> list[Findin
     }
     if (n_slots, width) != (cfg.num_aux, cfg.aux_width):
         return [
-            Finding(
+            finding(
                 "slot-layout",
-                f"training data stores {n_slots} aux slots of width {width}; the drafter's fc takes {cfg.num_aux} of width {cfg.aux_width}",
+                f"training data stores {n_slots} aux slots of width {width}; the drafter's fc "
+                f"takes {cfg.num_aux} of width {cfg.aux_width}",
                 evidence,
-                "Check which stored slots the trainer fed (speculators: all but the last; the last is the teacher's state).",
+                variant="stored-count",
             )
         ]
     stored, conv = first.slot_layer_ids, first.provenance.get("layer_id_convention")
@@ -46,11 +47,12 @@ def slot_findings(model: Eagle3Drafter, dialect: str, first: Any) -> list[Findin
     if data_hf == drafter_hf:
         return []
     return [
-        Finding(
+        finding(
             "slot-layout",
-            f"training data stores HF hidden_states {data_hf}, the drafter's config names {drafter_hf}: one of them is not what the drafter was trained or will be served on",
+            f"training data stores HF hidden_states {data_hf}, the drafter's config names "
+            f"{drafter_hf}: one of them is not what the drafter was trained or will be served on",
             {**evidence, "stored_hf_indices": data_hf, "config_hf_indices": drafter_hf},
-            "Use data captured at the drafter's layers, or fix eagle_aux_hidden_state_layer_ids to the layers it was trained on (mind each library's id convention).",
+            variant="stored-layers",
             severity="warning",
         )
     ]
@@ -171,7 +173,7 @@ def embedding_slot_findings(
         else "the engine's default layers (no ids in the config), none of them the embedding"
     )
     return [
-        Finding(
+        finding(
             "slot-layout",
             f"training aux slot(s) {aux_embed} of {n_slots} are the token embedding "
             f"(embed_tokens[input_ids] up to bf16, HF hidden_states[0]), but the drafter's config "
@@ -190,8 +192,6 @@ def embedding_slot_findings(
                 "data_format": first.provenance.get("format"),
                 "data_last": first.provenance.get("last"),
             },
-            "Regenerate the training data at the layers the drafter is served with (no embedding "
-            "slot) and retrain; or, if the drafter is meant to take the embedding, make the served "
-            "config capture it (vLLM: id 0; SGLang >= 0.5.22: layers_to_capture 0).",
+            variant="stored-embedding",
         )
     ], info

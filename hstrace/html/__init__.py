@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hstrace.html.acceptance import Acceptance, acceptance_of
 from hstrace.html.page import render_page
+from hstrace.html.verify_stats import Acceptance, acceptance_of
 
 __all__ = ["Acceptance", "acceptance_of", "render_page", "write_report_html"]
 

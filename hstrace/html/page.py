@@ -16,7 +16,7 @@ from typing import Any
 from hstrace._version import __version__
 from hstrace.findings import STAGES
 from hstrace.html import svg
-from hstrace.html.acceptance import Acceptance
+from hstrace.html.verify_stats import Acceptance
 from hstrace.report.acceptance import html_table
 from hstrace.trace.acceptance_by_position import CONVENTIONS, OF_REACHED
 

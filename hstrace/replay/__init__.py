@@ -1,39 +1,16 @@
-"""Replay: put serving next to training through one reference drafter and find where they part.
+"""The replay room: put serving next to training through one reference drafter and build the
+evidence of where they part, in named stages (one module and one entry function each):
 
-Pure parts (tensors in, numbers out): `align` (serving requests to training samples by token
-ids), `fingerprint` (which slot holds which hidden state), `compare` (engine vs reference
-draft outputs, judged against fp32), `whatif` (which misreading reproduces the engine); the
-batched reference forwards live below, in `hstrace.reference`. The evidence, built once
-(`evidence.build_evidence`) and read-only after: `sides` (the alignment), `slots`,
-`accuracy`, `agreement` (with the what-if search of `hypotheses`), `draft_inputs`, `vocab`,
-`batch`. I/O: `serving` (reads a trace), `run` (`replay_with` = `open_evidence` + `judge`,
-which runs the checks it is given).
+read (`read.read_serving`) → align (`align.align`, `align.Alignment.build`) → compare
+(`evidence.build_evidence`: `slots`, `accuracy`, `agreement`, `inputs` over the pure `compare`
+and the reference `runner`) → what-if (`whatif.search_whatifs`) → judge (`run.judge`: the
+checks handed in from above, the result in `result.ReplayResult`).
 
-`hstrace.replay(...)` is the public entry point: a facade over `hstrace.pipelines.replay`
-(replay + diagnose), kept here so `from hstrace.replay import replay` goes on working. No
-module of this package imports `hstrace.diagnose`.
+What could not be computed is noted as it is built (`unavailable`). No module of this package
+imports `hstrace.diagnose`. `hstrace.replay` is this package only: the public function that
+replays a trace and diagnoses it is `hstrace.replay_trace` (`hstrace.pipelines.replay_trace`).
 """
-
-import sys
-import types
 
 from hstrace.replay.result import ReplayResult
 
-
-def replay(*args, **kwargs) -> ReplayResult:  # noqa: D103 - see hstrace.pipelines.replay
-    from hstrace.pipelines import replay as _replay
-
-    return _replay(*args, **kwargs)
-
-
-class _CallablePackage(types.ModuleType):
-    """`hstrace.replay` is both this package and the public function: importing the package
-    binds it as `hstrace.replay`, shadowing the function, so the package itself calls it."""
-
-    def __call__(self, *args, **kwargs) -> ReplayResult:
-        return replay(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
-
-__all__ = ["ReplayResult", "replay"]
+__all__ = ["ReplayResult"]

@@ -1,4 +1,4 @@
-"""Evidence `Accuracy`: step-0 accuracy of the reference drafter on each side, and the training
+"""Evidence `Step0Accuracy`: step-0 accuracy of the reference drafter on each side, and the training
 side's own numbers (the library's teacher metric, what greedy serving would accept, which norm
 form the stored final state is in).
 
@@ -22,10 +22,9 @@ import torch
 from hstrace.drafter.vocab import draft_vocab_targets, map_draft_ids
 from hstrace.reference.step0 import Step0Input
 from hstrace.reference.target import ReferenceTarget
+from hstrace.replay.align import AlignedPair
 from hstrace.replay.compare import agreement
-from hstrace.replay.runner import DrafterRunner
-from hstrace.replay.scan import CaptureScan
-from hstrace.replay.sides import Aligned
+from hstrace.replay.runner import CaptureScan, DrafterRunner
 from hstrace.replay.unavailable import Unavailable
 
 
@@ -36,7 +35,7 @@ class TrainingStep0:
     logits: torch.Tensor  # [R, Vd]
     labels: torch.Tensor  # [R] token t+2
     mask: torch.Tensor  # [R] the library's loss mask
-    rows: list[tuple[Aligned, int]]  # per aligned sample: its rows 0..n-1
+    rows: list[tuple[AlignedPair, int]]  # per aligned sample: its rows 0..n-1
 
     @property
     def judged(self) -> torch.Tensor:
@@ -44,8 +43,8 @@ class TrainingStep0:
         return self.mask if self.mask.any() else torch.ones_like(self.mask)
 
 
-@dataclass(frozen=True)
-class Accuracy:
+@dataclass(frozen=True, kw_only=True)
+class Step0Accuracy:
     serving: float | None  # acc0_serving
     training: float | None  # acc0_training
     serving_aligned: float | None  # acc0_serving_aligned
@@ -76,7 +75,7 @@ class Accuracy:
 
 def build_accuracy(
     runner: DrafterRunner, target: ReferenceTarget | None, scan: CaptureScan
-) -> Accuracy:
+) -> Step0Accuracy:
     u = Unavailable()
     runs = runner.can_run and runner.alignment.fc_in is not None
     ts = u.guarded("acc0_training", lambda: _training_step0(runner, u)) if runs else None
@@ -102,7 +101,16 @@ def build_accuracy(
             full_vocab = u.guarded(
                 "library metric vs full vocab", lambda: _full_vocab(runner, target, ts)
             )
-    return Accuracy(acc_serving, acc_training, aligned, ts, full_vocab, teacher, rel, u.frozen())
+    return Step0Accuracy(
+        serving=acc_serving,
+        training=acc_training,
+        serving_aligned=aligned,
+        training_step0=ts,
+        full_vocab=full_vocab,
+        teacher_state=teacher,
+        teacher_rel_norms=rel,
+        unavailable=u.frozen(),
+    )
 
 
 def _serving(runner: DrafterRunner, u: Unavailable, scan: CaptureScan) -> float | None:

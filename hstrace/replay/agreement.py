@@ -1,9 +1,11 @@
-"""Evidence `Agreement`: the reference drafter on exactly the inputs the engine recorded.
+"""Stage compare, entry `build_agreement`: evidence `Agreement`, the reference drafter on
+exactly the inputs the engine recorded (with the chains k >= 1 replayed here too).
 
 Engine vs reference on the draft-extend rows (judged against fp32 with the bf16 spread as the
 noise floor), by recorded step, on the recorded chains (steps k >= 1, and the same chains with
-`feed_normed` flipped when they disagree), split by prefix-cache hit / fresh request, and the
-what-if search (`hstrace.replay.hypotheses`): computed once here, read by any check.
+`feed_normed` flipped when they disagree), split by prefix-cache hit / fresh request:
+computed once here, read by any check and by the what-if stage (`hstrace.replay.whatif`),
+which comes after it and imports it (never back).
 
 The drafter's recorded hidden input is read a batch of requests at a time, in the batches the
 reference runs (`engine_batches`), and released after; of the reference logits only per-row
@@ -14,7 +16,9 @@ run only when the engine disagrees with the reference.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,8 +26,6 @@ import numpy as np
 import torch
 
 from hstrace.reference.step0 import Step0Input, plan_batches
-from hstrace.reference.target import ReferenceTarget
-from hstrace.replay.chain import ChainSums, chosen_chains
 from hstrace.replay.compare import (
     AGREE_TOP1,
     LogitAgreement,
@@ -34,12 +36,12 @@ from hstrace.replay.compare import (
     gap_at,
     with_topk,
 )
+from hstrace.replay.read import ServingRequest
 from hstrace.replay.runner import DrafterRunner
-from hstrace.replay.serving import ServingRequest
 from hstrace.replay.unavailable import Unavailable
-from hstrace.replay.whatif import WhatIfResult
 
 
+# -- agreement ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineRows:
     """Every recorded draft-extend row that the reference can replay, concatenated."""
@@ -82,28 +84,11 @@ class CacheSplit:
         return hit is not None and fresh is not None and fresh["agrees"] and not hit["agrees"]
 
 
-@dataclass(frozen=True)
-class WhatIfSearch:
-    ran: bool
-    reason: str | None = None  # why it did not run
-    baseline: float = 0.0  # reference top-1 agreement with the engine, without any what-if
-    results: list[WhatIfResult] = field(default_factory=list)  # best first
-    best: WhatIfResult | None = None  # the one that reproduces the engine, if any
-    tolerance: float | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        if not self.ran:
-            return {"ran": False, "reason": self.reason}
-        return {
-            "ran": True,
-            "baseline_top1": round(self.baseline, 6),
-            "results": [r.to_json() for r in self.results[:10]],
-            "reproduced_by": self.best.name if self.best else None,
-        }
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Agreement:
+    """Stage compare's evidence: built by keyword (`build_agreement`), read by the checks and
+    by the what-if stage (`hstrace.replay.whatif.search_whatifs`)."""
+
     requests: list[ServingRequest]  # requests whose draft rows are replayed (`rows.request`)
     rows: EngineRows | None
     fc_inputs_fit: bool  # every recorded draft hidden input is fc's input width
@@ -111,11 +96,10 @@ class Agreement:
     reference: RefRows | None
     engine_vs_reference: LogitAgreement | None
     by_step: list[dict[str, Any]] | None  # per recorded draft_extend step
-    chains: list[dict[str, Any]]  # engine vs reference at chain steps k >= 1 (`replay.chain`)
+    chains: list[dict[str, Any]]  # engine vs reference at chain steps k >= 1 (`replay.agreement`)
     # The same chains with `feed_normed` flipped, when the chains as trained disagree.
-    chains_feed_flipped: list[dict[str, Any]] | None
-    cache: CacheSplit | None
-    whatif: WhatIfSearch | None
+    chains_feed_flipped: list[dict[str, Any]] | None = None
+    cache: CacheSplit | None = None
     unavailable: dict[str, str] = field(default_factory=dict)
     # sqrt(mean(hidden_in ** 2)) over every recorded row (`fc-skipped` quotes it)
     hidden_in_rms: float | None = None
@@ -127,7 +111,6 @@ class Agreement:
     def chains_match(self, by_step: list[dict[str, Any]]) -> bool:
         """Pooled top-1 agrees and every step's log-probs are within the step-0 tolerance
         (the bf16-vs-fp32 spread measured on the same rows)."""
-        from hstrace.replay.chain import pooled
 
         top1 = pooled(by_step)
         tol = self.engine_vs_reference.tolerance
@@ -149,12 +132,8 @@ class Agreement:
         return a
 
 
-def build_agreement(
-    runner: DrafterRunner,
-    target: ReferenceTarget | None,
-    training_layers: list[int] | None,
-    training_step0: Any,
-) -> Agreement:
+def build_agreement(runner: DrafterRunner) -> Agreement:
+    """Stage compare: the reference on the recorded inputs, engine vs reference."""
     u = Unavailable()
     requests = _engine_requests(runner, u)
     rows = _engine_rows(runner, requests) if requests else None
@@ -194,7 +173,15 @@ def build_agreement(
             u.note("draft steps k >= 1", "the trace has no draft_step rows to replay")
         else:
             chains = u.guarded("draft steps k >= 1", first.chain_result) or []
-    a = Agreement(requests, rows, fits, ref, evr, by_step, chains, None, None, None)
+    a = Agreement(
+        requests=requests,
+        rows=rows,
+        fc_inputs_fit=fits,
+        reference=ref,
+        engine_vs_reference=evr,
+        by_step=by_step,
+        chains=chains,
+    )
     flipped = None
     if chains and not a.chains_match(chains):
         trained = bool(runner.cfg.feed_normed)
@@ -205,17 +192,8 @@ def build_agreement(
     cache = None
     if evr is not None:
         cache = u.guarded("cache hit / miss split", lambda: _cache_split(runner, a, u))
-    a = Agreement(requests, rows, fits, ref, evr, by_step, chains, flipped, cache, None)
-    whatif = None
-    if runner.can_run and rows is not None and rows.hidden_recorded:
-        from hstrace.replay.hypotheses import search_whatifs
-
-        whatif = u.guarded(
-            "what-if search",
-            lambda: search_whatifs(runner, a, target, training_layers, training_step0),
-        )
-    return Agreement(
-        requests, rows, fits, ref, evr, by_step, chains, flipped, cache, whatif, u.frozen(), rms
+    return dataclasses.replace(
+        a, chains_feed_flipped=flipped, cache=cache, unavailable=u.frozen(), hidden_in_rms=rms
     )
 
 
@@ -544,3 +522,117 @@ def _zeroed_span_agreement(runner: DrafterRunner, a: Agreement) -> float | None:
     m = torch.cat(masks)
     pred = torch.cat([preds[j] for j in range(len(hits))])
     return agreement(pred[m], torch.cat(engine).long()[m])
+
+
+# -- chain -------------------------------------------------------------------------------------
+# Replay of the recorded draft chains (steps k >= 1, the `draft_step` table).
+#
+# Step 0 does not depend on what the drafter feeds back to itself, so a fed-back-state mismatch
+# (speculators/vLLM `norm_output` = `feed_normed`: step k gets norm(h) instead of h) passes every
+# step-0 check. Here each recorded chain is rerun through the reference drafter from the same
+# recorded draft-extend inputs, feeding at step k the token the engine fed, and the reference's
+# step-k argmax is compared with the engine's recorded step-k top-1.
+
+# Chains replayed per trace at most: each costs one step-0 forward over its committed rows.
+MAX_CHAINS = 256
+
+
+def chain_agreement(
+    model: torch.nn.Module,
+    requests: list[Any],
+    prefix_of: Callable[[Any], Any] | None = None,
+) -> list[dict[str, float | int]]:
+    """[{draft_step, rows, top1_agreement, max_logit_diff}] over the chains of `requests`
+    (`hstrace.replay.read.ServingRequest` with draft rows and hidden inputs). `prefix_of(r)`
+    gives a prefix-cache hit's cached span as a `Step0Input` (None: no cached span)."""
+    sums = ChainSums()
+    has_prefix = (lambda r: prefix_of(r) is not None) if prefix_of is not None else None
+    for r, chain in chosen_chains(requests, has_prefix):
+        sums.run(model, r, chain, prefix_of)
+    return sums.result()
+
+
+def chosen_chains(
+    requests: list[Any], has_prefix: Callable[[Any], bool] | None = None
+) -> list[tuple[Any, Any]]:
+    """The (request, chain) pairs replayed, at most MAX_CHAINS, in request order, decided from
+    the narrow columns alone (a request's hidden input is read only when its chains run)."""
+    out: list[tuple[Any, Any]] = []
+    for r in requests:
+        d = r.draft
+        if d is None or not d.has_hidden:
+            continue
+        for chain in r.chains:
+            if len(out) >= MAX_CHAINS:
+                return out
+            T = min(int(chain.rows), len(d.input_ids))
+            ks = chain.step_index.tolist()
+            if T <= 0 or ks != list(range(1, len(ks) + 1)):
+                continue  # a chain recorded with gaps cannot be rerun step by step
+            if r.aux_start and (has_prefix is None or not has_prefix(r)):
+                continue  # a cache hit whose cached span cannot be rebuilt
+            out.append((r, chain))
+    return out
+
+
+class ChainSums:
+    """Per draft step: argmax hits, rows compared, max log-prob gap; chains added in any order
+    give the same result (sums and maxima)."""
+
+    def __init__(self) -> None:
+        self.hits: dict[int, int] = defaultdict(int)
+        self.diff: dict[int, float] = defaultdict(float)
+        self.total: dict[int, int] = defaultdict(int)
+
+    def run(
+        self,
+        model: torch.nn.Module,
+        r: Any,
+        chain: Any,
+        prefix_of: Callable[[Any], Any] | None,
+    ) -> None:
+        """Rerun one chain from its recorded draft-extend inputs (r's hidden input: hold it)."""
+        from hstrace.reference.step0 import Step0Input
+        from hstrace.replay.compare import logprob_gap
+
+        d = r.draft
+        T = min(int(chain.rows), len(d.input_ids))
+        item = Step0Input(
+            torch.as_tensor(d.input_ids[:T]).long(),
+            d.hidden_in[:T].float(),
+            torch.as_tensor(d.positions[:T]).long(),
+            prefix=prefix_of(r) if prefix_of is not None and r.aux_start else None,
+        )
+        item = item.with_prefix()
+        out = model(item.input_ids, item.aux.float(), positions=item.positions)
+        for j, k in enumerate(chain.step_index.tolist()):
+            fed = torch.full((len(item.input_ids),), int(chain.input_ids[j]), dtype=torch.long)
+            out = model.step(fed, out.hidden, out.cache)
+            engine_ids = torch.as_tensor(chain.topk_draft_ids[j]).long()
+            if int(engine_ids[0]) < 0:
+                continue  # no draft recorded at this step: nothing to compare
+            self.hits[k] += int(int(out.logits[-1].argmax()) == int(engine_ids[0]))
+            if chain.topk_logprobs is not None:
+                lps = torch.as_tensor(chain.topk_logprobs[j])[None]
+                gap = logprob_gap(out.logits[-1:], engine_ids[None], lps)
+                if gap == gap:  # NaN: log-probs not recorded, the ids alone count
+                    self.diff[k] = max(self.diff[k], gap)
+            self.total[k] += 1
+
+    def result(self) -> list[dict[str, float | int]]:
+        return [
+            {
+                "draft_step": k,
+                "rows": self.total[k],
+                "top1_agreement": round(self.hits[k] / self.total[k], 6),
+                "max_logit_diff": round(self.diff[k], 6),
+            }
+            for k in sorted(self.total)
+        ]
+
+
+def pooled(by_step: list[dict[str, float | int]]) -> float | None:
+    rows = sum(int(p["rows"]) for p in by_step)
+    if not rows:
+        return None
+    return sum(float(p["top1_agreement"]) * int(p["rows"]) for p in by_step) / rows

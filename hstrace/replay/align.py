@@ -1,4 +1,11 @@
-"""Pair serving requests with training samples by their token ids (pure; no I/O).
+"""Stage align (entries `align`, then `Alignment.build`): serving requests next to training
+samples, and the slot views both sides are compared on.
+
+Three parts, in the order a replay uses them: the pure matching by token ids (`align`), the
+ids-redacted bundle's hashes turned back into ids (`recover_ids`, before matching), and the
+`Alignment` every piece of evidence is computed from.
+
+Pair serving requests with training samples by their token ids (pure; no I/O).
 
 A serving request is aligned with the training sample that shares the longest common prefix of
 token ids with it. `exact`: the two sequences are identical. `prefix`: they share at least
@@ -11,9 +18,15 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 
+from hstrace.redaction import RedactedIdsError, hash_token_ids
+from hstrace.replay.read import ServingData, ServingRequest
+
+# -- align -------------------------------------------------------------------------------------
 # Fewer shared leading tokens than this is a coincidence, not the same text.
 DEFAULT_MIN_TOKENS = 8
 
@@ -104,3 +117,191 @@ def align(
         training_samples_matched=len({m.training for m in matches}),
     )
     return matches, coverage
+
+
+# -- sides -------------------------------------------------------------------------------------
+# The serving/training alignment every piece of evidence is computed from: which serving
+# request lines up with which training sample, how the serving capture is shaped (raw aux rows
+# or, for a `--redact hidden` bundle, per-slot sketches: chosen once, here), and the slot views
+# of both sides on the aligned tokens.
+
+
+@dataclass(frozen=True)
+class AlignedPair:
+    serving: ServingRequest
+    sample: Any  # hstrace.training.TrainingSample
+    n: int  # aligned positions 0..n-1 (the tokens agree on all of them)
+    # Positions start..n-1 have a serving capture (start > 0: a prefix-cache hit, the cached
+    # span has none); slot comparisons use these rows only.
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class Alignment:
+    serving: ServingData
+    samples: list[Any]
+    matches: list[Match]
+    coverage: Coverage
+    aligned: list[AlignedPair]
+    training_kind: str  # "training" (a dump) or "trace" (a second trace as the samples)
+    # Serving hidden states were redacted; per-slot sketches stand in for them (both sides
+    # are then compared as sketches).
+    sketched: bool
+    sketch_slot_width: int | None  # the slot width the serving sketches were projected from
+    serving_width: int | None  # width of the recorded capture (sketched: before redaction)
+    slot_width: int | None  # the drafter's aux width, else the training slots' width
+    fc_in: int | None  # the drafter's fc input width (num_aux * aux_width)
+    # The dtype the target was served in, as the recorded aux rows carry it (a producer
+    # writes them as served, docs/trace-format.md); bf16 when nothing says (a bundle's
+    # sketches, no aux rows): what engines serve in.
+    serving_dtype: torch.dtype
+
+    @classmethod
+    def build(
+        cls,
+        serving: ServingData,
+        samples: list[Any],
+        matches: list[Match],
+        coverage: Coverage,
+        cfg: Any,
+        training_kind: str = "training",
+    ) -> Alignment:
+        aligned = []
+        for m in matches:
+            req, sample = serving.requests[m.serving], samples[m.training]
+            n = min(m.length, req.aux_end, int(sample.aux.shape[0]))
+            if n > req.aux_start:
+                aligned.append(AlignedPair(req, sample, n, start=req.aux_start))
+        reqs = serving.requests
+        sketched = (
+            bool(reqs) and not any(r.has_aux for r in reqs) and any(r.has_sketch for r in reqs)
+        )
+        w = serving.sketch_attrs.get("slot_width")
+        sketch_slot_width = int(w) if w else None
+        if cfg is not None:
+            slot_width: int | None = int(cfg.aux_width)
+        elif samples:
+            slot_width = int(samples[0].aux.shape[-1])
+        else:
+            slot_width = None
+        return cls(
+            serving=serving,
+            samples=samples,
+            matches=matches,
+            coverage=coverage,
+            aligned=aligned,
+            training_kind=training_kind,
+            sketched=sketched,
+            sketch_slot_width=sketch_slot_width,
+            serving_width=_serving_width(serving, sketched, sketch_slot_width),
+            slot_width=slot_width,
+            fc_in=int(cfg.num_aux * cfg.aux_width) if cfg is not None else None,
+            serving_dtype=_serving_dtype(serving, sketched),
+        )
+
+    def serving_slots_of(self, r: ServingRequest, n: int | None = None) -> torch.Tensor:
+        """[m, K, Ht] serving slots of one request up to sequence index n (its captured rows:
+        from r.aux_start on), or [m, K, D] sketches when redacted."""
+        stop = None if n is None else max(0, n - r.aux_start)
+        if self.sketched:
+            x = r.sketch_head(stop)
+            return x.reshape(len(x), -1, int(self.serving.sketch_attrs.get("sketch_dim", 32)))
+        x = r.aux_head(stop).float()
+        return x.reshape(len(x), -1, self.slot_width)
+
+    def training_slots_of(self, a: AlignedPair) -> torch.Tensor:
+        """[m, Kt, Ht] training slots on the aligned, captured tokens, sketched like serving if
+        needed."""
+        t = a.sample.aux[a.start : a.n].float()
+        return self.sketch(t) if self.sketched else t
+
+    def sketch(self, slots: torch.Tensor) -> torch.Tensor:
+        """[N, K, W] -> [N, K, D]: the same seeded projection `hstrace bundle` applied."""
+        from hstrace.redaction import sketch_slots
+
+        return sketch_slots(slots).reshape(slots.shape[0], slots.shape[1], -1)
+
+
+def _serving_width(serving: ServingData, sketched: bool, slot_width: int | None) -> int | None:
+    if sketched:
+        from hstrace.redaction import SKETCH_DIM
+
+        dim = int(serving.sketch_attrs.get("sketch_dim") or SKETCH_DIM)
+        widths = {r.width("aux_sketch") // dim for r in serving.requests if r.has_sketch}
+        return widths.pop() * slot_width if len(widths) == 1 and slot_width else None
+    widths = {r.width("aux") for r in serving.requests if r.has_aux}
+    return widths.pop() if len(widths) == 1 else None
+
+
+def _serving_dtype(serving: ServingData, sketched: bool) -> torch.dtype:
+    if not sketched:
+        for r in serving.requests:
+            if r.has_aux and r.dtype("aux").is_floating_point:
+                return r.dtype("aux")
+    return torch.bfloat16
+
+
+# -- redaction ---------------------------------------------------------------------------------
+# Replaying a redacted bundle (`hstrace bundle --redact ids|hidden`, see docs/bundles.md).
+#
+# `ids`: token ids are salted 63-bit hashes; the drafter cannot embed them. The hash is a pure
+# function of (salt, domain, id) over a finite vocabulary, so whoever holds the salt recovers
+# every id by hashing the whole vocabulary once and inverting the table; without the salt
+# nothing can be replayed (not even alignment with training data, whose ids are in the clear),
+# so that is one-line bad input that says what to pass.
+#
+# `hidden`: the hidden-state columns are gone; the per-slot sketches that replace them still
+# fingerprint slots (see `hstrace.replay.slots.Slots`).
+#
+# What a bundle's redaction says and how its salt is found live in `hstrace.redaction`, shared
+# with `hstrace bundle`; this module only turns hashes back into ids.
+
+
+@dataclass
+class IdRecovery:
+    """hash -> id tables for the target and the draft vocabularies under one salt."""
+
+    salt: bytes
+    tables: dict[str, tuple[np.ndarray, np.ndarray]]  # domain -> (sorted hashes, their ids)
+
+    @classmethod
+    def build(cls, salt: bytes, vocab_size: int, draft_vocab_size: int) -> IdRecovery:
+        tables = {}
+        # -1 is included: engines pad unused top-k entries with it.
+        for domain, size in (("target", vocab_size), ("draft", draft_vocab_size)):
+            ids = np.arange(-1, size, dtype=np.int64)
+            hashes = hash_token_ids(ids, salt, domain=domain)
+            order = np.argsort(hashes)
+            tables[domain] = (hashes[order], ids[order])
+        return cls(salt, tables)
+
+    def recover(self, x: Any, domain: str = "target") -> Any:
+        """The clear ids of hashed `x` (numpy or torch, same type and shape back)."""
+        if x is None:
+            return None
+        is_torch = isinstance(x, torch.Tensor)
+        arr = (x.numpy() if is_torch else np.asarray(x)).astype(np.int64)
+        hashes, ids = self.tables[domain]
+        at = np.clip(np.searchsorted(hashes, arr), 0, len(hashes) - 1)
+        found = hashes[at] == arr
+        if not found.all():
+            raise RedactedIdsError(
+                f"{int((~found).sum())} hashed {domain} ids match no id of the drafter's "
+                f"{domain} vocabulary ({len(ids) - 1} ids) under this salt: wrong drafter?"
+            )
+        out = ids[at]
+        return torch.from_numpy(out) if is_torch else out
+
+
+def recover_serving_ids(serving: Any, recovery: IdRecovery) -> None:
+    """Replace the hashed ids of a `ServingData` in place by the clear ones."""
+    for r in serving.requests:
+        r.tokens = recovery.recover(r.tokens)
+        d = r.draft
+        if d is not None:
+            d.input_ids = recovery.recover(d.input_ids)
+            d.topk_target_ids = recovery.recover(d.topk_target_ids)
+            d.topk_draft_ids = recovery.recover(d.topk_draft_ids, domain="draft")
+        for c in getattr(r, "chains", []):
+            c.input_ids = recovery.recover(c.input_ids)
+            c.topk_draft_ids = recovery.recover(c.topk_draft_ids, domain="draft")

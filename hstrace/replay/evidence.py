@@ -1,7 +1,9 @@
-"""The evidence a replay hands to the checks: built once, in dataflow order, then read-only.
+"""The typed evidence a replay hands to the checks (entry `build_evidence`): the compare and
+what-if stages run here, once, in dataflow order; read-only after.
 
-`build_evidence` computes every piece (the alignment, `Slots`, `Accuracy`, `Agreement` with
-its what-if search, `DraftInputs`, `VocabReadings`, `BatchCoupling`) before any check runs.
+`build_evidence` computes every piece (the alignment, `Slots`, `Step0Accuracy`, `Agreement`, the
+what-if search `WhatIfSearch`, `DraftInputs`, `VocabReadings`, `BatchCoupling`) before any
+check runs.
 The serving side's wide tensors are read while a piece walks a batch of requests and released
 after (`ServingData.holding`): the evidence keeps per-row numbers and per-request results, so
 its memory follows the largest batch of requests, not the trace.
@@ -20,18 +22,22 @@ import numpy as np
 import torch
 
 from hstrace.reference.target import ReferenceTarget
-from hstrace.replay.accuracy import Accuracy, build_accuracy
+from hstrace.replay.accuracy import Step0Accuracy, build_accuracy
 from hstrace.replay.agreement import Agreement, build_agreement
-from hstrace.replay.align import Coverage, Match
-from hstrace.replay.batch import BatchCoupling, build_batch_coupling
-from hstrace.replay.draft_inputs import DraftInputs, build_draft_inputs
-from hstrace.replay.runner import DrafterRunner
-from hstrace.replay.scan import CaptureScan
-from hstrace.replay.serving import ServingData
-from hstrace.replay.sides import Aligned, Alignment
+from hstrace.replay.align import AlignedPair, Alignment, Coverage, Match
+from hstrace.replay.fed import (
+    BatchCoupling,
+    DraftInputs,
+    VocabReadings,
+    build_batch_coupling,
+    build_draft_inputs,
+    build_vocab_readings,
+)
+from hstrace.replay.read import ServingData
+from hstrace.replay.runner import CaptureScan, DrafterRunner
 from hstrace.replay.slots import Slots, build_slots
-from hstrace.replay.unavailable import merged
-from hstrace.replay.vocab import VocabReadings, build_vocab_readings
+from hstrace.replay.unavailable import Unavailable, merged
+from hstrace.replay.whatif import WhatIfSearch, search_whatifs
 
 
 @dataclass(frozen=True)
@@ -40,8 +46,9 @@ class Evidence:
     runner: DrafterRunner  # the reference drafter (and the cached-span rebuild) it came from
     target: ReferenceTarget | None
     slots: Slots
-    accuracy: Accuracy
+    accuracy: Step0Accuracy
     agreement: Agreement
+    whatif: WhatIfSearch | None  # the what-if stage (None: not run, `unavailable` says why)
     draft_inputs: DraftInputs
     vocab: VocabReadings
     batch: BatchCoupling
@@ -76,7 +83,7 @@ class Evidence:
         return self.runner.no_forward
 
     @property
-    def aligned(self) -> list[Aligned]:
+    def aligned(self) -> list[AlignedPair]:
         return self.alignment.aligned
 
     @property
@@ -103,8 +110,8 @@ class Evidence:
         out.update(self.draft_inputs.to_json())
         out.update(self.vocab.to_json())
         out.update(self.batch.to_json())
-        if self.agreement.whatif is not None:
-            out["whatif"] = self.agreement.whatif.to_json()
+        if self.whatif is not None:
+            out["whatif"] = self.whatif.to_json()
         if self.agreement.cache is not None:
             out["engine_vs_reference_by_cache"] = self.agreement.cache.split
         out.update(self.accuracy.to_json())
@@ -157,7 +164,16 @@ def build_evidence(
         scan = CaptureScan(runner)  # one read of every request's captured rows
         slots = build_slots(alignment, cfg, load_report, target, runner.tick, scan)
         accuracy = build_accuracy(runner, target, scan)
-        agreement = build_agreement(runner, target, slots.training_layers, accuracy.training_step0)
+        agreement = build_agreement(runner)
+        searched = Unavailable()
+        whatif = None
+        if runner.can_run and agreement.rows is not None and agreement.rows.hidden_recorded:
+            whatif = searched.guarded(
+                "what-if search",
+                lambda: search_whatifs(
+                    runner, agreement, target, slots.training_layers, accuracy.training_step0
+                ),
+            )
         draft_inputs = build_draft_inputs(serving, agreement.rows, agreement.requests, target)
         vocab = build_vocab_readings(drafter, agreement.rows)
         batch = build_batch_coupling(alignment)
@@ -171,11 +187,20 @@ def build_evidence(
         slots=slots,
         accuracy=accuracy,
         agreement=agreement,
+        whatif=whatif,
         draft_inputs=draft_inputs,
         vocab=vocab,
         batch=batch,
         accept_len_by_rank=dict(accept_len_by_rank or {}),
         unavailable=merged(
-            first, notes or {}, slots, accuracy, agreement, draft_inputs, vocab, batch
+            first,
+            notes or {},
+            slots,
+            accuracy,
+            agreement,
+            searched.frozen(),
+            draft_inputs,
+            vocab,
+            batch,
         ),
     )

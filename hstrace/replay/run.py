@@ -1,4 +1,6 @@
-"""`replay_with(checks, ...)`: open everything, align, build the evidence
+"""Stage judge (entry `replay_with`; halves `open_evidence` and `judge`).
+
+`replay_with(checks, ...)`: open everything, align, build the evidence
 (`replay.evidence.build_evidence`), judge it with the given checks, assemble the result.
 `open_evidence` and `judge` are the two halves (a test judges one evidence several times).
 
@@ -27,14 +29,14 @@ from hstrace.redaction import (
 )
 from hstrace.reference.step0 import threads_for
 from hstrace.reference.target import ReferenceTarget
-from hstrace.replay.align import align
-from hstrace.replay.evidence import Evidence, build_evidence
-from hstrace.replay.redaction import (
+from hstrace.replay.align import (
     IdRecovery,
+    align,
     recover_serving_ids,
 )
+from hstrace.replay.evidence import Evidence, build_evidence
+from hstrace.replay.read import ServingData, accept_len_by_rank, read_serving
 from hstrace.replay.result import Judgement, ReplayResult
-from hstrace.replay.serving import ServingData, accept_len_by_rank, read_serving
 from hstrace.replay.unavailable import merged, split_failures
 
 Progress = Callable[[str, int], None]

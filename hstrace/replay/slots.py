@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from hstrace.reference.target import ReferenceTarget
-from hstrace.replay.fingerprint import (
+from hstrace.replay.align import Alignment
+from hstrace.replay.compare import (
     SAME_COS,
     LayerFingerprint,
     SlotHealth,
@@ -25,8 +26,7 @@ from hstrace.replay.fingerprint import (
     rows_of_other_requests,
     slot_matrix,
 )
-from hstrace.replay.scan import CaptureScan
-from hstrace.replay.sides import Alignment
+from hstrace.replay.runner import CaptureScan
 from hstrace.replay.unavailable import Unavailable
 
 

@@ -466,7 +466,7 @@ def sglang_default_hf_layers(n_layers: int) -> list[int]:
 def _top_level_ids(f: CheckpointFacts) -> list[int] | None:
     """Aux layer ids at the config's top level with no `eagle_config`: SGLang's target reads
     only `eagle_config.eagle_aux_hidden_state_layer_ids` and captures its defaults instead (the
-    recorder's audit says the same at record time: `sglang.audit.aux_layer_findings`). Not for
+    recorder's audit says the same at record time: `sglang.audit.aux_layer_facts`). Not for
     a layout SGLang cannot load as it is (speculators): it would never read these ids, and the
     conversion it needs first decides where they go (`hstrace check` says so once)."""
     src = f.aux_source

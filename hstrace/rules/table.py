@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from hstrace.errors import HstraceError, debugging, error_line
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
 from hstrace.rules.versions import AppliesTo, covers, format_applies_to
 
 F = TypeVar("F")
@@ -29,7 +29,7 @@ def _text(t: Text, facts: Any, match: Any) -> str:
 @dataclass(frozen=True)
 class Rule(Generic[F]):
     name: str  # unique in its table; says which rule made a finding
-    code: str  # a `hstrace.findings.CODES` code
+    code: str  # a code of `hstrace.findings.REGISTRY` (that names "rules.checkpoint" a check)
     when: Callable[[F], Any]
     summary: Text
     evidence: Callable[[F, Any], dict[str, Any]]
@@ -50,11 +50,11 @@ class Rule(Generic[F]):
             return []
         matches = list(match) if self.many else [match]
         return [
-            Finding(
+            finding(
                 self.code,
                 _text(self.summary, facts, m),
                 self.evidence(facts, m),
-                _text(self.fix, facts, m),
+                fix=_text(self.fix, facts, m),
                 severity=self.severity,
                 applies_to=format_applies_to(self.applies_to),
             )

@@ -9,7 +9,6 @@ from typing import Any
 
 from hstrace.engines.sglang import SPEC as SGLANG
 from hstrace.engines.spec import EngineSpec
-from hstrace.findings import Finding
 
 
 class ReferenceSpec(EngineSpec):
@@ -35,8 +34,8 @@ class ReferenceSpec(EngineSpec):
     def spec_settings(self, raw: Mapping[str, Any], effective: Mapping[str, Any]) -> dict[str, Any]:
         return SGLANG.spec_settings(raw, effective)
 
-    def spec_findings(self, settings: Mapping[str, Any]) -> list[Finding]:
-        return SGLANG.spec_findings(settings)  # it reproduces SGLang's adjustment
+    def spec_facts(self, settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return SGLANG.spec_facts(settings)  # it reproduces SGLang's adjustment
 
 
 SPEC = ReferenceSpec()

@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 from hstrace.engines.sglang import audit
 from hstrace.engines.sglang.versions import SUPPORT
 from hstrace.engines.spec import EngineSpec
-from hstrace.findings import Finding
 
 
 class SGLangSpec(EngineSpec):
@@ -57,8 +56,8 @@ class SGLangSpec(EngineSpec):
     def spec_settings(self, raw: Mapping[str, Any], effective: Mapping[str, Any]) -> dict[str, Any]:
         return audit.spec_settings(raw, effective)
 
-    def spec_findings(self, settings: Mapping[str, Any]) -> list[Finding]:
-        return audit.spec_findings(settings)
+    def spec_facts(self, settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+        return audit.spec_facts(settings)
 
 
 SPEC = SGLangSpec()

@@ -11,7 +11,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hstrace.engines.load_audit import LoadAuditSpec
-from hstrace.findings import Finding
 
 # What SGLang's `LlamaForCausalLMEagle3.load_weights` does differently (the audit itself:
 # hstrace.engines.load_audit). The embedding is shared from the target (set_embed) — and the
@@ -61,21 +60,23 @@ def aux_layer_source(draft_config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def aux_layer_findings(
+def aux_layer_facts(
     source: Mapping[str, Any], layers_to_capture: Sequence[int] | None
-) -> list[Finding]:
+) -> list[dict[str, Any]]:
+    """The audit fact "aux-ids-ignored" (`hstrace.findings.from_fact` names its code), or none."""
     if source["read_by_sglang"] is None and source["top_level_ids"] is not None:
         return [
-            Finding(
-                "aux-layers-default",
-                "the drafter's aux layer ids sit at the config's top level, which SGLang ignores; "
-                "the target captures its default layers",
-                evidence={
+            {
+                "fact": "aux-ids-ignored",
+                "summary": "the drafter's aux layer ids sit at the config's top level, which "
+                "SGLang ignores; the target captures its default layers",
+                "evidence": {
                     "top_level_ids": source["top_level_ids"],
                     "layers_to_capture": list(layers_to_capture or []),
                 },
-                fix='move the ids into "eagle_config": {"eagle_aux_hidden_state_layer_ids": [...]} in the draft config.json',
-            )
+                "fix": 'move the ids into "eagle_config": {"eagle_aux_hidden_state_layer_ids": '
+                "[...]} in the draft config.json",
+            }
         ]
     return []
 
@@ -119,20 +120,20 @@ def spec_settings(raw: Mapping[str, Any], effective: Mapping[str, Any]) -> dict[
     }
 
 
-def spec_findings(settings: Mapping[str, Any], label: str = "SGLang") -> list[Finding]:
+def spec_facts(settings: Mapping[str, Any], label: str = "SGLang") -> list[dict[str, Any]]:
+    """The audit fact "spec-adjusted" (`hstrace.findings.from_fact` names its code), or none;
+    `label` names the engine that changed them."""
     if not settings["adjusted"]:
         return []
     parts = ", ".join(
         f"{n} {v['user']} -> {v['effective']}" for n, v in settings["adjusted"].items()
     )
     return [
-        Finding(
-            "spec-params-adjusted",
-            f"{label} changed speculative settings: {parts}",
-            evidence=dict(settings["adjusted"]),
-            fix="pass the effective values explicitly (with topk=1, num_draft_tokens must be num_steps+1)",
-            severity="warning",
-        )
+        {
+            "fact": "spec-adjusted",
+            "summary": f"{label} changed speculative settings: {parts}",
+            "evidence": dict(settings["adjusted"]),
+        }
     ]
 
 

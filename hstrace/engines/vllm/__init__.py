@@ -12,7 +12,6 @@ from typing import Any, ClassVar
 from hstrace.engines.spec import EngineSpec
 from hstrace.engines.vllm import audit
 from hstrace.engines.vllm.versions import SUPPORT
-from hstrace.findings import Finding
 
 
 class VLLMSpec(EngineSpec):
@@ -49,11 +48,11 @@ class VLLMSpec(EngineSpec):
         # vLLM drafts a chain: only num_speculative_tokens is set, the rest follows from it
         return audit.spec_settings(raw.get("num_steps"), int(effective["num_steps"]))
 
-    def spec_findings(self, settings: Mapping[str, Any]) -> list[Finding]:
-        # the one `spec-params-adjusted` wording (SGLang's audit), naming vLLM
-        from hstrace.engines.sglang.audit import spec_findings
+    def spec_facts(self, settings: Mapping[str, Any]) -> list[dict[str, Any]]:
+        # the one "spec-adjusted" wording (SGLang's audit), naming vLLM
+        from hstrace.engines.sglang.audit import spec_facts
 
-        return spec_findings(settings, self.label)
+        return spec_facts(settings, self.label)
 
 
 SPEC = VLLMSpec()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hstrace.findings import Finding
+from hstrace.findings import Finding, finding
 from hstrace.replay.evidence import Evidence
 
 # Relative-norm tolerance for "the same state" (bf16 storage, a slightly different kernel).
@@ -32,17 +32,12 @@ def teacher_norm(ev: Evidence) -> list[Finding]:
     if min(abs(rel_pre - 1), abs(rel_post - 1)) > NORM_TOLERANCE:
         return []  # neither form: not a norm question (target-capture checks cover it)
     return [
-        Finding(
+        finding(
             "teacher-norm",
             f"the training data's final state is {actual}-norm but the library reads it as "
             f"{claimed}-norm, so its teacher applies the final norm "
             f"{'twice' if actual == 'post' else 'never'}",
             evidence=dict(state),
-            fix=(
-                "store the final state as the library expects: speculators wants the pre-norm "
-                "final stream (vLLM capture id N, before model.norm), SpecForge the post-norm "
-                "lm_head input; regenerate the dump or fix the generator's capture point"
-            ),
         )
     ]
 
@@ -56,7 +51,7 @@ def metric_overstates(ev: Evidence) -> list[Finding]:
     if library - served <= OVERSTATE_MARGIN:
         return []
     return [
-        Finding(
+        finding(
             "metric-overstates",
             f"the library's step-0 accuracy (teacher restricted to the draft vocab) is "
             f"{library:.0%}, but greedy serving accepts only {served:.0%}: the target's choice "
@@ -67,9 +62,6 @@ def metric_overstates(ev: Evidence) -> list[Finding]:
                 "draft_vocab_coverage": round(coverage, 4),
                 "draft_vocab_size": int(ev.cfg.draft_vocab_size),
             },
-            fix="judge the drafter by accuracy against the full-vocab target argmax; rebuild "
-            "d2t/t2d from the serving traffic's token frequencies or raise draft_vocab_size",
-            severity="warning",
         )
     ]
 
@@ -79,10 +71,10 @@ def metric_overstates(ev: Evidence) -> list[Finding]:
 HEALTHY_ACC0 = 0.55
 
 
-def no_wiring_fault(ev: Evidence) -> Finding:
+def no_wiring_fault(ev: Evidence) -> list[Finding]:
     """Nothing diverges. Whether the drafter is weak is judged only from the number that
     matters for greedy serving: step-0 accuracy in target space against the target's own
-    argmax (`acc0_training_full_vocab`, `Accuracy.full_vocab`); accuracies against the
+    argmax (`acc0_training_full_vocab`, `Step0Accuracy.full_vocab`); accuracies against the
     dataset's or the committed tokens (sampled text, prompt tokens) are context, not a
     judgement."""
     evidence: dict[str, Any] = {}
@@ -130,11 +122,4 @@ def no_wiring_fault(ev: Evidence) -> Finding:
         summary = "no divergence found in what could be checked (see what was not checked)"
     if context:
         summary += f" (context, against the dataset/committed tokens: {'; '.join(context)})"
-    return Finding(
-        "no-wiring-fault",
-        summary,
-        evidence=evidence,
-        fix="nothing to rewire: to raise acceptance, train the drafter longer or on data "
-        "closer to the serving traffic",
-        severity="info",
-    )
+    return [finding("no-wiring-fault", summary, evidence)]

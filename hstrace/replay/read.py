@@ -1,4 +1,7 @@
-"""What serving did, per request, read back from a trace (the only I/O of the replay side).
+"""Stage read (entry `read_serving`): what serving did, per request, read back from a trace.
+
+The first stage of the replay: read → align → compare → what-if → judge. The only trace I/O of
+the replay side.
 
 From the `target` table: the committed tokens by position and the aux hidden states the target
 captured for them (a verify round commits its first 1 + accept_len rows; the rest were rejected
@@ -438,13 +441,54 @@ def read_serving(trace: Any, rank: int = 0, lazy: bool = False) -> ServingData:
     target = view.table("target")
     if target is None or target.num_steps == 0:
         raise TraceError("trace has no target steps: nothing was served or the target tap was off")
+    ext = view.table("draft_extend")
     accept = _accept_lens(view.table("verify"))
+    present, missing = _wide_columns(trace.meta, target, ext)
+    committed = _committed_rows(target, accept)
+    drafts = _draft_rows(ext)
+    chains = _draft_chains(ext, view.table("draft_step"))
+    prompts = _prompts(view.table("requests"))
+    requests = []
+    for key, by_pos in committed.rows.items():
+        req = _request(key, by_pos, committed, prompts.get(key, {}))
+        if key in drafts:
+            req.draft = _index_draft(drafts[key], req)
+            req.chains = chains.get(key, [])
+        requests.append(req)
+    wide = WideReader({"target": target, "draft_extend": ext}, present) if present else None
+    for req in requests:
+        req.wide = wide
+        if req.draft is not None:
+            req.draft.wide = wide
+    if ext is not None:
+        _fill_draft_columns(ext, [r.draft for r in requests])
+    data = ServingData(
+        requests=requests,
+        meta=dict(trace.meta),
+        aux_attrs=_aux_attrs(target),
+        accept_lens=[a for v in accept.values() for a in v],
+        sketch_attrs=dict(target.column_attrs("tok", "aux_hidden_sketch"))
+        if "aux_sketch" in present
+        else {},
+        missing=missing,
+        target_batches=_batches(target),
+        draft_batches=_batches(ext) if ext is not None else [],
+        accept_by_key=accept,
+        verify_batch_sizes=_verify_batch_sizes(view.table("verify")),
+        wide=wide,
+    )
+    if not lazy:
+        data.hold_all()
+    return data
 
-    modes = _np(target.column("step", "mode")).astype(np.int64)
-    ids = _np(target.column("tok", "input_ids")).astype(np.int64)
-    pos = _np(target.column("tok", "positions")).astype(np.int64)
-    # The wide columns are read later, only at the committed rows (`WideReader`): not the
-    # rejected drafts, and never the whole column at once.
+
+def _wide_columns(
+    meta: dict[str, Any], target: Any, ext: Any
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The wide columns the trace has ({kind: column}: `aux`, or for a `--redact hidden`
+    bundle `aux_sketch` and `aux_stats`; `hidden_in`), and what is missing and why. They are
+    read later, only at the committed rows (`WideReader`): not the rejected drafts, and never
+    the whole column at once."""
     tok_cols = target.columns.get("tok", [])
     aux_name = "aux_hidden" if "aux_hidden" in tok_cols else None
     sketch_name = (
@@ -452,7 +496,7 @@ def read_serving(trace: Any, rank: int = 0, lazy: bool = False) -> ServingData:
     )
     stats_name = "aux_hidden_stats" if aux_name is None and "aux_hidden_stats" in tok_cols else None
     redacted = "hidden" in (
-        ((trace.meta.get("static") or {}).get("bundle") or {}).get("redaction") or {}
+        ((meta.get("static") or {}).get("bundle") or {}).get("redaction") or {}
     ).get("modes", ())
     why = "redacted by `hstrace bundle --redact hidden`" if redacted else "absent (not recorded)"
     missing: dict[str, str] = {}
@@ -462,7 +506,6 @@ def read_serving(trace: Any, rank: int = 0, lazy: bool = False) -> ServingData:
             if sketch_name is not None
             else ": no slot checks"
         )
-    ext = view.table("draft_extend")
     if ext is None or ext.num_steps == 0:
         missing["draft_extend"] = "absent: no engine-vs-reference comparison"
     elif "hidden_in" not in ext.columns.get("tok", []):
@@ -470,7 +513,36 @@ def read_serving(trace: Any, rank: int = 0, lazy: bool = False) -> ServingData:
             f"{why}: no engine-vs-reference comparison and no what-if search (the drafter "
             "needs the hidden input itself)"
         )
-    rows: dict[int, dict[int, int]] = {}  # key -> position -> tok row (the committed one)
+    present = {
+        kind: name
+        for kind, name in (
+            ("aux", aux_name),
+            ("aux_sketch", sketch_name),
+            ("aux_stats", stats_name),
+        )
+        if name is not None
+    }
+    if ext is not None and "hidden_in" in ext.columns.get("tok", []):
+        present["hidden_in"] = "hidden_in"
+    return present, missing
+
+
+@dataclass
+class _Committed:
+    """The target table's narrow columns, and per request the row committed at each position
+    (a verify round commits its first 1 + accept_len rows; the rest were rejected drafts)."""
+
+    ids: np.ndarray  # tok: input_ids
+    rows: dict[int, dict[int, int]]  # key -> position -> tok row (the committed one)
+    chunks: dict[int, list[tuple[int, int]]]  # key -> prefill chunks [start, end)
+    step_of_row: np.ndarray  # tok row -> target step
+
+
+def _committed_rows(target: Any, accept: dict[int, list[int]]) -> _Committed:
+    modes = _np(target.column("step", "mode")).astype(np.int64)
+    ids = _np(target.column("tok", "input_ids")).astype(np.int64)
+    pos = _np(target.column("tok", "positions")).astype(np.int64)
+    rows: dict[int, dict[int, int]] = {}
     seen_verify: dict[int, int] = {}
     chunks: dict[int, list[tuple[int, int]]] = {}
     step_of_row = np.zeros(len(pos), dtype=np.int64)
@@ -487,95 +559,56 @@ def read_serving(trace: Any, rank: int = 0, lazy: bool = False) -> ServingData:
         by_pos = rows.setdefault(key, {})
         for row in range(a, a + n_keep):
             by_pos[int(pos[row])] = row
+    return _Committed(ids, rows, chunks, step_of_row)
 
-    drafts = _draft_rows(ext)
-    chains = _draft_chains(ext, view.table("draft_step"))
-    prompts = _prompts(view.table("requests"))
-    requests = []
-    for key, by_pos in rows.items():
-        positions = np.array(sorted(by_pos), dtype=np.int64)
-        # Positions between the first and the last target row that have none: a capture that
-        # missed them (named by replay), not a cached prefix.
-        gaps = [
-            [int(positions[i]) + 1, int(positions[i + 1]) - 1]
-            for i in np.flatnonzero(np.diff(positions) != 1)
-        ]
-        # Only the contiguous run from the first position is a sequence we can align.
-        contiguous = np.flatnonzero(np.diff(positions) != 1)
-        if contiguous.size:
-            positions = positions[: contiguous[0] + 1]
-        idx = np.array([by_pos[p] for p in positions], dtype=np.int64)
-        tokens, base, start = ids[idx], int(positions[0]) if len(positions) else 0, 0
-        info = prompts.get(key, {})
-        prompt = info.get("prompt")
-        if base > 0 and prompt is not None and _continues(prompt, base, tokens):
-            # A prefix-cache hit: the target ran on the suffix only, at its true positions.
-            # The cached prefix is the prompt's first `base` ids; it has no target rows.
-            tokens, start, base = np.concatenate([prompt[:base], tokens]), base, 0
-        n_cached = info.get("n_cached")
-        if start and n_cached is not None and n_cached < start:
-            gaps.insert(0, [int(n_cached), start - 1])  # declared cached: fewer than skipped
-        req = ServingRequest(
-            key=key,
-            tokens=tokens,
-            position_base=base,
-            aux_start=start,
-            n_cached=info.get("n_cached"),
-            rid=info.get("rid"),
-            prefill_chunks=chunks.get(key, []),
-            aux_steps=step_of_row[idx],
-            missing=gaps,
-            target_rows=idx,
-        )
-        if key in drafts:
-            req.draft = _index_draft(drafts[key], req)
-            req.chains = chains.get(key, [])
-        requests.append(req)
-    present = {
-        kind: name
-        for kind, name in (
-            ("aux", aux_name),
-            ("aux_sketch", sketch_name),
-            ("aux_stats", stats_name),
-        )
-        if name is not None
-    }
-    if ext is not None and "hidden_in" in ext.columns.get("tok", []):
-        present["hidden_in"] = "hidden_in"
-    wide = WideReader({"target": target, "draft_extend": ext}, present) if present else None
-    for req in requests:
-        req.wide = wide
-        if req.draft is not None:
-            req.draft.wide = wide
-    if ext is not None:
-        _fill_draft_columns(ext, [r.draft for r in requests])
 
-    attrs: dict[str, Any] = {}
-    if hasattr(target, "column_attrs"):
-        try:
-            attrs = dict(target.column_attrs("tok", "aux_hidden"))
-        except (KeyError, TraceError):
-            attrs = {}
-    sketch_attrs: dict[str, Any] = {}
-    if sketch_name is not None:
-        sketch_attrs = dict(target.column_attrs("tok", "aux_hidden_sketch"))
-    flat_accept = [a for v in accept.values() for a in v]
-    data = ServingData(
-        requests=requests,
-        meta=dict(trace.meta),
-        aux_attrs=attrs,
-        accept_lens=flat_accept,
-        sketch_attrs=sketch_attrs,
-        missing=missing,
-        target_batches=_batches(target),
-        draft_batches=_batches(ext) if ext is not None else [],
-        accept_by_key=accept,
-        verify_batch_sizes=_verify_batch_sizes(view.table("verify")),
-        wide=wide,
+def _request(
+    key: int, by_pos: dict[int, int], committed: _Committed, info: dict[str, Any]
+) -> ServingRequest:
+    """One request's committed sequence: the contiguous run from its first target row, with a
+    prefix-cache hit's cached prompt prefix put back in front (it has no target rows)."""
+    positions = np.array(sorted(by_pos), dtype=np.int64)
+    # Positions between the first and the last target row that have none: a capture that
+    # missed them (named by replay), not a cached prefix.
+    gaps = [
+        [int(positions[i]) + 1, int(positions[i + 1]) - 1]
+        for i in np.flatnonzero(np.diff(positions) != 1)
+    ]
+    # Only the contiguous run from the first position is a sequence we can align.
+    contiguous = np.flatnonzero(np.diff(positions) != 1)
+    if contiguous.size:
+        positions = positions[: contiguous[0] + 1]
+    idx = np.array([by_pos[p] for p in positions], dtype=np.int64)
+    tokens, base, start = committed.ids[idx], int(positions[0]) if len(positions) else 0, 0
+    prompt = info.get("prompt")
+    if base > 0 and prompt is not None and _continues(prompt, base, tokens):
+        # A prefix-cache hit: the target ran on the suffix only, at its true positions.
+        # The cached prefix is the prompt's first `base` ids; it has no target rows.
+        tokens, start, base = np.concatenate([prompt[:base], tokens]), base, 0
+    n_cached = info.get("n_cached")
+    if start and n_cached is not None and n_cached < start:
+        gaps.insert(0, [int(n_cached), start - 1])  # declared cached: fewer than skipped
+    return ServingRequest(
+        key=key,
+        tokens=tokens,
+        position_base=base,
+        aux_start=start,
+        n_cached=info.get("n_cached"),
+        rid=info.get("rid"),
+        prefill_chunks=committed.chunks.get(key, []),
+        aux_steps=committed.step_of_row[idx],
+        missing=gaps,
+        target_rows=idx,
     )
-    if not lazy:
-        data.hold_all()
-    return data
+
+
+def _aux_attrs(target: Any) -> dict[str, Any]:
+    if not hasattr(target, "column_attrs"):
+        return {}
+    try:
+        return dict(target.column_attrs("tok", "aux_hidden"))
+    except (KeyError, TraceError):
+        return {}
 
 
 def accept_len_by_rank(trace: Any) -> dict[str, dict[str, float | int]]:
