@@ -80,14 +80,11 @@ class Trace:
         if not isinstance(meta, dict) or meta.get("format", FORMAT_NAME) != FORMAT_NAME:
             self.close()
             raise TraceError(f"{self.path}: not an hstrace trace (no '{ROOT_KEY}' root attributes)")
-        version = meta.get("schema_version")
-        if version not in SUPPORTED_SCHEMA_VERSIONS:
-            self.close()
-            raise TraceError(
-                f"{self.path}: trace schema version {version!r} is not supported by this hstrace "
-                f"(supported: {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))})"
-            )
         try:
+            # `true` is a Python int equal to 1: the type is checked, not only the value.
+            v.check_schema_version(
+                meta.get("schema_version"), SUPPORTED_SCHEMA_VERSIONS, str(self.path)
+            )
             v.check_root_meta(meta, str(self.path))
         except TraceError:
             self.close()
@@ -114,6 +111,13 @@ class Trace:
                     f"{self.path}: {name} is an array, not a rank group (corrupt trace)"
                 )
             names.append(name)
+        unlisted = _unlisted_rank_groups(self.path, names)
+        if unlisted:
+            self.close()
+            raise TraceError(
+                f"{self.path}: {unlisted[0]} has no readable group metadata "
+                f"({unlisted[0]}/zarr.json missing, a broken link or not a file; corrupt trace)"
+            )
         self.ranks: list[int] = sorted(int(n[4:]) for n in names)
         self._ranks: dict[int, RankView] = {}
 
@@ -152,6 +156,25 @@ class Trace:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unlisted_rank_groups(path: Path, listed: list[str]) -> list[str]:
+    """Rank directories of a directory trace that zarr did not list as groups although they
+    hold something: their `zarr.json` is unreadable (a symlink loop, a dangling link) or gone
+    while tables remain; without this they read as "ranks: none". An empty rank directory is
+    a writer's claim (recorder.py) that died before its first metadata: not a rank yet."""
+    if not path.is_dir():
+        return []
+    try:
+        unlisted = []
+        for e in os.scandir(path):
+            if not (e.name.startswith("rank") and e.name[4:].isdigit() and e.is_dir()):
+                continue
+            if e.name not in listed and any(True for _ in os.scandir(e.path)):
+                unlisted.append(e.name)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot list the rank groups ({exc.strerror})") from exc
+    return sorted(unlisted)
 
 
 def _check_zip(path: Path) -> None:
@@ -207,7 +230,7 @@ class RankView:
             raise TraceError(f"{where}: is an array, not a rank group (corrupt trace)")
         if not isinstance(meta, dict) or "commit" not in meta:
             raise TraceError(f"{where}: no commit record (not written by hstrace, or corrupt)")
-        v.check_rank_meta(meta, where)
+        v.check_rank_meta(meta, where, rank)
         self.meta = meta
         commit = meta["commit"]
         self.clean_close: bool = bool(commit.get("clean_close", False))
@@ -266,7 +289,7 @@ class TableView:
                         "(corrupt)"
                     )
             rows = {k: int(n) for k, n in commit["rows"].items()}
-            steps = int(commit["steps"])
+            steps = committed_steps = int(commit["steps"])
         except TraceError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -294,6 +317,7 @@ class TableView:
         self._logical = {}
         for key, arr in self._arrays.items():
             committed = rows.get(f"{key[0]}/{key[1]}", 0)
+            v.check_row_shape(key[0], key[1], arr.shape, self._spec[key[0]][key[1]], self._where)
             if arr.shape[0] < committed:
                 raise TraceError(
                     f"{self._where}: column {key[0]}/{key[1]} holds {arr.shape[0]} rows, commit record says {committed}"
@@ -321,6 +345,10 @@ class TableView:
                 )
             if key[0] == STEP_AXIS:
                 steps = min(steps, committed)
+            attrs = _attrs(arr, self._where, "/".join(key))
+            if "layer_ids" in attrs:
+                target = (rank.trace.root_meta.get("static") or {}).get("target")
+                v.check_slot_layout(key[0], key[1], arr.shape, attrs, target, self._where)
         if off_arr is not None:
             steps = min(steps, rows.get(OFFSETS_ARRAY, 0) - 1)
         steps = max(steps, 0)
@@ -353,6 +381,13 @@ class TableView:
             if off[-1] > limit:  # the commit record covers fewer rows than its steps: trust rows
                 steps = int(np.searchsorted(off, limit, side="right")) - 1
             self._offsets[axis] = off
+        if rank.clean_close:
+            # Lowering the step count to what the rows cover is crash recovery (a writer killed
+            # between a column's flush and the commit). A clean close committed every row: there,
+            # any disagreement between steps, offsets and rows is corruption, not a crash.
+            v.check_clean_close(
+                committed_steps, steps, rows, self.columns, off_axes, self._offsets, self._where
+            )
         self.num_steps: int = steps
         self._offsets = {a: o[: steps + 1] for a, o in self._offsets.items()}
 
@@ -423,6 +458,8 @@ class TableView:
             return
         if self._check_ids or key not in v.TARGET_ID_COLUMNS | v.DRAFT_ID_COLUMNS:
             v.check_values(axis, name, data, lo, self._where, self._vocab, self._draft_vocab)
+        if key == (STEP_AXIS, "seq"):
+            v.check_sequence(name, data, lo, self._where)
         bound = v.BOUNDED_BY.get(key)
         if bound is not None and (axis, bound) in self._arrays:
             limit = self._read(self._arrays[(axis, bound)], lo, lo + len(data), f"{axis}/{bound}")
