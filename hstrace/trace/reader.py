@@ -317,7 +317,6 @@ class TableView:
         self._logical = {}
         for key, arr in self._arrays.items():
             committed = rows.get(f"{key[0]}/{key[1]}", 0)
-            v.check_row_shape(key[0], key[1], arr.shape, self._spec[key[0]][key[1]], self._where)
             if arr.shape[0] < committed:
                 raise TraceError(
                     f"{self._where}: column {key[0]}/{key[1]} holds {arr.shape[0]} rows, commit record says {committed}"
@@ -343,6 +342,7 @@ class TableView:
                     f"{self._where}: column step/{key[1]} has shape {arr.shape}; schema v1 stores "
                     "one scalar per step (a producer bug: re-record with a fixed producer)"
                 )
+            v.check_row_shape(key[0], key[1], arr.shape, self._spec[key[0]][key[1]], self._where)
             if key[0] == STEP_AXIS:
                 steps = min(steps, committed)
             attrs = _attrs(arr, self._where, "/".join(key))
