@@ -167,11 +167,15 @@ def _unlisted_rank_groups(path: Path, listed: list[str]) -> list[str]:
         return []
     try:
         unlisted = []
-        for e in os.scandir(path):
+        with os.scandir(path) as entries:
+            rank_dirs = list(entries)
+        for e in rank_dirs:
             if not (e.name.startswith("rank") and e.name[4:].isdigit() and e.is_dir()):
                 continue
-            if e.name not in listed and any(True for _ in os.scandir(e.path)):
-                unlisted.append(e.name)
+            if e.name not in listed:
+                with os.scandir(e.path) as inside:
+                    if next(inside, None) is not None:
+                        unlisted.append(e.name)
     except OSError as exc:
         raise TraceError(f"{path}: cannot list the rank groups ({exc.strerror})") from exc
     return sorted(unlisted)
@@ -390,6 +394,14 @@ class TableView:
             )
         self.num_steps: int = steps
         self._offsets = {a: o[: steps + 1] for a, o in self._offsets.items()}
+        # The step sequence numbers (8 bytes a step), read and checked once at open: every
+        # command then sees a table whose steps are in order, whether it reads them or not.
+        self._seq: np.ndarray | None = None
+        seq_arr = self._arrays.get((STEP_AXIS, "seq"))
+        if seq_arr is not None and steps > 0 and seq_arr.ndim == 1:
+            seq = self._read(seq_arr, 0, steps, "step/seq")
+            self._validate(STEP_AXIS, "seq", seq, 0, steps)
+            self._seq = seq
 
     def _read(self, arr: zarr.Array, start: int, stop: int, what: str) -> np.ndarray:
         try:
@@ -442,6 +454,8 @@ class TableView:
             raise TraceError(f"{self._where}: no column {axis}/{name} (columns: {self.columns})")
         n = self.num_rows(axis)
         lo, hi, _ = slice(start, stop).indices(n)
+        if (axis, name) == (STEP_AXIS, "seq") and self._seq is not None:
+            return self._seq[lo : max(lo, hi)].copy()  # read and checked at open
         data = self._read(self._arrays[(axis, name)], lo, max(lo, hi), f"{axis}/{name}")
         self._validate(axis, name, data, lo, n)
         if self._logical[(axis, name)] == "bfloat16":
