@@ -735,6 +735,34 @@ def gen_out_of_vocab_ids(d: Path) -> list[Case]:
                 cmds[0] if cmds else ("replay", "diff", "bundle"),
             )
         )
+
+    # No vocabulary in the trace's audit: replay checks every id it feeds its drafter (or maps
+    # through its d2t) against the drafter's vocabularies (512 target, 256 draft) before use.
+    def strip_vocab(t: Path) -> None:
+        def strip(m: dict) -> None:
+            for k in ("target", "draft_config", "hot_token_id"):
+                m["attributes"]["hstrace"]["static"].pop(k, None)
+
+        _edit_json(t / "zarr.json", strip)
+
+    for table, array, at, value, what in (
+        ("draft_extend", "tok.input_ids", 4, 600, "draft_extend input id 600"),
+        ("draft_step", "tok.input_ids", 1, 600, "draft_step input id 600"),
+        ("draft_extend", "tok.topk_draft_ids", (3, 0), 300, "draft_extend draft id 300"),
+        ("draft_step", "tok.topk_draft_ids", (2, 0), 300, "draft_step draft id 300"),
+    ):
+        cases.append(
+            _trace_case(
+                d,
+                f"oov_no_static_vocab_{table}_{array.replace('.', '_')}",
+                (what, "vocabulary of"),
+                lambda t, tb=table, a=array, i=at, x=value: (
+                    strip_vocab(t),
+                    _set_values(t, tb, a, i, x),
+                ),
+                ("replay",),
+            )
+        )
     return cases
 
 

@@ -274,7 +274,7 @@ def _evidence_of(
     salt_file: Path | None,
 ) -> tuple[Evidence, dict[str, Any]]:
     from hstrace.drafter import load_drafter
-    from hstrace.trace.validate import check_token_ids
+    from hstrace.trace.validate import check_serving_ids
 
     serving: ServingData = read_serving(trace, lazy=True)
     by_rank = accept_len_by_rank(trace) if len(trace.ranks) > 1 else {}
@@ -297,8 +297,8 @@ def _evidence_of(
     if salt is not None:
         recovery = IdRecovery.build(salt, drafter.cfg.vocab_size, drafter.cfg.draft_vocab_size)
         recover_serving_ids(serving, recovery)
-    for r in serving.requests:  # before any id indexes an embedding (issue 12)
-        check_token_ids(f"{trace_path}: request {r.name}", r.tokens, drafter.cfg.vocab_size)
+    for r in serving.requests:  # before any id indexes an embedding (issues 12, 24)
+        check_serving_ids(f"{trace_path}: request {r.name}", r, drafter.cfg)
     samples, kind, training_info = _training_side(
         against, drafter.cfg.aux_width, recovery, drafter.cfg.vocab_size
     )

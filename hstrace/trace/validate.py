@@ -507,3 +507,21 @@ def check_sequence(column: str, data: np.ndarray, first_row: int, where: str) ->
             f"{where}: step/{column} {kind} {int(flat[i])} at step {first_row + i} (after "
             f"{int(flat[i - 1])}): step sequence numbers are duplicate or not increasing (corrupt)"
         )
+
+
+def check_serving_ids(where: str, request: Any, cfg: Any) -> None:
+    """Every id of one request that replay feeds a drafter with or maps through its d2t, in
+    its vocabulary (`cfg`: the drafter's config): the committed tokens, the draft-extend and
+    chain input ids (target vocabulary), the engine's draft ids (draft vocabulary). Needed
+    where the trace's static audit names no vocabulary for the reader to check against."""
+    check_token_ids(where, request.tokens, cfg.vocab_size)
+    draft = getattr(request, "draft", None)
+    if draft is not None:
+        check_token_ids(where, draft.input_ids, cfg.vocab_size, "draft_extend input id")
+        if draft.topk_draft_ids is not None:
+            ids = np.asarray(draft.topk_draft_ids)
+            check_token_ids(where, ids[ids >= 0], cfg.draft_vocab_size, "draft_extend draft id")
+    for chain in getattr(request, "chains", None) or ():
+        check_token_ids(where, chain.input_ids, cfg.vocab_size, "draft_step input id")
+        ids = np.asarray(chain.topk_draft_ids)
+        check_token_ids(where, ids[ids >= 0], cfg.draft_vocab_size, "draft_step draft id")
