@@ -142,7 +142,7 @@ def check_finite(sd: dict[str, torch.Tensor], weight_file: Path) -> None:
     """No NaN or infinity in a floating-point tensor: a drafter holding one computes NaN
     logits, which compare as disagreement everywhere (one vectorised pass per tensor)."""
     for key, t in sd.items():
-        if t.is_floating_point() and t.numel() and not bool(torch.isfinite(t).all()):
+        if t.is_floating_point() and t.numel() and not _all_finite(t):
             bad = ~torch.isfinite(t.reshape(-1))
             i = int(torch.argmax(bad.to(torch.uint8)))
             value = float(t.reshape(-1)[i])
@@ -150,6 +150,12 @@ def check_finite(sd: dict[str, torch.Tensor], weight_file: Path) -> None:
                 f"{weight_file}: tensor {key} holds {value} at flat index {i} "
                 f"({int(bad.sum())} non-finite values; corrupt weights)"
             )
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Min and max in one pass: NaN propagates through both, and an infinity is one of them."""
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def check_d2t(sd: dict[str, torch.Tensor], vocab_size: int, weight_file: Path) -> None:

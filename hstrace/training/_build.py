@@ -49,14 +49,13 @@ def checked_sample(
     for name, tensor in (("aux slots", aux), ("last state", last)):
         # One vectorised pass per tensor: NaN or infinity in a hidden state is corrupt data
         # that would compare as a drafter fault everywhere.
-        if tensor is not None and tensor.is_floating_point() and tensor.numel():
-            finite = torch.isfinite(tensor)
-            if not bool(finite.all()):
-                row = int(torch.argmax((~finite).reshape(t, -1).any(1).to(torch.uint8)))
-                raise TrainingDataError(
-                    f"{path}: {name} hold NaN or infinity at token {row} "
-                    f"({int((~finite).sum())} non-finite values; corrupt hidden states)"
-                )
+        if tensor is not None and tensor.is_floating_point() and not _all_finite(tensor):
+            finite = torch.isfinite(tensor)  # only on the way to an error: where it is
+            row = int(torch.argmax((~finite).reshape(t, -1).any(1).to(torch.uint8)))
+            raise TrainingDataError(
+                f"{path}: {name} hold NaN or infinity at token {row} "
+                f"({int((~finite).sum())} non-finite values; corrupt hidden states)"
+            )
     if slot_layer_ids is not None and len(slot_layer_ids) != aux.shape[1]:
         raise TrainingDataError(
             f"{path}: {len(slot_layer_ids)} layer ids {slot_layer_ids} for {aux.shape[1]} aux slots"
@@ -71,3 +70,12 @@ def checked_sample(
         slot_layer_ids=slot_layer_ids,
         provenance=provenance,
     )
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in a float tensor: its min and max in one pass (NaN propagates
+    through both), ~17x faster than `isfinite().all()` on a bf16 sample (50 MB: 17 ms)."""
+    if not t.numel():
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
