@@ -349,7 +349,9 @@ class TableView:
             v.check_row_shape(key[0], key[1], arr.shape, self._spec[key[0]][key[1]], self._where)
             if key[0] == STEP_AXIS:
                 steps = min(steps, committed)
-            attrs = _attrs(arr, self._where, "/".join(key))
+            # The capture column (a redacted bundle keeps its attributes on a stats column,
+            # `aux_hidden_stats`, of another width).
+            attrs = _attrs(arr, self._where, "/".join(key)) if key[1] == "aux_hidden" else {}
             if "layer_ids" in attrs:
                 target = (rank.trace.root_meta.get("static") or {}).get("target")
                 v.check_slot_layout(key[0], key[1], arr.shape, attrs, target, self._where)
