@@ -626,8 +626,10 @@ def gen_shard_aliasing(d: Path) -> list[Case]:
 
 
 def gen_widths(d: Path) -> list[Case]:
-    """Column widths that contradict the layout: aux width not slots x hidden, a row shape
-    other than the table declares, a slot width other than the target's hidden size."""
+    """Column widths that contradict the layout: an aux width that is no whole number of
+    slots, a slot width other than the target's hidden size, a row shape other than the table
+    declares. (How many slots arrived is evidence, not layout: an engine that skipped fc hands
+    the drafter one slot, and replay names that fault.)"""
     aux = lambda t: _array_meta(t, "target", "tok.aux_hidden")  # noqa: E731
 
     def declared(t: Path) -> None:
@@ -642,14 +644,17 @@ def gen_widths(d: Path) -> list[Case]:
         _trace_case(
             d,
             "width_slot_width_60",
-            ("aux_hidden", "192", "slot_width 60"),
+            ("aux_hidden", "slot_width 60", "hidden_size 64"),
             lambda t: aux(t)(lambda m: m["attributes"].update(slot_width=60)),
         ),
         _trace_case(
             d,
-            "width_four_layer_ids",
-            ("aux_hidden", "192", "4 slots"),
-            lambda t: aux(t)(lambda m: m["attributes"].update(layer_ids=[1, 2, 4, 5])),
+            "width_not_whole_slots",
+            ("aux_hidden", "192 wide", "whole number of slots of 60"),
+            lambda t: (
+                _root_meta(t)(lambda m: m["static"].pop("target")),
+                aux(t)(lambda m: m["attributes"].update(slot_width=60)),
+            ),
         ),
         _trace_case(
             d,
