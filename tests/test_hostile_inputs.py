@@ -490,8 +490,9 @@ def gen_clean_close_offsets(d: Path) -> list[Case]:
 
 
 def gen_unreadable_rank_group(d: Path) -> list[Case]:
-    """A rank group whose metadata cannot be read (a symlink loop, a dangling link, deleted
-    while its tables remain): named, not reported as "ranks: none"."""
+    """A rank group whose metadata cannot be read (a symlink loop, a dangling link, a
+    directory in its place): named, not reported as "ranks: none". (A rank directory with no
+    `zarr.json` is a writer's claim whose group is not written yet: a trace still recording.)"""
 
     def loop(t: Path) -> None:
         f = t / "rank0" / "zarr.json"
@@ -508,9 +509,9 @@ def gen_unreadable_rank_group(d: Path) -> list[Case]:
         _trace_case(d, "rank_meta_dangling_link", ("rank0", "zarr.json"), dangling),
         _trace_case(
             d,
-            "rank_meta_deleted",
-            ("rank0", "zarr.json"),
-            lambda t: (t / "rank0" / "zarr.json").unlink(),
+            "rank_meta_is_a_directory",
+            ("rank0", "zarr.json", "not a file"),
+            lambda t: ((t / "rank0" / "zarr.json").unlink(), (t / "rank0" / "zarr.json").mkdir()),
         ),
     ]
 

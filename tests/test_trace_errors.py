@@ -334,20 +334,21 @@ def test_rows_short_of_the_offsets_are_crash_recovery_only(tmp_path, clean_close
 
 
 def test_a_rank_group_with_unreadable_metadata_is_named_not_absent(tmp_path):
-    """rank0/zarr.json a symlink loop, or deleted while its tables remain: the trace is corrupt,
-    not a trace of no ranks; an empty rank directory (a writer's claim that died before its
-    first metadata) is still no rank at all."""
+    """rank0/zarr.json a symlink loop, a dangling link or a directory: the trace is corrupt,
+    not a trace of no ranks; a rank directory with no zarr.json (a writer's claim whose group
+    is not written yet: a trace still recording) is no rank yet."""
     d = _trace(tmp_path / "t.zarr")
     meta = d / "rank0" / "zarr.json"
     meta.unlink()
     meta.symlink_to("zarr.json")
     _assert_cli_error(d, "rank0/zarr.json", "cannot be read")
     meta.unlink()
-    _assert_cli_error(d, "rank0 has no readable group metadata")
-    (d / "rank1").mkdir()
-    import shutil
-
-    shutil.rmtree(d / "rank0")
+    meta.symlink_to("gone.json")
+    _assert_cli_error(d, "rank0 has no readable group metadata", "broken link")
+    meta.unlink()
+    meta.mkdir()
+    _assert_cli_error(d, "rank0 has no readable group metadata", "not a file")
+    meta.rmdir()
     with open_trace(d) as tr:
         assert tr.ranks == []
 

@@ -116,7 +116,7 @@ class Trace:
             self.close()
             raise TraceError(
                 f"{self.path}: {unlisted[0]} has no readable group metadata "
-                f"({unlisted[0]}/zarr.json missing, a broken link or not a file; corrupt trace)"
+                f"({unlisted[0]}/zarr.json is a broken link or not a file; corrupt trace)"
             )
         self.ranks: list[int] = sorted(int(n[4:]) for n in names)
         self._ranks: dict[int, RankView] = {}
@@ -159,23 +159,22 @@ class Trace:
 
 
 def _unlisted_rank_groups(path: Path, listed: list[str]) -> list[str]:
-    """Rank directories of a directory trace that zarr did not list as groups although they
-    hold something: their `zarr.json` is unreadable (a symlink loop, a dangling link) or gone
-    while tables remain; without this they read as "ranks: none". An empty rank directory is
-    a writer's claim (recorder.py) that died before its first metadata: not a rank yet."""
+    """Rank directories of a directory trace that zarr did not list as groups although their
+    `zarr.json` is there: a link that does not resolve to a file (a symlink loop, a dangling
+    link) or not a regular file. Without this they read as "ranks: none". A rank directory
+    with no `zarr.json` at all is a writer's claim (recorder.py) whose group is not written
+    yet, which a reader of a trace still recording may see: not a rank yet."""
     if not path.is_dir():
         return []
     try:
         unlisted = []
         with os.scandir(path) as entries:
-            rank_dirs = list(entries)
+            rank_dirs = [e for e in entries if e.name.startswith("rank") and e.name[4:].isdigit()]
         for e in rank_dirs:
-            if not (e.name.startswith("rank") and e.name[4:].isdigit() and e.is_dir()):
-                continue
-            if e.name not in listed:
-                with os.scandir(e.path) as inside:
-                    if next(inside, None) is not None:
-                        unlisted.append(e.name)
+            meta = os.path.join(e.path, "zarr.json")
+            if e.name not in listed and e.is_dir() and os.path.lexists(meta):
+                if not os.path.isfile(meta):
+                    unlisted.append(e.name)
     except OSError as exc:
         raise TraceError(f"{path}: cannot list the rank groups ({exc.strerror})") from exc
     return sorted(unlisted)
