@@ -554,7 +554,7 @@ def gen_codecs(d: Path) -> list[Case]:
 def _reshard(t: Path, table: str, array: str, inner_rows: int, shard_rows: int) -> Path:
     """Rewrite one column of a trace in the sharded layout (the writer's for wide rows):
     inner chunks of `inner_rows`, shards of `shard_rows`, the same bytes + blosc chain."""
-    from hstrace.trace.rowlog import COMPRESSORS
+    from hstrace.trace.write.rowlog import COMPRESSORS
 
     path = t / "rank0" / table / array
     old = zarr.open_array(str(path), mode="r")
