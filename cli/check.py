@@ -150,7 +150,8 @@ def check(
     td = head = None
     embedding, emb_source, emb_ok = None, None, False
     if against:
-        td = open_training(against)  # TrainingDataError (one line) for a bad dir
+        # TrainingDataError (one line) for a bad dir, or ids past the drafter's vocabulary
+        td = open_training(against, vocab_size=model.cfg.vocab_size)
         if target is not None:
             head = TargetHead.from_pretrained(target)  # CheckpointError for a bad dir
         embedding, emb_source, emb_ok = _embedding(model, report, target)

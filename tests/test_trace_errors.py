@@ -303,3 +303,64 @@ def test_metadata_of_the_wrong_type_is_a_trace_error(tmp_path):
         (d / name).write_text(original)
     assert runs > 1000
     assert not unexpected, "\n".join(unexpected[:20])
+
+
+def _set_commit(path: Path, edit) -> None:
+    f = path / "rank0" / "zarr.json"
+    meta = json.loads(f.read_text())
+    edit(meta["attributes"]["hstrace"]["commit"])
+    f.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("clean_close", [False, True])
+def test_rows_short_of_the_offsets_are_crash_recovery_only(tmp_path, clean_close):
+    """The commit record covering fewer rows than its steps' offsets: after a crash the reader
+    keeps the steps the rows cover (the committed prefix); after a clean close, where every row
+    was committed, the same record is corruption and is named (issue 24)."""
+    d = _trace(tmp_path / "t.zarr")  # target: 3 steps of 3, 200 and 7 rows
+
+    def cut(commit: dict) -> None:
+        commit["clean_close"] = clean_close
+        commit["tables"]["target"]["rows"]["tok/input_ids"] = 150  # inside step 1
+
+    _set_commit(d, cut)
+    if clean_close:
+        _assert_cli_error(d, "rank0/target", "closed cleanly with 3 steps", "cover 1")
+        return
+    with open_trace(d) as tr:
+        t = tr.rank(0).table("target")
+        assert t.num_steps == 1 and t.num_rows("tok") == 3
+        assert t.column("tok", "input_ids").tolist() == [0, 1, 2]
+
+
+def test_a_rank_group_with_unreadable_metadata_is_named_not_absent(tmp_path):
+    """rank0/zarr.json a symlink loop, a dangling link or a directory: the trace is corrupt,
+    not a trace of no ranks; a rank directory with no zarr.json (a writer's claim whose group
+    is not written yet: a trace still recording) is no rank yet."""
+    d = _trace(tmp_path / "t.zarr")
+    meta = d / "rank0" / "zarr.json"
+    meta.unlink()
+    meta.symlink_to("zarr.json")
+    _assert_cli_error(d, "rank0/zarr.json", "cannot be read")
+    meta.unlink()
+    meta.symlink_to("gone.json")
+    _assert_cli_error(d, "rank0 has no readable group metadata", "broken link")
+    meta.unlink()
+    meta.mkdir()
+    _assert_cli_error(d, "rank0 has no readable group metadata", "not a file")
+    meta.rmdir()
+    with open_trace(d) as tr:
+        assert tr.ranks == []
+
+
+def test_step_sequence_numbers_repeat_or_go_back(tmp_path):
+    import zarr
+
+    d = _trace(tmp_path / "t.zarr")
+    arr = zarr.open_array(str(d / "rank0" / "target" / "step.seq"), mode="r+")
+    seq = arr[:]
+    assert seq.tolist() == sorted(set(seq.tolist()))  # as written: strictly increasing
+    arr[:] = [seq[0], seq[0], seq[2]]
+    _assert_cli_error(d, "rank0/target", "step/seq repeats", "at step 1")
+    arr[:] = [seq[2], seq[1], seq[0]]
+    _assert_cli_error(d, "rank0/target", "step/seq goes back to", "at step 1")

@@ -106,6 +106,10 @@ def read_config(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointError(f"{cfg_path}: missing config.json") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{cfg_path}: not valid JSON ({exc})") from None
+    except RecursionError:
+        raise CheckpointError(
+            f"{cfg_path}: JSON nested too deeply to be a config; refusing to read it"
+        ) from None
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path}: config is not a JSON object")
     return raw
@@ -130,7 +134,53 @@ def read_tensors(weight_file: Path) -> dict[str, torch.Tensor]:
         ) from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{weight_file}: not a flat name -> tensor state dict")
+    check_finite(sd, weight_file)
     return sd
+
+
+def check_finite(sd: dict[str, torch.Tensor], weight_file: Path) -> None:
+    """No NaN or infinity in a floating-point tensor: a drafter holding one computes NaN
+    logits, which compare as disagreement everywhere (one vectorised pass per tensor)."""
+    for key, t in sd.items():
+        if t.is_floating_point() and t.numel() and not _all_finite(t):
+            bad = ~torch.isfinite(t.reshape(-1))
+            i = int(torch.argmax(bad.to(torch.uint8)))
+            value = float(t.reshape(-1)[i])
+            raise CheckpointError(
+                f"{weight_file}: tensor {key} holds {value} at flat index {i} "
+                f"({int(bad.sum())} non-finite values; corrupt weights)"
+            )
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Min and max in one pass: NaN propagates through both, and an infinity is one of them."""
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def check_d2t(sd: dict[str, torch.Tensor], vocab_size: int, weight_file: Path) -> None:
+    """A `d2t` value must name a target id under one reading at least: as an offset
+    (i + d2t[i]) or as a direct table (d2t[i]) in [0, vocab_size). One that fits neither is
+    corrupt, not a misread map (`d2t-direct-table` is about values that fit as a table)."""
+    key = next((k for k in sd if canonical_name(k) == "d2t"), None)
+    if key is None:
+        return
+    d2t = sd[key]
+    if d2t.is_floating_point() or d2t.dtype == torch.bool or d2t.dim() != 1:
+        raise CheckpointError(
+            f"{weight_file}: {key} is {str(d2t.dtype).removeprefix('torch.')} "
+            f"{list(d2t.shape)}, not a 1-d integer map (corrupt)"
+        )
+    if not d2t.numel():
+        return
+    d = d2t.to(torch.int64)
+    bad = (d >= vocab_size) | (d + torch.arange(d.numel()) < 0)
+    if bool(bad.any()):
+        i = int(torch.argmax(bad.to(torch.uint8)))
+        raise CheckpointError(
+            f"{weight_file}: {key}[{i}] = {int(d[i])} maps draft id {i} outside the target "
+            f"vocabulary of {vocab_size} ids, read as an offset or as a table (corrupt)"
+        )
 
 
 def canonical_name(key: str) -> str:
@@ -275,6 +325,7 @@ def load_drafter(
             cfg, flags = config_from_flat(raw, where, chosen)
     except ValueError as exc:  # DrafterConfig's own consistency checks
         raise CheckpointError(f"{where}: {exc}") from None
+    check_d2t(sd, cfg.vocab_size, weight_file)
     notes: list[str] = []
     _fit_aux_width(cfg, sd, notes, where)
     _check_sizes(cfg, sd, where, weight_file)

@@ -32,6 +32,87 @@ DIALECT_CONVENTION = {
 Flags = dict[str, tuple[Any, str]]
 
 
+# What each config value may be, checked before anything reads it (`check_config_values`):
+# `int("64")` and `int(64.5)` would read a string or a fraction as a size, `float("nan")` an eps.
+_WHOLE_POSITIVE = (
+    "hidden_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "head_dim",
+    "max_position_embeddings",
+    "num_hidden_layers",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "num_aux_hidden_states",
+    "sliding_window",
+)
+_WHOLE = ("max_window_layers",)
+_REAL_POSITIVE = ("rms_norm_eps", "rope_theta")
+_FLAGS = (
+    "attention_bias",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_before_residual",
+    "norm_output",
+    "tie_word_embeddings",
+    "use_sliding_window",
+)
+_LAYER_IDS = "eagle_aux_hidden_state_layer_ids"
+# A layer id past this is no transformer's (the largest have a few hundred layers).
+MAX_LAYER_ID = 4096
+
+
+def _value_error(where: str, key: str, value: Any, want: str) -> CheckpointError:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return CheckpointError(f"{where}: {key} is {type(value).__name__} {text}, not {want}")
+
+
+def check_config_values(cfg: dict[str, Any], where: str, prefix: str = "") -> None:
+    """Every known field of one config level (flat, `transformer_layer_config`, `eagle_config`,
+    `rope_parameters`) is of its type where present: whole sizes > 0 (not a bool, string or
+    fraction), finite positive reals, true/false flags, whole layer ids in [0, MAX_LAYER_ID)."""
+    import math
+
+    for key, value in cfg.items():
+        if value is None:
+            continue
+        name = prefix + key
+        if key in _WHOLE_POSITIVE or key in _WHOLE:
+            low = 1 if key in _WHOLE_POSITIVE else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise _value_error(where, name, value, f"a whole number >= {low}")
+        elif key in _REAL_POSITIVE:
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise _value_error(where, name, value, "a finite number > 0")
+        elif key in _FLAGS:
+            if not isinstance(value, bool):
+                raise _value_error(where, name, value, "true or false")
+        elif key == _LAYER_IDS:
+            if not isinstance(value, list) or not value:
+                raise _value_error(where, name, value, "a list of layer ids")
+            for i, item in enumerate(value):
+                if (
+                    isinstance(item, bool)
+                    or not isinstance(item, int)
+                    or not 0 <= item < MAX_LAYER_ID
+                ):
+                    raise _value_error(
+                        where, f"{name}[{i}]", item, f"a layer id in [0, {MAX_LAYER_ID})"
+                    )
+        elif key in ("transformer_layer_config", "eagle_config", "rope_parameters"):
+            if not isinstance(value, dict):
+                raise _value_error(where, name, value, "a JSON object")
+            check_config_values(value, where, f"{name}.")
+
+
 def _get(
     cfg: dict[str, Any],
     key: str,
@@ -86,6 +167,7 @@ def detect_dialect(config: dict[str, Any], weight_file: str) -> str | None:
 
 
 def config_from_speculators(raw: dict[str, Any], where: str) -> tuple[DrafterConfig, Flags]:
+    check_config_values(raw, where)
     if raw.get("speculators_model_type") != "eagle3":
         raise CheckpointError(
             f"{where}: speculators_model_type {raw.get('speculators_model_type')!r} is not eagle3"
@@ -162,6 +244,7 @@ def config_from_speculators(raw: dict[str, Any], where: str) -> tuple[DrafterCon
 
 def config_from_flat(raw: dict[str, Any], where: str, dialect: str) -> tuple[DrafterConfig, Flags]:
     """SpecForge and EAGLE: a flat LlamaConfig plus EAGLE-3 fields."""
+    check_config_values(raw, where)
     lib, flags = dialect, {}
     sizes = _sizes(raw, where)
     theta, scaling = _rope(raw)

@@ -91,7 +91,10 @@ def locate(path: Path | None, trace_path: Path) -> Path | None:
 
 
 def _training_side(
-    against: Path, slot_width: int, recovery: IdRecovery | None = None
+    against: Path,
+    slot_width: int,
+    recovery: IdRecovery | None = None,
+    vocab_size: int | None = None,
 ) -> tuple[list[Any], str, dict[str, Any]]:
     """Training samples, or the requests of a second trace presented as samples."""
     from hstrace.training import TrainingSample, open_training
@@ -131,7 +134,7 @@ def _training_side(
                 )
             )
         return samples, "trace", {"format": "trace"}
-    td = open_training(against)
+    td = open_training(against, vocab_size=vocab_size)  # ids past it: TrainingDataError
     return list(td.samples()), "training", {"format": td.format, "samples": len(td)}
 
 
@@ -273,7 +276,7 @@ def _evidence_of(
     salt_file: Path | None,
 ) -> tuple[Evidence, dict[str, Any]]:
     from hstrace.drafter import load_drafter
-    from hstrace.trace.validate import check_token_ids
+    from hstrace.trace.validate import check_serving_ids
 
     serving: ServingData = read_serving(trace, lazy=True)
     by_rank = accept_len_by_rank(trace) if len(trace.ranks) > 1 else {}
@@ -296,9 +299,11 @@ def _evidence_of(
     if salt is not None:
         recovery = IdRecovery.build(salt, drafter.cfg.vocab_size, drafter.cfg.draft_vocab_size)
         recover_serving_ids(serving, recovery)
-    for r in serving.requests:  # before any id indexes an embedding (issue 12)
-        check_token_ids(f"{trace_path}: request {r.name}", r.tokens, drafter.cfg.vocab_size)
-    samples, kind, training_info = _training_side(against, drafter.cfg.aux_width, recovery)
+    for r in serving.requests:  # before any id indexes an embedding (issues 12, 24)
+        check_serving_ids(f"{trace_path}: request {r.name}", r, drafter.cfg)
+    samples, kind, training_info = _training_side(
+        against, drafter.cfg.aux_width, recovery, drafter.cfg.vocab_size
+    )
     if not samples:
         raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")
 

@@ -32,6 +32,7 @@ import numpy as np
 from numcodecs import Blosc
 
 from hstrace.trace.codecs import blosc_planes
+from hstrace.trace.guard import index_overlap
 from hstrace.trace.liveshard import in_tail_slot, index_bytes
 
 # Decode in parallel once a read spans this many chunks (below, threads cost more than they save).
@@ -420,6 +421,11 @@ def _shard_index(
     """((offset, nbytes) of inner chunks lo..hi of a shard, from its checked index; the file's
     size when that index was read)."""
     index, size = _read_index(fd, path, per)
+    alias = index_overlap(index)
+    if alias is not None:
+        raise ValueError(
+            f"shard file {path}: inner chunk {alias} overlaps another chunk's bytes (corrupt)"
+        )
     want = index[lo : hi + 1]
     if np.any(want[:, 0] == _EMPTY):
         missing = lo + int(np.argmax(want[:, 0] == _EMPTY))

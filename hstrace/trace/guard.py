@@ -80,6 +80,7 @@ def array_rule(label: str, arr: Any, committed: int, name: str) -> ArrayRule:
     decoded = math.prod(inner) * itemsize
     grid = tuple(max(1, -(-s // c)) for s, c in zip(shape, outer, strict=True))
     codec_names = [type(c).__name__ for c in md.codecs]
+    _check_codecs(label, _plain(md.to_dict().get("codecs")))
     per_chunk_max = decoded + decoded // 64 + _BLOSC_HEADER + 1024
     if shards is None:
         return ArrayRule(
@@ -113,6 +114,67 @@ def array_rule(label: str, arr: Any, committed: int, name: str) -> ArrayRule:
         n_inner=n_inner,
         index_bytes=index_bytes,
     )
+
+
+def _plain(value: Any) -> Any:
+    """zarr's metadata dict with its tuples as lists (as the JSON file holds them)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _is_chain(codecs: Any) -> bool:
+    """bytes + blosc: the one chunk codec chain schema v1 writes (rowlog.COMPRESSORS)."""
+    return (
+        isinstance(codecs, list)
+        and [c.get("name") if isinstance(c, dict) else None for c in codecs] == ["bytes", "blosc"]
+        and (codecs[0].get("configuration") or {}).get("endian", "little") in ("little", "big")
+    )
+
+
+def _check_codecs(label: str, codecs: Any) -> None:
+    """An array's codecs must be the schema's chain, or that chain inside the sharding codec
+    with a crc32c'd index at the end: any other codec (an inserted transpose) would decode
+    its chunks into other rows than were written, and read as data."""
+    ok = _is_chain(codecs)
+    if not ok and isinstance(codecs, list) and len(codecs) == 1 and isinstance(codecs[0], dict):
+        c = codecs[0]
+        cfg = c.get("configuration") or {}
+        ok = (
+            c.get("name") == "sharding_indexed"
+            and _is_chain(cfg.get("codecs"))
+            and [i.get("name") for i in cfg.get("index_codecs") or [] if isinstance(i, dict)]
+            == ["bytes", "crc32c"]
+            and cfg.get("index_location", "end") == "end"
+        )
+    if not ok:
+        names = (
+            [c.get("name") if isinstance(c, dict) else c for c in codecs]
+            if isinstance(codecs, list)
+            else codecs
+        )
+        raise TraceError(
+            f"{label}: codecs {names} are not the schema's chain (bytes + blosc, optionally "
+            "sharded); refusing to decode them as data (corrupt)"
+        )
+
+
+def index_overlap(index: np.ndarray) -> int | None:
+    """The first inner chunk (by position in the file) whose byte range overlaps another's in
+    a shard index of (offset, nbytes) rows, or None: two entries aliasing one range would read
+    one chunk's bytes as another's rows."""
+    used = index[:, 0] != _EMPTY
+    if int(used.sum()) < 2:
+        return None
+    offs = index[used, 0].astype(np.uint64)
+    ends = offs + index[used, 1].astype(np.uint64)
+    order = np.argsort(offs, kind="stable")
+    bad = ends[order][:-1] > offs[order][1:]
+    if not np.any(bad):
+        return None
+    return int(np.flatnonzero(used)[order][int(np.argmax(bad)) + 1])
 
 
 def _bytes_view(data: Any) -> np.ndarray:
@@ -168,8 +230,12 @@ class GuardedStore(WrapperStore):
                 )
         try:
             st = os.stat(real)
-        except OSError:
-            return None
+        except FileNotFoundError:
+            return None  # a dangling link: as missing (a required chunk is named as such)
+        except OSError as exc:  # a symlink loop, no permission: there, but unreadable
+            raise TraceError(
+                f"{self._where}: {key} cannot be read ({exc.strerror}); corrupt trace"
+            ) from None
         if stat.S_ISDIR(st.st_mode):
             return None
         if not stat.S_ISREG(st.st_mode):
@@ -258,6 +324,12 @@ class GuardedStore(WrapperStore):
         )
         index = np.frombuffer(tail, "<u8")
         index = index.reshape(rule.n_inner, 2)
+        alias = index_overlap(index)
+        if alias is not None:
+            raise TraceError(
+                f"{self._where}: shard {key} indexes inner chunk {alias} over another chunk's "
+                f"bytes (overlapping ranges; corrupt)"
+            )
         # Inner chunks are in C order; along dim 0 the j-th row of inner chunks starts at row
         # shard_start + j * inner_rows.
         rows_of = rule.outer_rows // rule.inner_rows

@@ -80,14 +80,11 @@ class Trace:
         if not isinstance(meta, dict) or meta.get("format", FORMAT_NAME) != FORMAT_NAME:
             self.close()
             raise TraceError(f"{self.path}: not an hstrace trace (no '{ROOT_KEY}' root attributes)")
-        version = meta.get("schema_version")
-        if version not in SUPPORTED_SCHEMA_VERSIONS:
-            self.close()
-            raise TraceError(
-                f"{self.path}: trace schema version {version!r} is not supported by this hstrace "
-                f"(supported: {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))})"
-            )
         try:
+            # `true` is a Python int equal to 1: the type is checked, not only the value.
+            v.check_schema_version(
+                meta.get("schema_version"), SUPPORTED_SCHEMA_VERSIONS, str(self.path)
+            )
             v.check_root_meta(meta, str(self.path))
         except TraceError:
             self.close()
@@ -114,6 +111,13 @@ class Trace:
                     f"{self.path}: {name} is an array, not a rank group (corrupt trace)"
                 )
             names.append(name)
+        unlisted = _unlisted_rank_groups(self.path, names)
+        if unlisted:
+            self.close()
+            raise TraceError(
+                f"{self.path}: {unlisted[0]} has no readable group metadata "
+                f"({unlisted[0]}/zarr.json is a broken link or not a file; corrupt trace)"
+            )
         self.ranks: list[int] = sorted(int(n[4:]) for n in names)
         self._ranks: dict[int, RankView] = {}
 
@@ -152,6 +156,28 @@ class Trace:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _unlisted_rank_groups(path: Path, listed: list[str]) -> list[str]:
+    """Rank directories of a directory trace that zarr did not list as groups although their
+    `zarr.json` is there: a link that does not resolve to a file (a symlink loop, a dangling
+    link) or not a regular file. Without this they read as "ranks: none". A rank directory
+    with no `zarr.json` at all is a writer's claim (recorder.py) whose group is not written
+    yet, which a reader of a trace still recording may see: not a rank yet."""
+    if not path.is_dir():
+        return []
+    try:
+        unlisted = []
+        with os.scandir(path) as entries:
+            rank_dirs = [e for e in entries if e.name.startswith("rank") and e.name[4:].isdigit()]
+        for e in rank_dirs:
+            meta = os.path.join(e.path, "zarr.json")
+            if e.name not in listed and e.is_dir() and os.path.lexists(meta):
+                if not os.path.isfile(meta):
+                    unlisted.append(e.name)
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot list the rank groups ({exc.strerror})") from exc
+    return sorted(unlisted)
 
 
 def _check_zip(path: Path) -> None:
@@ -207,7 +233,7 @@ class RankView:
             raise TraceError(f"{where}: is an array, not a rank group (corrupt trace)")
         if not isinstance(meta, dict) or "commit" not in meta:
             raise TraceError(f"{where}: no commit record (not written by hstrace, or corrupt)")
-        v.check_rank_meta(meta, where)
+        v.check_rank_meta(meta, where, rank)
         self.meta = meta
         commit = meta["commit"]
         self.clean_close: bool = bool(commit.get("clean_close", False))
@@ -266,7 +292,7 @@ class TableView:
                         "(corrupt)"
                     )
             rows = {k: int(n) for k, n in commit["rows"].items()}
-            steps = int(commit["steps"])
+            steps = committed_steps = int(commit["steps"])
         except TraceError:
             raise
         except Exception as exc:  # noqa: BLE001
@@ -319,8 +345,15 @@ class TableView:
                     f"{self._where}: column step/{key[1]} has shape {arr.shape}; schema v1 stores "
                     "one scalar per step (a producer bug: re-record with a fixed producer)"
                 )
+            v.check_row_shape(key[0], key[1], arr.shape, self._spec[key[0]][key[1]], self._where)
             if key[0] == STEP_AXIS:
                 steps = min(steps, committed)
+            # The capture column (a redacted bundle keeps its attributes on a stats column,
+            # `aux_hidden_stats`, of another width).
+            attrs = _attrs(arr, self._where, "/".join(key)) if key[1] == "aux_hidden" else {}
+            if "layer_ids" in attrs:
+                target = (rank.trace.root_meta.get("static") or {}).get("target")
+                v.check_slot_layout(key[0], key[1], arr.shape, attrs, target, self._where)
         if off_arr is not None:
             steps = min(steps, rows.get(OFFSETS_ARRAY, 0) - 1)
         steps = max(steps, 0)
@@ -353,8 +386,23 @@ class TableView:
             if off[-1] > limit:  # the commit record covers fewer rows than its steps: trust rows
                 steps = int(np.searchsorted(off, limit, side="right")) - 1
             self._offsets[axis] = off
+        if rank.clean_close:
+            # Lowering the step count to what the rows cover is crash recovery (a writer killed
+            # between a column's flush and the commit). A clean close committed every row: there,
+            # any disagreement between steps, offsets and rows is corruption, not a crash.
+            v.check_clean_close(
+                committed_steps, steps, rows, self.columns, off_axes, self._offsets, self._where
+            )
         self.num_steps: int = steps
         self._offsets = {a: o[: steps + 1] for a, o in self._offsets.items()}
+        # The step sequence numbers (8 bytes a step), read and checked once at open: every
+        # command then sees a table whose steps are in order, whether it reads them or not.
+        self._seq: np.ndarray | None = None
+        seq_arr = self._arrays.get((STEP_AXIS, "seq"))
+        if seq_arr is not None and steps > 0 and seq_arr.ndim == 1:
+            seq = self._read(seq_arr, 0, steps, "step/seq")
+            self._validate(STEP_AXIS, "seq", seq, 0, steps)
+            self._seq = seq
 
     def _read(self, arr: zarr.Array, start: int, stop: int, what: str) -> np.ndarray:
         try:
@@ -407,6 +455,8 @@ class TableView:
             raise TraceError(f"{self._where}: no column {axis}/{name} (columns: {self.columns})")
         n = self.num_rows(axis)
         lo, hi, _ = slice(start, stop).indices(n)
+        if (axis, name) == (STEP_AXIS, "seq") and self._seq is not None:
+            return self._seq[lo : max(lo, hi)].copy()  # read and checked at open
         data = self._read(self._arrays[(axis, name)], lo, max(lo, hi), f"{axis}/{name}")
         self._validate(axis, name, data, lo, n)
         if self._logical[(axis, name)] == "bfloat16":
@@ -423,6 +473,8 @@ class TableView:
             return
         if self._check_ids or key not in v.TARGET_ID_COLUMNS | v.DRAFT_ID_COLUMNS:
             v.check_values(axis, name, data, lo, self._where, self._vocab, self._draft_vocab)
+        if key == (STEP_AXIS, "seq"):
+            v.check_sequence(name, data, lo, self._where)
         bound = v.BOUNDED_BY.get(key)
         if bound is not None and (axis, bound) in self._arrays:
             limit = self._read(self._arrays[(axis, bound)], lo, lo + len(data), f"{axis}/{bound}")

@@ -18,12 +18,21 @@ def _describe(root: Path, limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
-def open_training(path: str | Path) -> TrainingData:
+def open_training(path: str | Path, vocab_size: int | None = None) -> TrainingData:
     """Open speculators v0.5+, speculators v0.2-v0.4 or SpecForge offline data, by layout.
 
-    Raises `TrainingDataError` naming what was found when the layout is none of these.
+    Raises `TrainingDataError` naming what was found when the layout is none of these, or
+    when it holds no sample. `vocab_size` (the drafter's): samples with token ids past it are
+    refused as they are read.
     """
-    root = Path(path)
+    td = _open(Path(path))
+    if len(td) == 0:
+        raise TrainingDataError(f"{td.root}: {td.format} training data with no samples (empty)")
+    td.vocab_size = vocab_size
+    return td
+
+
+def _open(root: Path) -> TrainingData:
     if not root.exists():
         raise TrainingDataError(f"{root}: training-data directory does not exist")
     if not root.is_dir():

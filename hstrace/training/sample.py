@@ -58,6 +58,9 @@ class TrainingData(ABC):
         self.root = root
         # (n_slots, Ht, file) of the first sample read: every sample of one dataset shares them.
         self._shape: tuple[int, int, str] | None = None
+        # The consumer's vocabulary (`open_training(vocab_size=)`): token ids at or past it are
+        # refused when a sample is read, before a drafter indexes its embedding with them.
+        self.vocab_size: int | None = None
 
     @abstractmethod
     def __len__(self) -> int: ...
@@ -69,6 +72,13 @@ class TrainingData(ABC):
         s = self._load(i)
         n_slots, ht = int(s.aux.shape[1]), int(s.aux.shape[2])
         where = str(s.provenance.get("file") or s.provenance.get("path") or f"sample {i}")
+        vocab = getattr(self, "vocab_size", None)
+        if vocab is not None and s.num_tokens and int(s.input_ids.max()) >= vocab:
+            j = int(torch.argmax((s.input_ids >= vocab).to(torch.uint8)))
+            raise TrainingDataError(
+                f"{where}: input_ids[{j}] = {int(s.input_ids[j])} is outside the vocabulary of "
+                f"{vocab} ids (corrupt, or training data of another target)"
+            )
         if getattr(self, "_shape", None) is None:  # (a subclass may skip our __init__)
             self._shape = (n_slots, ht, where)
         elif self._shape[:2] != (n_slots, ht):
