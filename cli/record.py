@@ -108,6 +108,13 @@ def parse_streams(value: str | None) -> frozenset[str]:
     show_default=True,
     help="Seconds to wait for the server to become healthy.",
 )
+@click.option(
+    "--runner",
+    type=click.Choice(["v1", "v2"]),
+    default=None,
+    help="vllm 0.33+: the model runner. Default v1 (hstrace sets VLLM_USE_V2_MODEL_RUNNER=0 and "
+    "says so); v2 records Model Runner V2, whose taps are not live-tested.",
+)
 def record(
     engine_name: str | None,
     server_cmd: str | None,
@@ -124,6 +131,7 @@ def record(
     knobs: tuple[str, ...],
     startup_timeout: float,
     concurrency: int,
+    runner: str | None,
 ) -> None:
     """Run an engine with hstrace's hooks and record a trace."""
     if engine_name is None:
@@ -143,6 +151,10 @@ def record(
         from hstrace.engines.reference.engine import parse_knob
 
         extra = dict(parse_knob(k) for k in knobs)
+    if runner is not None:
+        if engine_name != "vllm":
+            raise HstraceError("--runner applies only to --engine vllm")
+        extra["runner"] = runner
     options = RecordOptions(
         max_new_tokens=max_new_tokens,
         streams=parse_streams(streams),

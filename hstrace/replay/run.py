@@ -354,9 +354,13 @@ def _evidence_of(
             if ev.sketched
             else "no hidden states and no sketches: no slot checks"
         )
+    from hstrace.engines.vllm.runner import runner_evidence
+
+    runner = runner_evidence(serving.meta.get("static") or {})  # vLLM 0.33+: V1 or V2
     inputs = {
         "trace": str(trace_path),
         "engine": serving.meta.get("engine"),
+        **({"engine_runner": runner} if runner else {}),
         "against": str(against),
         "against_kind": kind,
         "training": training_info,
