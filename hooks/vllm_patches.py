@@ -1,4 +1,5 @@
-"""The wrappers hstrace puts around vLLM functions inside its processes (V1 model runner).
+"""The wrappers hstrace puts around vLLM functions inside its processes (V1 model runner;
+Model Runner V2 of 0.33+ at the end: tapped, not run here).
 
 Patch points come from `hstrace.engines.vllm.versions` (chosen by the installed version); row
 building is pure (`hstrace.engines.vllm.taps`, `hstrace.engines.vllm.audit`); the recorder,
@@ -24,7 +25,7 @@ from hstrace.hooks.common import Recorder, bind_args, install_points
 
 from hstrace.engines import load_audit
 from hstrace.engines.support import Version
-from hstrace.engines.vllm import audit, taps
+from hstrace.engines.vllm import audit, taps, taps_v2
 from hstrace.engines.vllm.versions import SUPPORT
 
 
@@ -327,7 +328,62 @@ def wrap_proposer_load_model(original: Callable) -> Callable:
     return load_model
 
 
+# ---- Model Runner V2 (0.33+; GPU only: row building tested on stand-ins, never run here) -----
+
+
+def wrap_v2_propose(original: Callable) -> Callable:
+    """`TargetDependentARSpeculator.propose`: the target rows of the step, then the drafter
+    calls made inside it (eager mode only: a captured CUDA graph replays without Python)."""
+
+    @functools.wraps(original)
+    def propose(self, *args, **kwargs):
+        rec = REC
+        if rec is None or "step" in rec.disabled or getattr(self, "method", None) != "eagle3":
+            return original(self, *args, **kwargs)
+        a = bind_args(original, (self, *args), kwargs)
+        if a.get("dummy_run") or a.get("is_profile"):
+            return original(self, *args, **kwargs)
+        step = rec.run_tap(
+            "step", lambda: taps_v2.target_step(a["input_batch"], a["aux_hidden_states"] or [])
+        )
+        rec.current, rec.collecting = step, step is not None
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rec.current, rec.collecting = None, False
+            if step is not None:
+                qs = step.query_start or [0]
+                lens = [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
+                rec.run_tap("target", lambda: rec.emit(taps.target_rows(step, rec.capture_layers)))
+                rec.run_tap("draft", lambda: rec.emit(taps.draft_rows(step, lens)))
+
+    return propose
+
+
+def wrap_v2_rejection_sampler(original: Callable) -> Callable:
+    """`RejectionSampler.__call__`: the verify outcome, from the sampler's own output."""
+
+    @functools.wraps(original)
+    def __call__(self, logits, input_batch, *args, **kwargs):
+        out = original(self, logits, input_batch, *args, **kwargs)
+        rec = REC
+        if rec is not None:
+
+            def tap():
+                w = taps_v2.verify_rows(input_batch, out.sampled_token_ids, out.num_sampled)
+                if w is not None:
+                    rec.emit([w])
+
+            rec.run_tap("verify", tap)
+        return out
+
+    return __call__
+
+
 WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+    "TargetDependentARSpeculator.load_model": wrap_proposer_load_model,  # same attributes
+    "TargetDependentARSpeculator.propose": wrap_v2_propose,
+    "RejectionSampler.__call__": wrap_v2_rejection_sampler,
     "Eagle3LlamaForCausalLM.load_weights": wrap_load_weights,
     "GPUModelRunner._setup_eagle3_aux_hidden_state_outputs": wrap_setup_aux,
     "SpecDecodeBaseProposer.load_model": wrap_proposer_load_model,
