@@ -108,3 +108,67 @@ def test_malformed_hand_overs_are_refused() -> None:
         taps_v2.target_step(batch, _aux())
     with pytest.raises(ValueError, match="no aux hidden states"):
         taps_v2.target_step(_batch(), [])
+
+
+def test_the_v2_wrappers_write_a_trace_the_reader_accepts(tmp_path) -> None:
+    """The hooks' V2 wrappers (hooks/vllm_patches.py) around stand-in functions with 0.33.0's
+    signatures: add_requests -> requests, propose -> target rows (draft rows need the drafter's
+    eager forward, absent here), the rejection sampler -> verify; read back from the trace."""
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.trace import TraceWriter, create_trace, open_trace
+
+    out = tmp_path / "t.zarr"
+    create_trace(out, engine={"name": "vllm", "version": "0.33.0"}, command_line=[], static={})
+    streams = ["target", "draft_extend", "draft_step", "verify", "requests"]
+    rec = vp.VLLMRecorder({"out": str(out), "streams": streams}, (0, 33, 0))
+    rec.writer_factory = lambda rank: TraceWriter(out, rank=rank, process=False)
+    rec.capture_layers = [2, 5, 8]
+    vp.REC = rec
+    seen: list[str] = []
+
+    def add_requests(self, scheduler_output):
+        seen.append("add_requests")
+
+    def propose(
+        self, input_batch, attn_metadata, slot_mappings, last_hidden_states, aux_hidden_states,
+        num_sampled, num_rejected, last_sampled, next_prefill_tokens, temperature, seeds,
+        dp_sync_state=None, dummy_run=False, skip_attn_for_dummy_run=False, mm_inputs=None,
+        is_profile=False, num_speculative_tokens=None,
+    ):  # fmt: skip
+        seen.append("propose")
+        return torch.zeros(2, SPEC, dtype=torch.int64)
+
+    def rejection_call(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
+        sampled = torch.full((2, SPEC + 1), GARBAGE, dtype=torch.int64)
+        sampled[0, :3] = torch.tensor([41, 42, 99])
+        sampled[1, :1] = torch.tensor([6])
+        return SimpleNamespace(
+            sampled_token_ids=sampled, num_sampled=torch.tensor([3, 1], dtype=torch.int32)
+        )
+
+    new = SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="b", prompt_token_ids=[1, 2, 3, 4, 5, 6], num_computed_tokens=0)
+        ]
+    )
+    speculator = SimpleNamespace(method="eagle3")
+    batch = _batch()
+    try:
+        vp.wrap_v2_add_requests(add_requests)(object(), new)
+        vp.wrap_v2_rejection_sampler(rejection_call)(object(), torch.zeros(5, 16), batch)
+        args = (None, None, torch.zeros(12, H), _aux(), *(torch.zeros(2),) * 6)
+        vp.wrap_v2_propose(propose)(speculator, batch, *args)
+        vp.wrap_v2_propose(propose)(speculator, batch, *args, dummy_run=True)  # not recorded
+    finally:
+        vp.REC = None
+    rec.close()
+    assert seen == ["add_requests", "propose", "propose"]
+    with open_trace(out) as tr:
+        rank = tr.rank(0)
+        assert rank.clean_close and not rank.errors, rank.errors
+        assert rank.table("requests").column("req", "n_cached").tolist() == [0]
+        assert rank.table("verify").column("req", "accept_len").tolist() == [2]
+        target = rank.table("target")
+        assert target.column("step", "mode").tolist() == [0, 1]  # one propose call, no dummy
+        assert rank.table("draft_extend") is None

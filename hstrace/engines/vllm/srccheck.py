@@ -33,7 +33,13 @@ ATTRS_READ: dict[str, tuple[str, ...]] = {
     ),
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer": ("method", "vllm_config"),
     # V2: the speculator's config and draft model; the sampler's request states
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner": (
+        "use_aux_hidden_state_outputs",
+        "speculative_config",
+        "model_config",
+    ),
     "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator:TargetDependentARSpeculator": (
+        "method",
         "vllm_config",
         "speculative_config",
         "num_speculative_steps",

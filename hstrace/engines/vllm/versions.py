@@ -7,7 +7,9 @@ Pure data + lookups; importing this never imports vLLM. Rows come from the insta
 (`hstrace.engines.vllm.srccheck`, a committed snapshot, and the wheel itself when cached).
 
 0.33.0: every V1 row is unchanged (same class, same file, same parameters). 0.33 makes Model
-Runner V2 (`vllm/v1/worker/gpu/`) the default where Triton is present; V2 hands the drafter its
+Runner V2 (`vllm/v1/worker/gpu/`) the default where Triton is present; V2's runner (also named
+`GPUModelRunner`) sets the aux layers in `load_model` and takes new requests in `add_requests`;
+it hands the drafter its
 inputs in `TargetDependentARSpeculator.propose` (EAGLE-3 and MTP speculators both inherit it)
 and verifies in `RejectionSampler.__call__`; the drafter model (`Eagle3LlamaForCausalLM`) is the
 same class as in V1. `runner_of` says which runner a row belongs to.
@@ -29,6 +31,7 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 _DRAFTER = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
 _V2 = "vllm.v1.worker.gpu."
+_V2_RUNNER = f"{_V2}model_runner:GPUModelRunner"
 _V2_SPEC = f"{_V2}spec_decode.target_dependent_ar.speculator:TargetDependentARSpeculator"
 _V2_REJECT = f"{_V2}spec_decode.rejection_sampler:RejectionSampler"
 
@@ -104,7 +107,18 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         _END,
         ("draft_extend", "draft_step", "logits"),
     ),
-    # Model Runner V2 (0.33+): the speculator (EagleSpeculator, MTPSpeculator inherit both)
+    # Model Runner V2 (0.33+): its runner (aux layers set in load_model; new requests)
+    PatchPoint(
+        f"{_V2_RUNNER}.load_model",
+        ("self",),
+        V2_SINCE,
+        _END,
+        ("static.capture", "static.aux_layers"),
+    ),
+    PatchPoint(
+        f"{_V2_RUNNER}.add_requests", ("self", "scheduler_output"), V2_SINCE, _END, ("requests",)
+    ),
+    # the speculator (EagleSpeculator, MTPSpeculator inherit both)
     PatchPoint(
         f"{_V2_SPEC}.load_model", ("self", "target_model"), V2_SINCE, _END, ("static.spec",)
     ),
