@@ -42,6 +42,13 @@ def parse_streams(value: str | None) -> frozenset[str]:
     '"python -m vllm.entrypoints.openai.api_server ...".',
 )
 @click.option(
+    "--runner",
+    type=click.Choice(["v1", "v2"]),
+    default=None,
+    help="vllm 0.33+: the model runner. Default v1 (hstrace sets VLLM_USE_V2_MODEL_RUNNER=0 and "
+    "says so); v2 records Model Runner V2, whose taps are not live-tested.",
+)
+@click.option(
     "--target", type=click.Path(path_type=Path), help="reference engine: HF target model dir."
 )
 @click.option(
@@ -108,16 +115,10 @@ def parse_streams(value: str | None) -> frozenset[str]:
     show_default=True,
     help="Seconds to wait for the server to become healthy.",
 )
-@click.option(
-    "--runner",
-    type=click.Choice(["v1", "v2"]),
-    default=None,
-    help="vllm 0.33+: the model runner. Default v1 (hstrace sets VLLM_USE_V2_MODEL_RUNNER=0 and "
-    "says so); v2 records Model Runner V2, whose taps are not live-tested.",
-)
 def record(
     engine_name: str | None,
     server_cmd: str | None,
+    runner: str | None,
     target: Path | None,
     drafter: Path | None,
     device: str,
@@ -131,7 +132,6 @@ def record(
     knobs: tuple[str, ...],
     startup_timeout: float,
     concurrency: int,
-    runner: str | None,
 ) -> None:
     """Run an engine with hstrace's hooks and record a trace."""
     if engine_name is None:
