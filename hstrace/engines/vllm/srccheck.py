@@ -213,6 +213,7 @@ def mismatches(
 
 def main(argv: list[str] | None = None) -> int:
     from hstrace.engines.vllm.versions import SUPPORT
+    from hstrace.errors import EngineError
 
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         version = SUPPORT.check_supported_version(args[1])
-    except Exception as exc:  # EngineError: one line
+    except EngineError as exc:
         print(f"hstrace: error: {exc}", file=sys.stderr)
         return 2
     points = SUPPORT.patch_points_for(version)
