@@ -42,6 +42,13 @@ def parse_streams(value: str | None) -> frozenset[str]:
     '"python -m vllm.entrypoints.openai.api_server ...".',
 )
 @click.option(
+    "--runner",
+    type=click.Choice(["v1", "v2"]),
+    default=None,
+    help="vllm 0.33+: the model runner. Default v1 (hstrace sets VLLM_USE_V2_MODEL_RUNNER=0 and "
+    "says so); v2 records Model Runner V2, whose taps are not live-tested.",
+)
+@click.option(
     "--target", type=click.Path(path_type=Path), help="reference engine: HF target model dir."
 )
 @click.option(
@@ -118,6 +125,7 @@ def parse_streams(value: str | None) -> frozenset[str]:
 def record(
     engine_name: str | None,
     server_cmd: str | None,
+    runner: str | None,
     target: Path | None,
     drafter: Path | None,
     device: str,
@@ -154,6 +162,10 @@ def record(
         from hstrace.engines.reference.engine import parse_knob
 
         extra = dict(parse_knob(k) for k in knobs)
+    if runner is not None:
+        if engine_name != "vllm":
+            raise HstraceError("--runner applies only to --engine vllm")
+        extra["runner"] = runner
     options = RecordOptions(
         max_new_tokens=max_new_tokens,
         streams=parse_streams(streams),

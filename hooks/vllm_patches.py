@@ -1,4 +1,5 @@
-"""The wrappers hstrace puts around vLLM functions inside its processes (V1 model runner).
+"""The wrappers hstrace puts around vLLM functions inside its processes (V1 model runner;
+Model Runner V2 of 0.33+ at the end: tapped, not run here).
 
 Patch points come from `hstrace.engines.vllm.versions` (chosen by the installed version); row
 building is pure (`hstrace.engines.vllm.taps`, `hstrace.engines.vllm.audit`); the recorder,
@@ -24,7 +25,7 @@ from hstrace.hooks.common import Recorder, bind_args, install_points
 
 from hstrace.engines import load_audit
 from hstrace.engines.support import Version
-from hstrace.engines.vllm import audit, taps
+from hstrace.engines.vllm import audit, taps, taps_v2
 from hstrace.engines.vllm.versions import SUPPORT
 
 
@@ -193,39 +194,41 @@ def wrap_load_weights(original: Callable) -> Callable:
     return load_weights.wrap_load_weights(original, lambda: REC, audit.LOAD)
 
 
+def _aux_layers_tap(rec: VLLMRecorder, runner: Any, model_runner: str) -> None:
+    """The target's capture layers and the aux-id audit, once the runner set them up (V1:
+    `_setup_eagle3_aux_hidden_state_outputs`; V2: `load_model`)."""
+    hf = runner.speculative_config.draft_model_config.hf_config
+    n_layers = int(runner.model_config.get_total_num_hidden_layers())
+    source = audit.aux_layer_source(hf.to_dict(), n_layers)
+    model = runner.get_model()
+    holder = getattr(model, "model", model)
+    live = getattr(holder, "aux_hidden_state_layers", None)
+    layers = list(live) if live else list(source["sorted_ids"] or [])
+    rec.capture_layers = sorted(set(layers))
+    rec.static(
+        {
+            "capture": {
+                **audit.capture_record(layers, source),
+                "target_class": type(model).__name__,
+            },
+            "aux_layers": source,
+            "aux_layer_ids": source["read_by_vllm"],
+            "runner": {
+                "class": type(runner).__name__,
+                "model_runner": model_runner,
+                "bases": [c.__name__ for c in type(runner).__mro__[1:3]],
+            },
+        }
+    )
+
+
 def wrap_setup_aux(original: Callable) -> Callable:
     @functools.wraps(original)
     def _setup_eagle3_aux_hidden_state_outputs(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         rec = REC
         if rec is not None and getattr(self, "use_aux_hidden_state_outputs", False):
-
-            def tap():
-                hf = self.speculative_config.draft_model_config.hf_config
-                n_layers = int(self.model_config.get_total_num_hidden_layers())
-                source = audit.aux_layer_source(hf.to_dict(), n_layers)
-                model = self.get_model()
-                holder = getattr(model, "model", model)
-                live = getattr(holder, "aux_hidden_state_layers", None)
-                layers = list(live) if live else list(source["sorted_ids"] or [])
-                rec.capture_layers = sorted(set(layers))
-                rec.static(
-                    {
-                        "capture": {
-                            **audit.capture_record(layers, source),
-                            "target_class": type(model).__name__,
-                        },
-                        "aux_layers": source,
-                        "aux_layer_ids": source["read_by_vllm"],
-                        "runner": {
-                            "class": type(self).__name__,
-                            "model_runner": "v1",
-                            "bases": [c.__name__ for c in type(self).__mro__[1:3]],
-                        },
-                    }
-                )
-
-            rec.run_tap("aux_layers", tap)
+            rec.run_tap("aux_layers", lambda: _aux_layers_tap(rec, self, "v1"))
         return result
 
     return _setup_eagle3_aux_hidden_state_outputs
@@ -327,7 +330,107 @@ def wrap_proposer_load_model(original: Callable) -> Callable:
     return load_model
 
 
+# ---- Model Runner V2 (0.33+; GPU only: row building tested on stand-ins, never run here) -----
+
+
+def wrap_v2_propose(original: Callable) -> Callable:
+    """`TargetDependentARSpeculator.propose`: the target rows of the step, then the drafter
+    calls made inside it (eager mode only: a captured CUDA graph replays without Python)."""
+
+    @functools.wraps(original)
+    def propose(self, *args, **kwargs):
+        rec = REC
+        if rec is None or "step" in rec.disabled or getattr(self, "method", None) != "eagle3":
+            return original(self, *args, **kwargs)
+        a = bind_args(original, (self, *args), kwargs)
+        if a.get("dummy_run") or a.get("is_profile"):
+            return original(self, *args, **kwargs)
+        step = rec.run_tap(
+            "step", lambda: taps_v2.target_step(a["input_batch"], a["aux_hidden_states"] or [])
+        )
+        rec.current, rec.collecting = step, step is not None
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rec.current, rec.collecting = None, False
+            if step is not None:
+                qs = step.query_start or [0]
+                lens = [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
+                rec.run_tap("target", lambda: rec.emit(taps.target_rows(step, rec.capture_layers)))
+                rec.run_tap("draft", lambda: rec.emit(taps.draft_rows(step, lens)))
+
+    return propose
+
+
+def wrap_v2_load_model(original: Callable) -> Callable:
+    """V2 `GPUModelRunner.load_model` sets the EAGLE-3 aux layers (and loads the speculator)."""
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        rec = REC
+        if rec is not None and getattr(self, "use_aux_hidden_state_outputs", False):
+            rec.run_tap("aux_layers", lambda: _aux_layers_tap(rec, self, "v2"))
+        return result
+
+    return load_model
+
+
+def wrap_v2_add_requests(original: Callable) -> Callable:
+    """V2 `GPUModelRunner.add_requests`: the requests table (V1 reads it in the step wrapper)."""
+
+    @functools.wraps(original)
+    def add_requests(self, scheduler_output, *args, **kwargs):
+        rec = REC
+        if rec is not None:
+
+            def tap():
+                new = []
+                for nr in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
+                    rid = str(nr.req_id)
+                    if rid in rec.seen_rids:
+                        continue
+                    rec.seen_rids.add(rid)
+                    ids = list(nr.prompt_token_ids or [])
+                    new.append(taps.NewRequest(rid, ids, int(nr.num_computed_tokens)))
+                w = taps.requests_rows(new)
+                if w is not None:
+                    rec.emit([w])
+
+            rec.run_tap("requests", tap)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    return add_requests
+
+
+def wrap_v2_rejection_sampler(original: Callable) -> Callable:
+    """`RejectionSampler.__call__`: the verify outcome, from the sampler's own output."""
+
+    @functools.wraps(original)
+    def __call__(self, logits, input_batch, *args, **kwargs):
+        out = original(self, logits, input_batch, *args, **kwargs)
+        rec = REC
+        if rec is not None:
+
+            def tap():
+                w = taps_v2.verify_rows(input_batch, out.sampled_token_ids, out.num_sampled)
+                if w is not None:
+                    rec.emit([w])
+
+            rec.run_tap("verify", tap)
+        return out
+
+    return __call__
+
+
 WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
+    # V2's runner is also called GPUModelRunner (vllm.v1.worker.gpu.model_runner); the V1
+    # table patches neither of these two methods
+    "GPUModelRunner.load_model": wrap_v2_load_model,
+    "GPUModelRunner.add_requests": wrap_v2_add_requests,
+    "TargetDependentARSpeculator.load_model": wrap_proposer_load_model,  # same attributes
+    "TargetDependentARSpeculator.propose": wrap_v2_propose,
+    "RejectionSampler.__call__": wrap_v2_rejection_sampler,
     "Eagle3LlamaForCausalLM.load_weights": wrap_load_weights,
     "GPUModelRunner._setup_eagle3_aux_hidden_state_outputs": wrap_setup_aux,
     "SpecDecodeBaseProposer.load_model": wrap_proposer_load_model,

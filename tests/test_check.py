@@ -90,7 +90,7 @@ def test_flags_the_engine_ignores_with_versions(tmp_path, capsys):
     # By default: judged for the engines that can load the checkpoint as it is. SGLang cannot
     # load a speculators layout without conversion: said once, and judged for vLLM only.
     rc, doc, _ = run_check(capsys, str(ck), "--json")
-    assert doc["judged_for"] == "vllm==0.32.0"
+    assert doc["judged_for"] == "vllm==0.33.0"
     assert list(doc["not_loadable"]) == ["sglang"]
     assert "speculators" in doc["not_loadable"]["sglang"]
     assert "Eagle3DraftModel" in doc["not_loadable"]["sglang"]

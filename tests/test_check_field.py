@@ -160,7 +160,7 @@ def test_top_level_aux_ids_sglang_ignores(tmp_path, capsys):
     assert rc == 1 and f["severity"] == "fault" and "--target" in f["summary"]
     assert f["applies_to"] == "sglang<=0.5.23" and f["engines"] == ["sglang"]
     assert f["evidence"]["top_level_ids"] == [2, 4, 6] and f["evidence"]["read_by_sglang"] is None
-    assert doc["judged_for"] == "sglang==0.5.23, vllm==0.32.0" and doc["not_loadable"] == {}
+    assert doc["judged_for"] == "sglang==0.5.23, vllm==0.33.0" and doc["not_loadable"] == {}
     # judged for vLLM alone: vLLM reads the top-level ids, nothing to report
     rc, doc, _ = run_check(capsys, str(ck), "--json", "--engine", "vllm")
     assert rc == 0 and "aux-layers-default" not in codes(doc)

@@ -15,12 +15,13 @@ from hstrace.trace import TraceWriter, create_trace, open_trace
 
 
 def test_unsupported_versions_are_refused_with_the_range() -> None:
-    for bad in ("0.31.2", "0.33.0", "0.32.1", "1.0.0"):
-        with pytest.raises(EngineError, match=r"vLLM .* not supported .*0\.32\.0") as err:
+    for bad in ("0.31.2", "0.34.0", "0.33.1", "1.0.0"):
+        with pytest.raises(EngineError, match=r"vLLM .* not supported .*0\.32\.0-0\.33\.0") as err:
             SUPPORT.check_supported_version(bad)
         assert "\n" not in str(err.value)
     assert SUPPORT.check_supported_version("0.32.0") == (0, 32, 0)
     assert SUPPORT.check_supported_version("0.32.0+cpu") == (0, 32, 0)
+    assert SUPPORT.check_supported_version("0.33.0") == (0, 33, 0)
     with pytest.raises(EngineError, match="cannot read vLLM version"):
         SUPPORT.check_supported_version("nightly")
 

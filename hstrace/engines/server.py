@@ -299,6 +299,7 @@ class ServerEngine(Engine):
         status = work / "status.jsonl"
         self._status_path, self._out_path = status, Path(out)  # for the shutdown
         env = dict(os.environ)
+        env.update(self._launch_env(version))  # the engine's own switches (vLLM: its runner)
         # extra["baseline"]: the same launch and client without hooks (bench/gpu_e2e.sh's
         # side-by-side overhead measurement); the trace then holds only the run outcome.
         baseline = bool(self.config.extra.get("baseline"))
@@ -346,6 +347,10 @@ class ServerEngine(Engine):
         result.ok = error is None
         self._finish_trace(out, result, status)
         return result
+
+    def _launch_env(self, version: str) -> dict[str, str]:
+        """Environment variables the launcher sets for the server (none by default)."""
+        return {}
 
     def _launch_static(self, version: str) -> dict[str, Any]:
         static: dict[str, Any] = {

@@ -58,6 +58,16 @@ def _flag_value(command: list[str] | str | None, flag: str) -> str | None:
     return None
 
 
+def engine_runner(static: dict[str, Any]) -> str | None:
+    """The model runner a vLLM trace records (`static.vllm_runner`, written by `hstrace record`
+    on vLLM 0.33+), as a line for the evidence; None when the trace records none."""
+    rec = static.get("vllm_runner")
+    if not isinstance(rec, dict) or rec.get("runner") not in ("v1", "v2"):
+        return None
+    name = "Model Runner V2" if rec["runner"] == "v2" else "the V1 model runner"
+    return f"vLLM ran {name} (set by {rec.get('set_by', 'unknown')})"
+
+
 def drafter_path_from_trace(meta: dict[str, Any]) -> Path | None:
     """The drafter the trace says it served: the static audit, else the server command line."""
     static = meta.get("static") or {}
@@ -361,9 +371,11 @@ def _evidence_of(
             if ev.sketched
             else "no hidden states and no sketches: no slot checks"
         )
+    runner = engine_runner(serving.meta.get("static") or {})  # vLLM 0.33+: V1 or V2
     inputs = {
         "trace": str(trace_path),
         "engine": serving.meta.get("engine"),
+        **({"engine_runner": runner} if runner else {}),
         "against": str(against),
         "against_kind": kind,
         "training": training_info,

@@ -118,6 +118,8 @@ def render_terminal(result: ReplayResult, console: Console | None = None) -> Non
             f"aligned ({cov.get('exact', 0)} exact, {cov.get('prefix', 0)} prefix), "
             f"{cov.get('aligned_tokens', 0)}/{cov.get('serving_tokens', 0)} tokens"
         )
+    if result.inputs.get("engine_runner"):
+        console.print(f"engine: {result.inputs['engine_runner']}", markup=False)
     for name, why in result.skipped.items():
         console.print(f"[yellow]not checked[/]: {name}: {why}")
 

@@ -221,9 +221,9 @@ class TestVLLMEngine(EngineContract):
 
     @pytest.fixture()
     def refused_config(self, tmp_path, monkeypatch) -> tuple[EngineConfig, str]:
-        fake_release_on_path(tmp_path, monkeypatch, "vllm", "0.33.0")  # past the table
+        fake_release_on_path(tmp_path, monkeypatch, "vllm", "0.34.0")  # past the table
         cmd = f"{sys.executable} -m vllm.entrypoints.openai.api_server --model x"
-        return EngineConfig(server_cmd=cmd), "0.33.0"
+        return EngineConfig(server_cmd=cmd), "0.34.0"
 
     @pytest.mark.slow
     def test_record_leaves_a_readable_trace(self, config, prompts, tmp_path) -> None:

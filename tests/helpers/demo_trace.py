@@ -177,9 +177,12 @@ def write_demo_trace(
     return path
 
 
-def copy_trace(src: Path, dst: Path, transform=None, engine: str | None = None) -> Path:
+def copy_trace(
+    src: Path, dst: Path, transform=None, engine: str | None = None, static: dict | None = None
+) -> Path:
     """Rewrite `src` event by event through the real writer, passing each column through
-    `transform(table, axis, column, value) -> value` (a controlled perturbation)."""
+    `transform(table, axis, column, value) -> value` (a controlled perturbation); `static`
+    entries are added to the trace's static audit."""
     from hstrace.bundle.select import plan_rank
     from hstrace.trace import open_trace
 
@@ -188,7 +191,12 @@ def copy_trace(src: Path, dst: Path, transform=None, engine: str | None = None) 
     eng = dict(meta["engine"])
     if engine:
         eng["name"] = engine
-    create_trace(dst, engine=eng, command_line=meta["command_line"], static=meta["static"])
+    create_trace(
+        dst,
+        engine=eng,
+        command_line=meta["command_line"],
+        static={**meta["static"], **(static or {})},
+    )
     for r in tr.ranks:
         view = tr.rank(r)
         w = TraceWriter(dst, rank=r, process=False)

