@@ -259,17 +259,9 @@ def check(
 def _internal(failed: dict[str, str], name: str, compute: Callable[[], T]) -> T | None:
     """`compute()`, or None with `failed[name]` = `Type: message` when it raises internally.
     Bad input (`HstraceError`) still ends the command with its one line (exit 2)."""
-    from hstrace.errors import HstraceError, debugging, error_line
+    from hstrace.errors import error_line, unless_internal_failure
 
-    try:
-        return compute()
-    except HstraceError:
-        raise
-    except Exception as exc:
-        if debugging():
-            raise
-        failed[name] = error_line(exc)
-        return None
+    return unless_internal_failure(compute, lambda e: failed.__setitem__(name, error_line(e)))
 
 
 def _engines_to_judge(

@@ -4,6 +4,13 @@ The CLI turns any `HstraceError` into one line on stderr and exit code 2; nothin
 reach the user as a traceback for bad input.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
 
 class HstraceError(Exception):
     """Bad input or usage: a corrupt trace, a wrong checkpoint, mismatched shapes, an unsupported
@@ -44,3 +51,21 @@ def debugging() -> bool:
     import os
 
     return bool(os.environ.get("HSTRACE_DEBUG"))
+
+
+def unless_internal_failure(
+    compute: Callable[[], T], failed: Callable[[BaseException], None]
+) -> T | None:
+    """`compute()`; if it fails internally (a bug in hstrace, not bad input), `failed(exc)` and
+    None: the caller notes it and the judgement becomes incomplete (exit 3), never clean. Bad
+    input (`HstraceError`) still raises, to end the command with its one line (exit 2);
+    `HSTRACE_DEBUG=1` re-raises the failure with its traceback."""
+    try:
+        return compute()
+    except HstraceError:
+        raise
+    except Exception as exc:
+        if debugging():
+            raise
+        failed(exc)
+        return None

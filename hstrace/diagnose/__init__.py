@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Sequence
 
-from hstrace.errors import HstraceError, debugging
+from hstrace.errors import unless_internal_failure
 from hstrace.findings import REGISTRY, Finding
 from hstrace.replay.evidence import Evidence
 from hstrace.replay.result import Judgement
@@ -96,15 +96,12 @@ def run_check(ev: Evidence, check: Check, failed: dict[str, str]) -> list[Findin
     """One check; if it fails internally, `failed` says so and the replay goes on, but the
     judgement is incomplete (exit 3 unless another check found a fault). Bad input
     (`HstraceError`) still ends the replay with its one-line message."""
-    try:
-        return list(check(ev))
-    except HstraceError:
-        raise
-    except Exception as exc:  # a bug in one check must not hide what the others found
-        if debugging():
-            raise
-        failed.setdefault(f"check {check.__name__}", internal_failure(exc))
-        return []
+    # a bug in one check must not hide what the others found
+    found = unless_internal_failure(
+        lambda: list(check(ev)),
+        lambda e: failed.setdefault(f"check {check.__name__}", internal_failure(e)),
+    )
+    return found or []
 
 
 def diagnose(ev: Evidence, checks: Sequence[Check] | None = None) -> Judgement:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from hstrace.errors import debugging, error_line
+from hstrace.errors import error_line, unless_internal_failure
 
 T = TypeVar("T")
 
@@ -49,17 +49,7 @@ class Unavailable:
         """`compute()`, or None with the reason noted if it fails internally (a bug in one piece
         of evidence must not cost the rest of the report, but makes the judgement incomplete:
         `internal_failure`). Bad input (`HstraceError`) still raises."""
-        from hstrace.errors import HstraceError
-
-        try:
-            return compute()
-        except HstraceError:
-            raise
-        except Exception as exc:
-            if debugging():
-                raise
-            self.note(what, internal_failure(exc))
-            return None
+        return unless_internal_failure(compute, lambda e: self.note(what, internal_failure(e)))
 
     def frozen(self) -> dict[str, str]:
         return dict(self.reasons)
