@@ -356,6 +356,29 @@ _ALL: tuple[Code, ...] = (
         },
     ),
     Code(
+        "rank-divergence",
+        "draft-logits",
+        "the same request and step gets different draft ids, states or drafters on different "
+        "tensor-parallel ranks",
+        ("diagnose.ranks:rank_divergence",),
+        fix={
+            "": "every rank must build the same drafter and draft the same ids: compare the "
+            "ranks' load audits and serve with the draft tensor-parallel size equal to the "
+            "target's (known: vllm #50158 ranks disagreeing on the shared embedding, vllm PR "
+            "#31886 and vllm-ascend PR #5519 draft TP forced to the target's, ROCm/ATOM PR "
+            "#2049 ranks accepting different counts on 1-ULP ties)",
+            "local-argmax": "rank {rank} takes its draft argmax over its own vocab shard "
+            "[{start}, {end}): gather the drafter's logits across the tensor-parallel group "
+            "(all-gather) before the argmax, as TensorRT-LLM PR #16440 does",
+            "load-audit": "the ranks built different drafters ({items} differ between rank 0 "
+            "and rank {rank}): load the same checkpoint and share the target's embedding and "
+            "head on every rank or on none (vllm #50158; the collapse survives PR #50280)",
+            "states": "the aux hidden states should be replicated after the all-reduce but "
+            "differ on rank {rank}: check the tensor-parallel all-reduce of the captured layers "
+            "and that every rank captures the same layer ids",
+        },
+    ),
+    Code(
         "teacher-norm",
         "acceptance",
         "the training teacher used another final norm than the target applies",

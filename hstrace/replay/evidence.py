@@ -190,7 +190,9 @@ def build_evidence(
     if views and len(views) > 1:
         by_rank = {0: serving, **(other_ranks or {})}
         draft_vocab = int(getattr(cfg, "draft_vocab_size", 0) or 0) or None
-        ranks = searched.guarded("rank comparison", lambda: build_ranks(by_rank, views, draft_vocab))
+        ranks = searched.guarded(
+            "rank comparison", lambda: build_ranks(by_rank, views, draft_vocab)
+        )
     if serving.wide is not None:
         serving.wide.window.clear()  # the last window read: not needed by any check
     first = {"drafter forward": no_forward} if no_forward else {}

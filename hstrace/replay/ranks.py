@@ -69,6 +69,13 @@ class RankDivergence:
         return out
 
 
+KINDS = ("load audit", "aux states", "draft ids", "accepted tokens", "committed tokens")
+
+
+def _order(d: RankDivergence) -> tuple[int, bool, int]:
+    return (KINDS.index(d.what), d.step is None, d.step or 0)
+
+
 @dataclass(frozen=True)
 class RankComparison:
     ranks: tuple[int, ...]
@@ -83,9 +90,14 @@ class RankComparison:
         return bool(self.divergences)
 
     def first(self, rank: int | None = None) -> RankDivergence | None:
-        """The first divergence (of `rank`), by step (`load audit` ones first: no step)."""
+        """The first divergence (of `rank`) in dataflow order (load audit, aux states, draft
+        ids, accepted tokens, committed tokens), the earliest step first within a kind."""
         mine = [d for d in self.divergences if rank is None or d.rank == rank]
-        return min(mine, key=lambda d: -1 if d.step is None else d.step) if mine else None
+        return min(mine, key=_order) if mine else None
+
+    def first_of(self, rank: int, what: str) -> RankDivergence | None:
+        mine = [d for d in self.divergences if d.rank == rank and d.what == what]
+        return min(mine, key=_order) if mine else None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -275,7 +287,10 @@ def _accept_compare(
                 None,
                 {
                     "round": i,
-                    "accept_len": {"0": la[i] if i < len(la) else None, str(r): lb[i] if i < len(lb) else None},
+                    "accept_len": {
+                        "0": la[i] if i < len(la) else None,
+                        str(r): lb[i] if i < len(lb) else None,
+                    },
                 },
             )
         )
@@ -340,7 +355,13 @@ def build_ranks(
     for r in ranks[1:]:
         data = by_rank[r]
         aux = {"requests": 0, "rows": 0, "max_abs_diff": 0.0}
-        draft = {"rows": 0, "top1_equal": 0, "topk_equal": 0, "chain_rows": 0, "chain_top1_equal": 0}
+        draft = {
+            "rows": 0,
+            "top1_equal": 0,
+            "topk_equal": 0,
+            "chain_rows": 0,
+            "chain_top1_equal": 0,
+        }
         acc = {"verify_rounds": 0, "committed_tokens": 0}
         stat: dict[str, Any] = {}
         mine: list[RankDivergence] = []
@@ -370,10 +391,8 @@ def build_ranks(
                 "no request served on both ranks (data parallel): only the load audits compared",
             )
         # the first divergences of each kind, earliest step first
-        for what in ("load audit", "aux states", "draft ids", "accepted tokens", "committed tokens"):
-            kind = [d for d in mine if d.what == what]
-            kind.sort(key=lambda d: (d.step is None, d.step or 0))
-            divs.extend(kind[:KEEP])
+        for what in KINDS:
+            divs.extend(sorted((d for d in mine if d.what == what), key=_order)[:KEEP])
     return RankComparison(
         ranks=ranks,
         coverage=coverage,
