@@ -14,8 +14,8 @@ nothing is shared):
 - the static load audits (what each rank loaded, whether its drafter shares the target's
   embedding and head, its d2t, norm flags, capture layers, checkpoint hashes).
 
-For every rank, the evidence also says how often its top-1 draft id falls in its own shard of
-the draft vocab (the rank's `lm_head` rows, `static.tp.lm_head` when recorded, else an even
+For every rank, the evidence also says how often its top-1 draft id (draft-extend rows, draft
+step 0) falls in its own shard of the draft vocab (the rank's `lm_head` rows, `static.tp.lm_head` when recorded, else an even
 split): a rank whose top-1 always does while rank 0's does not takes its argmax over its local
 shard instead of the gathered logits (TRT-LLM PR #16440).
 """
@@ -157,8 +157,8 @@ def vocab_shard(static: dict[str, Any], rank: int, size: int, draft_vocab: int |
 
 
 def _in_shard(data: ServingData, shard: dict) -> dict[str, Any]:
+    # the draft-extend rows (draft step 0, one per committed position)
     top1 = [_top1(r.draft.topk_draft_ids) for r in data.requests if r.draft is not None]
-    top1 += [_top1(c.topk_draft_ids) for r in data.requests for c in r.chains]
     ids = np.concatenate(top1) if top1 else np.zeros(0, np.int64)
     if not len(ids) or not shard:
         return {**shard, "top1_rows": int(len(ids))}
