@@ -295,6 +295,7 @@ def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
             "lm_head_shared_with_target": getattr(model, "lm_head", None) is not None
             and getattr(model, "lm_head", None) is getattr(target_model, "lm_head", None),
         },
+        "tp": _tp_static(model, spec),
         "spec": settings,
         "acceptance": audit.acceptance_setting(
             getattr(spec, "rejection_sample_method", None),
@@ -316,6 +317,29 @@ def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
         if drafter_path.is_dir()
         else {},
     }
+
+
+def _tp_static(model: Any, spec: Any) -> dict[str, Any]:
+    """This rank's place in the tensor-parallel group, its shards of the drafter's embedding
+    and head (`audit.tp_record`), and the draft TP size the speculative config settled on (0.32
+    accepts 1 or the target's; the EAGLE proposer builds the drafter under the target's
+    parallel config whatever it says: the head's `tp_size` is what was served)."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    inner = getattr(model, "model", model)
+    record = audit.tp_record(
+        int(get_tensor_model_parallel_rank()),
+        int(get_tensor_model_parallel_world_size()),
+        getattr(inner, "embed_tokens", None),
+        getattr(model, "lm_head", None),
+    )
+    record["draft_tensor_parallel_size_configured"] = getattr(
+        spec, "draft_tensor_parallel_size", None
+    )
+    return record
 
 
 def wrap_proposer_load_model(original: Callable) -> Callable:
