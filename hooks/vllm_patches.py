@@ -323,19 +323,13 @@ def _tp_static(model: Any, spec: Any) -> dict[str, Any]:
     """This rank's place in the tensor-parallel group, its shards of the drafter's embedding
     and head (`audit.tp_record`), and the draft TP size the speculative config settled on (0.32
     accepts 1 or the target's; the EAGLE proposer builds the drafter under the target's
-    parallel config whatever it says: the head's `tp_size` is what was served)."""
-    from vllm.distributed import (
-        get_tensor_model_parallel_rank,
-        get_tensor_model_parallel_world_size,
-    )
-
+    parallel config whatever it says: the head's `tp_size` is what was served). The rank and
+    group size are the head's own (vLLM's vocab-parallel layers keep them)."""
     inner = getattr(model, "model", model)
-    record = audit.tp_record(
-        int(get_tensor_model_parallel_rank()),
-        int(get_tensor_model_parallel_world_size()),
-        getattr(inner, "embed_tokens", None),
-        getattr(model, "lm_head", None),
-    )
+    embed, head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
+    layer = head if getattr(head, "tp_size", None) is not None else embed
+    rank = int(getattr(layer, "tp_rank", REC.rank() if REC is not None else 0))
+    record = audit.tp_record(rank, int(getattr(layer, "tp_size", 1)), embed, head)
     record["draft_tensor_parallel_size_configured"] = getattr(
         spec, "draft_tensor_parallel_size", None
     )
