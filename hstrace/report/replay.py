@@ -166,13 +166,13 @@ def render_terminal(result: ReplayResult, console: Console | None = None) -> Non
             metrics.add_row(label, _fmt(result.metrics[key]))
     console.print(metrics)
     ranks = rank_rows(result)
-    if ranks:
-        table = Table(title="ranks (each compared with rank 0 on the requests both served)")
-        for name in RANK_COLUMNS:
-            table.add_column(name)
+    if ranks:  # one line per rank (a nine-column table does not fit 80 columns)
+        console.print("[bold]ranks[/] (each compared with rank 0 on the requests both served)")
         for r in ranks:
-            table.add_row(*r)
-        console.print(table)
+            line = "; ".join(
+                f"{name}: {value}" for name, value in zip(RANK_COLUMNS[1:], r[1:], strict=True)
+            )
+            console.print(f"  {r[0]}: {line}", markup=False, soft_wrap=True)
     cov = result.coverage
     if cov:
         console.print(
