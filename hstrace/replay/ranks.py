@@ -312,8 +312,12 @@ def _accept_compare(
 
 
 def _static_compare(r: int, s0: dict, sr: dict, out: dict, divs: list) -> None:
-    keys = [k for k in REPLICATED_STATIC if k in s0 or k in sr]
+    # an item one rank did not record is not a difference of the drafters: said, not judged
+    keys = [k for k in REPLICATED_STATIC if k in s0 and k in sr]
     out["load_audit_items"] = keys
+    one_sided = {k: (0 if k in s0 else r) for k in REPLICATED_STATIC if (k in s0) != (k in sr)}
+    if one_sided:
+        out["recorded_on_one_rank_only"] = one_sided
     differ = [k for k in keys if s0.get(k) != sr.get(k)]
     for k in differ:
         a, b = s0.get(k), sr.get(k)
