@@ -206,8 +206,7 @@ def _impact(replay: dict[str, Any] | None) -> str:
         else:
             parts.append(_impact_figure(f["code"], f["impact"]))
     if replay.get("impact_all"):
-        n = sum(1 for f in replay.get("findings") or [] if f.get("severity") == "fault")
-        parts.append(_impact_figure(f"all {n} faults fixed", replay["impact_all"]))
+        parts.append(_impact_figure("every fault fixed", replay["impact_all"]))
     return "<h2>What each fault costs</h2><div class='grid'>" + "".join(parts) + "</div>"
 
 

@@ -119,12 +119,12 @@ def bar_chart(
 
 
 def _marker(shape: str, x: float, y: float, color: str, series: int) -> str:
-    """A hollow marker (white fill, coloured edge): two series on the same point both show."""
-    a = f'class="marker" data-series="{series}" fill="#fff" stroke="{color}" stroke-width="1.6"'
+    """A hollow marker (no fill, coloured edge): two series on the same point both show."""
+    a = f'class="marker" data-series="{series}" fill="none" stroke="{color}" stroke-width="1.6"'
     if shape == "circle":
-        return f'<circle {a} cx="{x:.1f}" cy="{y:.1f}" r="3.2"/>'
+        return f'<circle {a} cx="{x:.1f}" cy="{y:.1f}" r="3"/>'
     if shape == "square":
-        return f'<rect {a} x="{x - 4.5:.1f}" y="{y - 4.5:.1f}" width="9" height="9"/>'
+        return f'<rect {a} x="{x - 5.5:.1f}" y="{y - 5.5:.1f}" width="11" height="11"/>'
     if shape == "triangle":
         pts = f"{x:.1f},{y - 5.5:.1f} {x + 5:.1f},{y + 3.5:.1f} {x - 5:.1f},{y + 3.5:.1f}"
         return f'<polygon {a} points="{pts}"/>'
@@ -164,7 +164,8 @@ def line_chart(
         x1 = x0 + 1
     label_w = 118  # room right of the plot for the direct labels
     right = W - PAD_R - label_w
-    plot_w, plot_h = right - PAD_L, H - PAD_T - PAD_B
+    top = PAD_T + 10  # room above the top gridline for markers drawn on it
+    plot_w, plot_h = right - PAD_L, H - top - PAD_B
     body = []
     for i in range(6):
         v = lo + (hi - lo) * i / 5
@@ -185,7 +186,7 @@ def line_chart(
     body.append(
         f'<line x1="{PAD_L}" y1="{H - PAD_B}" x2="{right}" y2="{H - PAD_B}" stroke="#333"/>'
     )
-    body.append(f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{H - PAD_B}" stroke="#333"/>')
+    body.append(f'<line x1="{PAD_L}" y1="{top}" x2="{PAD_L}" y2="{H - PAD_B}" stroke="#333"/>')
     every = max(1, math.ceil(len(xs) / 24))  # markers on at most ~24 points a series
     ends: list[tuple[int, str, float, float]] = []  # series, name, last x, last y (pixels)
     for k, (name, ys) in enumerate(series.items()):
@@ -214,7 +215,7 @@ def line_chart(
         last = [p for run in runs for p in run]
         if last:
             ends.append((k, name, last[-1][0], last[-1][1]))
-    ys = _spread([e[3] for e in ends], 13.0, PAD_T + 4, H - PAD_B)
+    ys = _spread([e[3] for e in ends], 13.0, top, H - PAD_B)
     for (k, name, px, py), ly in zip(ends, ys, strict=True):
         color = LINES[k % len(LINES)]
         body.append(
