@@ -221,6 +221,7 @@ STAND_IN_IMPACT = {
     "realized": {"accept_length": 1.19, "ci": [1.06, 1.30], "per_position": [0.14, 0.04, 0.01]},
     "estimate_agrees": True,
     "gain": 1.72,
+    "gain_ci": [1.55, 1.90],  # in i-impact's docs/replay-json.md, beyond the brief's contract
     "measurable": True,
     "fix": "set eagle_aux_hidden_state_layer_ids",
 }
@@ -374,7 +375,10 @@ def test_pictures_explain_the_verdict(shift_replay, tmp_path):
     check_layer_heatmap(els["heatmap layers"])
     check_impact(els["impact"], STAND_IN_IMPACT)
     check_agreement(els["Engine vs reference drafter agreement over steps"], shift_replay)
-    assert "aux-layer-shift: fixing it raises the expected accept length 1.21 → 2.93" in page
+    assert (
+        "aux-layer-shift: fixing it raises the expected accept length 1.21 → 2.93 "
+        "(+1.72 [+1.55, +1.90])" in page
+    )
     assert "as-served estimate agrees with it" in page
     assert "<script" not in page.lower() and "url(" not in page
 
@@ -390,11 +394,13 @@ def test_impact_unavailable_unmeasurable_and_all(shift_replay, tmp_path):
     assert "impact not computed" in page and '<figure class="impact"' not in page
     flat = copy.deepcopy(STAND_IN_IMPACT)
     flat["fixed"] = {"accept_length": 1.24, "ci": [1.12, 1.36], "per_position": [0.16, 0.06, 0.02]}
-    flat.update(gain=0.03, measurable=False, estimate_agrees=False)
+    flat.update(gain=0.03, gain_ci=[-0.08, 0.14], measurable=False, estimate_agrees=False)
     doc["findings"][0].update(impact=flat, impact_unavailable=None)
     doc["impact_all"] = {k: v for k, v in STAND_IN_IMPACT.items() if k != "fix"}
     page = write_report_html(open_trace(SHIFT), tmp_path / "b.html", doc).read_text()
-    assert "costs nothing measurable on these tokens (1.21 → 1.24" in page
+    assert (
+        "costs nothing measurable on these tokens (1.21 → 1.24, gain +0.03 [-0.08, +0.14]" in page
+    )
     assert "still a fault, low priority" in page and "does NOT agree" in page
     assert page.count('<figure class="impact"') == 2
     assert "every fault fixed: fixing it raises the expected accept length 1.21 → 2.93" in page

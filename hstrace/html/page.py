@@ -139,13 +139,20 @@ def impact_headline(name: str, imp: dict[str, Any]) -> str:
     """One sentence: what fixing `name` is worth in expected accept length."""
     s, f = imp["served"]["accept_length"], imp["fixed"]["accept_length"]
     gain = imp.get("gain", f - s)
+    spread = ""
+    if imp.get("gain_ci"):  # paired spread of the gain, when replay gives it
+        lo, hi = imp["gain_ci"]
+        spread = f" [{lo:+.2f}, {hi:+.2f}]"
     if not imp.get("measurable"):
         return (
             f"{name}: costs nothing measurable on these tokens ({s:.2f} → {f:.2f}, gain "
-            f"{gain:+.2f} within the spread): still a fault, low priority"
+            f"{gain:+.2f}{spread} within the spread): still a fault, low priority"
         )
     verb = "raises" if gain > 0 else "lowers"
-    return f"{name}: fixing it {verb} the expected accept length {s:.2f} → {f:.2f} ({gain:+.2f})"
+    return (
+        f"{name}: fixing it {verb} the expected accept length {s:.2f} → {f:.2f} "
+        f"({gain:+.2f}{spread})"
+    )
 
 
 def _impact_figure(name: str, imp: dict[str, Any]) -> str:
@@ -172,10 +179,10 @@ def _impact_figure(name: str, imp: dict[str, Any]) -> str:
             else "not compared."
         )
     caption = (
-        f"{impact_headline(name, imp)}. The greedy drafter chain (num_speculative_tokens={k}, "
+        f"The greedy drafter chain (num_speculative_tokens={k}, "
         f"topk={imp.get('topk')}) on {imp.get('tokens')} aligned tokens ({imp.get('steps')} "
         "verify steps), fed what serving fed it (as served) and what training fed it (fixed); "
-        f"bars from 0, whiskers: the spread. {check} Per-position acceptance (fraction of steps "
+        f"bars from 0, whiskers: {imp.get('ci_method') or 'the spread'}. {check} Per-position acceptance (fraction of steps "
         f"whose position i was accepted), as served: {_per_position(imp['served'])}; fixed: "
         f"{_per_position(imp['fixed'])}."
     )
