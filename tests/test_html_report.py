@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.cli import EXAMPLES, TRAINING, run_cli, run_main
-from helpers.demo_trace import H, K
+from helpers.demo_trace import LAYER_IDS, H, K
 
 from hstrace.bundle import BundleOptions, make_bundle
 from hstrace.findings import Finding
@@ -92,6 +92,12 @@ def test_page_is_self_contained_and_leads_with_the_verdict(trace, tmp_path):
     assert page.count("<svg") == 4  # by position, histogram, heatmap, agreement over steps
     assert page.count('class="cell"') == K * K
     assert "no target model given" in page  # checks that could not run are listed
+    # no target forward in this replay: the rows carry the engine's recorded ids, named as such,
+    # and nothing claims an HF layer
+    heat = _svgs(page)["heatmap slots"]
+    rows = [_text(t) for t in _all(heat, "text", "row-label")]
+    assert rows == [f"serving {i} · id {layer}" for i, layer in enumerate(LAYER_IDS)]
+    assert "HF" not in _text(heat) and "heatmap layers" not in page
     # without a replay the page says so instead of inventing a verdict
     plain = write_report_html(open_trace(trace), tmp_path / "p.html").read_text()
     assert "not replayed" in plain and plain.count("<svg") == 2
@@ -596,3 +602,18 @@ def test_chromium_draws_the_pictures_that_explain_the_why(shift_replay, tmp_path
         x0, y0 = float(t.get("x")), dy + float(t.get("y"))
         box = px[round(y0) - 9 : round(y0) + 2, round(x0) : round(x0) + 80].astype(int)
         assert (np.abs(box - color).max(axis=2) <= 60).sum() > 20
+
+
+def test_many_layers_are_labelled_every_few_columns_and_at_every_mark():
+    """A 61-layer target (the seed incident's Kimi-K2.5) gives 62 narrow columns: labels every
+    few columns so they do not overprint, and always under a marked cell."""
+    n = 62
+    matrix = [[1.0 - abs(j - c) / n for j in range(n)] for c in (13, 31, 47)]
+    marks = {(i, c): svg.Mark("match", "") for i, c in enumerate((13, 31, 47))}
+    el = ET.fromstring(
+        svg.heatmap("t", matrix, ["a", "b", "c"], [str(j) for j in range(n)], "x", "y", marks=marks)
+    )
+    labelled = [int(t.get("data-col")) for t in _all(el, "text", "col-label")]
+    assert {13, 31, 47} <= set(labelled) and 0 in labelled and len(labelled) < n / 2
+    xs = sorted(float(t.get("x")) for t in _all(el, "text", "col-label"))
+    assert min(b - a for a, b in zip(xs, xs[1:], strict=False)) >= 26

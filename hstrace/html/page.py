@@ -315,8 +315,10 @@ def _fingerprint_plots(replay: dict[str, Any] | None, slot_labels: list[str] | N
         )
         return [_note("Serving slot x training slot fingerprints", f"Not available: {why}.")]
     cos = fp["cos"]
-    s_layers, t_layers = _layer_names(fps, "serving"), _layer_names(fps, "training")
     ks, kt = len(cos), len(cos[0])
+    s_layers, t_layers = _layer_names(fps, "serving"), _layer_names(fps, "training")
+    if (s_layers and len(s_layers) != ks) or (t_layers and len(t_layers) != kt):
+        s_layers = t_layers = None  # not the same slots: name none rather than the wrong ones
     if s_layers:
         rows = [f"serving {i} · HF {s_layers[i]}" for i in range(ks)]
     elif slot_labels and len(slot_labels) == ks:  # the engine's own ids, not checked

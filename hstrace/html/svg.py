@@ -332,7 +332,14 @@ def heatmap(
         body.append(
             f'<rect class="mark mark-{m.kind}" data-row="{i}" data-col="{j}" x="{x + 2:.1f}" y="{y + 2:.1f}" width="{cell - 4:.1f}" height="{cell - 4:.1f}" fill="none" stroke="{color}" stroke-width="3"{dash}><title>{escape(m.why)}</title></rect>'
         )
-    for j, lab in enumerate(col_labels):  # a label may take two lines ("\n")
+    # a label may take two lines ("\n"); narrow columns are labelled every few, and always
+    # where a mark is
+    every = max(1, math.ceil(26 / cell))
+    marked_cols = {j for _, j in marks}
+    for j, lab in enumerate(col_labels):
+        near_mark = any(0 < abs(j - m) < every for m in marked_cols)
+        if j not in marked_cols and (j % every or near_mark):
+            continue
         x = x0 + j * cell + cell / 2
         lines = "".join(
             f'<tspan x="{x:.1f}" dy="{0 if n == 0 else 12}">{escape(part)}</tspan>'
