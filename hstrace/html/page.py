@@ -61,6 +61,8 @@ def _verdict(replay: dict[str, Any] | None) -> str:
         f'<span class="{"hit" if s == v.get("stage") else ""}">{escape(s)}</span>' for s in STAGES
     )
     fix = f"<p><b>Fix:</b> {escape(v['fix'])}</p>" if v.get("fix") else ""
+    if v.get("impact_line"):  # what fixing the verdict's fault is worth (replay's impact stage)
+        fix += f"<p><b>Impact:</b> {escape(v['impact_line'])}</p>"
     if replay.get("source"):
         fix += f"<p class='meta'>Verdict from {escape(str(replay['source']))}.</p>"
     incomplete = ""

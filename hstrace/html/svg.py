@@ -429,6 +429,7 @@ def impact_bars(
             f'<line x1="{px(v):.1f}" y1="{PAD_T}" x2="{px(v):.1f}" y2="{axis_y:.1f}" stroke="#e3e3e3"/>'
             f'<text x="{px(v):.1f}" y="{axis_y + 14:.1f}" text-anchor="middle" font-size="11">{_fmt(v)}</text>'
         )
+    diamond = px(realized.value) + 7 if realized is not None else 0.0  # its right corner
     for k, (name, iv, color) in enumerate((("as served", served, SERVED), ("fixed", fixed, FIXED))):
         y = PAD_T + 8 + k * (bar_h + 14)
         cy = y + bar_h / 2
@@ -437,7 +438,7 @@ def impact_bars(
             f'<text x="{left - 8}" y="{cy + 4:.1f}" text-anchor="end" font-size="12">{name}</text>'
             f'<rect class="impact-bar" data-kind="{kind}" data-value="{iv.value:.6g}" x="{left}" y="{y:.1f}" width="{px(iv.value) - left:.1f}" height="{bar_h}" fill="{color}"><title>{name}: {iv.value:.3f} [{iv.lo:.3f}, {iv.hi:.3f}]</title></rect>'
             f'<path class="whisker" data-kind="{kind}" data-lo="{iv.lo:.6g}" data-hi="{iv.hi:.6g}" d="M{px(iv.lo):.1f},{cy:.1f}H{px(iv.hi):.1f}M{px(iv.lo):.1f},{cy - 6:.1f}V{cy + 6:.1f}M{px(iv.hi):.1f},{cy - 6:.1f}V{cy + 6:.1f}" stroke="#222" stroke-width="1.5" fill="none"/>'
-            f'<text class="impact-value" data-kind="{kind}" x="{max(px(iv.value), px(iv.hi)) + 8:.1f}" y="{cy + 4:.1f}" font-size="12">{iv.value:.2f} [{iv.lo:.2f}, {iv.hi:.2f}]</text>'
+            f'<text class="impact-value" data-kind="{kind}" x="{max(px(iv.value), px(iv.hi), diamond if k == 0 else 0.0) + 8:.1f}" y="{cy + 4:.1f}" font-size="12">{iv.value:.2f} [{iv.lo:.2f}, {iv.hi:.2f}]</text>'
         )
     if realized is not None:
         cy = PAD_T + 8 + bar_h / 2
