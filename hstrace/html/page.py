@@ -183,10 +183,11 @@ def _impact_figure(name: str, imp: dict[str, Any]) -> str:
     caption = (
         f"The greedy drafter chain (num_speculative_tokens={k}, "
         f"topk={imp.get('topk')}) on {imp.get('tokens')} aligned tokens ({imp.get('steps')} "
-        "verify steps), fed what serving fed it (as served) and what training fed it (fixed); "
-        f"bars from 0, whiskers: {imp.get('ci_method') or 'the spread'}. {check} Per-position acceptance (fraction of steps "
-        f"whose position i was accepted), as served: {_per_position(imp['served'])}; fixed: "
-        f"{_per_position(imp['fixed'])}."
+        "verify steps), run with every part as served, and with the part the fix changes (the "
+        "aux states, the drafter, the vocab map) as trained (fixed); bars from 0, whiskers: "
+        f"{imp.get('ci_method') or 'the spread'}. {check} Per-position acceptance (fraction of "
+        f"steps whose position i was accepted), as served: {_per_position(imp['served'])}; "
+        f"fixed: {_per_position(imp['fixed'])}."
     )
     if imp.get("fix"):
         caption += f" Fix: {imp['fix']}"
