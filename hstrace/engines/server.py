@@ -24,7 +24,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -235,6 +236,44 @@ def stop_server(proc: subprocess.Popen, group_at_once: bool = False, wait_s: flo
         proc.wait()
 
 
+def count_metric(text: str, name: str) -> int | None:
+    """A Prometheus counter's value summed over its label sets (`name{...} value` lines; the
+    `_created` timestamps are other names); None when the text has no such line."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{", 1)[0].strip() != name:
+            continue
+        try:
+            total += float(value)
+        except ValueError:
+            continue
+        seen = True
+    return int(total) if seen else None
+
+
+@dataclass(frozen=True)
+class ServeUntil:
+    """When `record --serve` stops: after `requests` finished requests, `duration_s` seconds,
+    or a signal (SIGINT / SIGTERM), whichever comes first. Pure: the loop asks `reason`."""
+
+    requests: int | None = None
+    duration_s: float | None = None
+    poll_s: float = 0.5
+
+    def reason(self, finished: int | None, elapsed_s: float, signals: Sequence[str]) -> str | None:
+        """Why to stop now, or None to keep recording."""
+        if signals:
+            return f"{signals[0]} received"
+        if self.requests is not None and finished is not None and finished >= self.requests:
+            return f"{finished} requests finished (--requests {self.requests})"
+        if self.duration_s is not None and elapsed_s >= self.duration_s:
+            return f"{self.duration_s:g} s passed (--duration)"
+        return None
+
+
 class ServerEngine(Engine):
     """An engine run as the user's HTTP server command, hooked through HSTRACE_RECORD."""
 
@@ -247,6 +286,8 @@ class ServerEngine(Engine):
     close_on_signal: ClassVar[bool] = False
     # True: stop by SIGINT to the whole process group; False: SIGTERM to the main process only
     stop_group_at_once: ClassVar[bool] = False
+    # the engine's Prometheus counter of finished requests (`record --serve --requests N`)
+    finished_counter: ClassVar[str | None] = None
 
     @property
     def label(self) -> str:
@@ -284,6 +325,31 @@ class ServerEngine(Engine):
         return argv
 
     def record(self, prompts: Sequence[Prompt], out: Path, options: RecordOptions) -> RecordResult:
+        """Start the server with the hooks, send `prompts`, stop it, close the trace."""
+
+        def drive(proc: subprocess.Popen, base: str, result: RecordResult) -> str | None:
+            return self._send(proc, base, prompts, options, result)
+
+        return self._run(out, options, drive)
+
+    def serve(self, out: Path, options: RecordOptions, until: ServeUntil) -> RecordResult:
+        """Passive recording: start the server with the hooks, say where it listens, and record
+        whatever the user's own clients send until `until` says stop (N requests finished, S
+        seconds, SIGINT / SIGTERM to this process); then stop it and close the trace."""
+        if until.requests is not None and self.finished_counter is None:
+            raise EngineError(f"--requests needs {self.label}'s request counter; use --duration")
+
+        def drive(proc: subprocess.Popen, base: str, result: RecordResult) -> str | None:
+            return self._serve_until(proc, base, until, options, result)
+
+        return self._run(out, options, drive)
+
+    def _run(
+        self,
+        out: Path,
+        options: RecordOptions,
+        drive: Callable[[subprocess.Popen, str, RecordResult], str | None],
+    ) -> RecordResult:
         from hstrace.engines.protocol import ENV, write_sitecustomize
         from hstrace.trace import create_trace
 
@@ -314,6 +380,8 @@ class ServerEngine(Engine):
         }
         if self.close_on_signal:  # each recording process closes its trace on CLOSE_SIGNAL
             hook_cfg["close_on_signal"] = True
+        if options.sample_every > 1:  # one request in K recorded, the others only checked
+            hook_cfg["sample_every"] = options.sample_every
         env[ENV] = "" if baseline else json.dumps(hook_cfg)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(work), env.get("PYTHONPATH", "")) if p)
         log_path = work / "server.log"
@@ -335,7 +403,7 @@ class ServerEngine(Engine):
                 error = self._wait_healthy(proc, base, options.startup_timeout_s)
                 if error is None:
                     started = time.perf_counter()
-                    error = self._send(proc, base, prompts, options, result)
+                    error = drive(proc, base, result)
                     result.send_wall_s = time.perf_counter() - started
             finally:
                 self._shutdown(proc)
@@ -347,6 +415,75 @@ class ServerEngine(Engine):
         result.ok = error is None
         self._finish_trace(out, result, status)
         return result
+
+    def _serve_until(
+        self,
+        proc: subprocess.Popen,
+        base: str,
+        until: ServeUntil,
+        options: RecordOptions,
+        result: RecordResult,
+    ) -> str | None:
+        """Wait while the user's clients use the server; the reason to stop goes in the
+        trace's `record.stopped_by`."""
+        start = self.finished_requests(base) or 0
+        began = time.monotonic()
+        asked: list[str] = []
+
+        def on_signal(signum: int, frame: Any) -> None:
+            asked.append(signal.Signals(signum).name)
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        goal = []
+        if until.requests is not None:
+            goal.append(f"{until.requests} requests finished")
+        if until.duration_s is not None:
+            goal.append(f"{until.duration_s:g} s passed")
+        goal.append("Ctrl-C / SIGTERM")
+        print(
+            f"hstrace: {self.label} is serving at {base} (OpenAI and native API); recording "
+            f"until {' or '.join(goal)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            while True:
+                if proc.poll() is not None:
+                    return f"the server exited (code {proc.returncode}) while recording"
+                finished = None
+                if until.requests is not None:
+                    now = self.finished_requests(base)
+                    finished = None if now is None else now - start
+                reason = until.reason(finished, time.monotonic() - began, asked)
+                if reason is not None:
+                    result.stopped_by = reason
+                    if finished is not None:
+                        result.prompts_completed = finished
+                    print(f"hstrace: stopping: {reason}", file=sys.stderr, flush=True)
+                    break
+                time.sleep(until.poll_s)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if until.requests is None:  # how many the engine finished, said once at the end
+            now = self.finished_requests(base)
+            if now is not None:
+                result.prompts_completed = now - start
+        result.prompts_sent = result.prompts_completed
+        self._after_send(base)
+        return None
+
+    def finished_requests(self, base: str) -> int | None:
+        """Requests the engine has finished so far, from its own Prometheus counter
+        (`finished_counter`, summed over its labels); None when it cannot be read."""
+        if self.finished_counter is None:
+            return None
+        try:
+            with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+                text = r.read().decode("utf-8", "replace")
+        except (urllib.error.URLError, OSError):
+            return None
+        return count_metric(text, self.finished_counter)
 
     def _launch_env(self, version: str) -> dict[str, str]:
         """Environment variables the launcher sets for the server (none by default)."""
@@ -446,6 +583,8 @@ class ServerEngine(Engine):
             "prompts_completed": result.prompts_completed,
             "request_metrics": result.request_metrics,
             "send_wall_s": result.send_wall_s,
+            "mode": "serve" if result.stopped_by is not None else "drive",
+            "stopped_by": result.stopped_by,
             "hooks": not self.config.extra.get("baseline"),
             **self._record_extra(status),
         }
