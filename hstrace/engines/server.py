@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from hstrace.engines.base import Engine, Prompt, RecordOptions, RecordResult
-from hstrace.engines.support import EngineSupport
+from hstrace.engines.support import EngineSupport, UntestedVersion
 from hstrace.errors import EngineError
 
 
@@ -313,8 +313,38 @@ class ServerEngine(Engine):
                 f"{self.label} is not installed for {python} (needed by --server-cmd)"
             )
         self.version = probe.stdout.strip()
-        self.support.check_supported_version(self.version)
+        try:
+            self.support.check_supported_version(self.version)
+        except UntestedVersion:
+            # the versions policy: an untested release is recorded when its source matches
+            # every patch point and attribute the hooks use (else refused naming the point)
+            root = self._source_root(python, self.version)
+            self.version_check = self.support.check_source(self.version, root)
+            print(self.version_check["warning"], file=sys.stderr, flush=True)
         return self.version
+
+    def _source_root(self, python: str, version: str) -> Path:
+        """The directory holding the engine's package in the server's Python, found without
+        importing it (`importlib.util.find_spec` of a top-level package runs none of its
+        code)."""
+        code = (
+            "import importlib.util, os\n"
+            f"s = importlib.util.find_spec({self.support.package!r})\n"
+            "print(os.path.dirname(os.path.dirname(s.origin)))\n"
+        )
+        try:
+            probe = subprocess.run(
+                [python, "-c", code], capture_output=True, text=True, timeout=120
+            )
+        except OSError as exc:
+            raise EngineError(f"cannot run {python} (from --server-cmd): {exc.strerror}") from exc
+        root = Path(probe.stdout.strip())
+        if probe.returncode != 0 or not (root / self.support.package).is_dir():
+            raise EngineError(
+                f"{self.label} {version} is outside the tested table ({self.support.span}) and "
+                f"its source was not found in {python} to check its patch points"
+            )
+        return root
 
     def _argv(self) -> list[str]:
         if not self.config.server_cmd:
@@ -380,6 +410,8 @@ class ServerEngine(Engine):
         }
         if self.close_on_signal:  # each recording process closes its trace on CLOSE_SIGNAL
             hook_cfg["close_on_signal"] = True
+        if getattr(self, "version_check", None):  # an untested release whose source matched
+            hook_cfg["source_checked"] = version
         if options.sample_every > 1:  # one request in K recorded, the others only checked
             hook_cfg["sample_every"] = options.sample_every
         env[ENV] = "" if baseline else json.dumps(hook_cfg)
@@ -498,6 +530,9 @@ class ServerEngine(Engine):
         # The server inherits this environment: a switch set here (SGLANG_SIMULATE_ACC_LEN /
         # _METHOD makes every accept number fake) must reach replay even when it is not on
         # the command line.
+        check = getattr(self, "version_check", None)
+        if check:  # outside the tested table, recorded because its source matched
+            static["version_check"] = {k: v for k, v in check.items() if k != "warning"}
         env = {k: v for k, v in os.environ.items() if k.startswith(self.env_prefixes)}
         if env and self.env_prefixes:
             static["env"] = env
