@@ -62,7 +62,9 @@ def parse_streams(value: str | None) -> frozenset[str]:
     "--prompts",
     "prompts_file",
     type=click.Path(path_type=Path),
-    help="JSONL: input_ids or text per line.",
+    help="JSONL, one object a line: prompt | prompt_token_ids | messages [{role, content}], "
+    "optional sampling {temperature, top_p, top_k, min_p, repetition_penalty, "
+    "frequency_penalty, presence_penalty, seed, max_tokens}.",
 )
 @click.option(
     "--prompts-from",
