@@ -193,7 +193,7 @@ def served(tmp_path_factory):
             "hstrace",
             "record",
             "--server-cmd",
-            server_cmd(18461),
+            server_cmd(18771),
             "--serve",
             "--requests",
             str(len(REQUESTS)),
@@ -235,7 +235,7 @@ def served(tmp_path_factory):
 
 def test_serve_prints_its_address_and_stops_after_n_requests(served) -> None:
     assert served["rc"] == 0, served["stderr"][-3000:]
-    assert "vLLM is serving at http://127.0.0.1:18461" in served["stderr"]
+    assert "vLLM is serving at http://127.0.0.1:18771" in served["stderr"]
     assert "stopping: 8 requests finished (--requests 8)" in served["stderr"]
     assert "recorded 8 requests of your clients with vllm 0.32.0" in served["stdout"]
     assert served["replies"][2].rstrip().endswith("data: [DONE]")  # a real stream
@@ -308,7 +308,7 @@ def parity(tmp_path_factory):
             "hstrace",
             "record",
             "--server-cmd",
-            server_cmd(18462),
+            server_cmd(18772),
             "--prompts-from",
             str(TRAINING),
             "--samples",
