@@ -82,6 +82,7 @@ REQUESTS: list[tuple[str, str, dict]] = [
             "top_k": 20,
             "seed": 7,
             "frequency_penalty": 0.2,
+            "ignore_eos": True,  # each recorded request runs to max_tokens: verified drafts
         },
     ),
     ("skipped-1", "/v1/completions", {"prompt": [3, 4, 5, 6], "max_tokens": 6, "temperature": 0}),
@@ -94,6 +95,7 @@ REQUESTS: list[tuple[str, str, dict]] = [
             "temperature": 0.0,
             "presence_penalty": 0.3,
             "stream": True,
+            "ignore_eos": True,
         },
     ),
     ("skipped-2", "/v1/completions", {"prompt": [7, 8, 9], "max_tokens": 6, "temperature": 0.5}),
@@ -106,6 +108,7 @@ REQUESTS: list[tuple[str, str, dict]] = [
             "temperature": 1.0,
             "top_k": 5,  # (vLLM 0.32 refuses min_p with speculative decoding)
             "repetition_penalty": 1.1,
+            "ignore_eos": True,
         },
     ),
     (
@@ -118,7 +121,11 @@ REQUESTS: list[tuple[str, str, dict]] = [
     (
         "passive-chat-stream",
         "/v1/chat/completions",
-        {"messages": [{"role": "user", "content": "one two three"}], "stream": True},
+        {
+            "messages": [{"role": "user", "content": "one two three"}],
+            "stream": True,
+            "ignore_eos": True,
+        },
     ),
     ("skipped-4", "/v1/completions", {"prompt": [11, 12], "max_tokens": 5, "temperature": 0}),
 ]
