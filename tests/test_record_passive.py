@@ -313,3 +313,35 @@ def test_a_shorter_output_differs_where_it_ends() -> None:
     d = report["first_difference"]
     assert d["position"] == 2 and d["with_spec"] is None and d["without_spec"] == 3
     assert "outputs of 2 vs 3 tokens" in parity_findings(report)[0].summary
+
+
+def test_replay_reports_a_parity_difference_kept_in_the_trace(tmp_path: Path) -> None:
+    """`record --parity` keeps its comparison in the trace (`static.parity`, written as
+    cli/record.keep_parity writes it); replaying that trace names `spec-changes-output` with
+    the request and position, next to the clean capture's other evidence (exit 1)."""
+    import shutil
+
+    import zarr
+
+    from cli.record import keep_parity
+    from tests.helpers.cli import EXAMPLES, TRAINING
+
+    trace = tmp_path / "clean.zarr"
+    shutil.copytree(EXAMPLES / "clean.zarr", trace)
+    report = compare_outputs(
+        [_p(0), _p(1)],
+        [{"output_ids": [4, 5, 6], "rid": "r0"}, {"output_ids": [7, 8, 9], "rid": "r1"}],
+        [{"output_ids": [4, 5, 6]}, {"output_ids": [7, 1, 9]}],
+    )
+    keep_parity(trace, {**report, "command_without_speculation": ["vllm", "serve", "m"]})
+    assert zarr.open_group(str(trace), mode="r").attrs["hstrace"]["static"]["parity"] == {
+        **report,
+        "command_without_speculation": ["vllm", "serve", "m"],
+    }
+    run = run_main("replay", str(trace), "--against", str(TRAINING), "--json")
+    assert run.returncode == 1, run.stderr
+    found = {f["code"]: f for f in json.loads(run.stdout)["findings"]}
+    f = found["spec-changes-output"]
+    assert f["evidence"]["first_difference"]["request"] == 1
+    assert f["evidence"]["first_difference"]["position"] == 1
+    assert "no-wiring-fault" not in found
