@@ -189,7 +189,7 @@ def _result() -> RecordResult:
 def test_the_serve_loop_stops_after_n_finished_requests() -> None:
     eng, result = _Counting(), _result()
     error = eng._serve_until(
-        _Running(), "http://h:1", ServeUntil(requests=3, poll_s=0), None, result
+        _Running(), "http://h:1", ServeUntil(requests=3, poll_s=0, grace_s=0), None, result
     )  # type: ignore[arg-type]
     assert error is None
     assert result.stopped_by == "3 requests finished (--requests 3)"

@@ -262,6 +262,8 @@ class ServeUntil:
     requests: int | None = None
     duration_s: float | None = None
     poll_s: float = 0.5
+    # after the N-th request finished: seconds left for its reply to reach the client
+    grace_s: float = 1.0
 
     def reason(self, finished: int | None, elapsed_s: float, signals: Sequence[str]) -> str | None:
         """Why to stop now, or None to keep recording."""
@@ -492,6 +494,10 @@ class ServerEngine(Engine):
                     if finished is not None:
                         result.prompts_completed = finished
                     print(f"hstrace: stopping: {reason}", file=sys.stderr, flush=True)
+                    if finished is not None and not asked:
+                        # the engine counts a request when its last token is out of the engine
+                        # core: leave the API server the moment to send it to the client
+                        time.sleep(until.grace_s)
                     break
                 time.sleep(until.poll_s)
         finally:
