@@ -37,6 +37,20 @@ class VLLMRecorder(Recorder):
         self.capture_layers: list[int] | None = None
         self.current: taps.Step | None = None  # the step being collected
         self.collecting = False  # inside the proposer: drafter calls belong to the step
+        # `record --sample-every K`: one request in K is recorded (the K-th seen, counting
+        # from the first); a step with none of them costs only this membership check
+        self.sample_every = max(1, int(cfg.get("sample_every") or 1))
+        self.admitted = 0
+        self.kept: set[str] = set()
+        self.keep_at: list[int] | None = None  # batch indices of kept requests in this step
+
+    def admit(self, rid: str) -> bool:
+        """Whether a request seen for the first time is recorded."""
+        keep = self.admitted % self.sample_every == 0
+        self.admitted += 1
+        if keep:
+            self.kept.add(rid)
+        return keep
 
 
 REC: VLLMRecorder | None = None
@@ -49,20 +63,35 @@ def _tolist(x: Any) -> list:
 # ---- per step -------------------------------------------------------------------------------
 
 
-def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step:
-    batch = runner.input_batch
-    req_ids = [str(r) for r in list(batch.req_ids)[: batch.num_reqs]]
-    meta = a.get("spec_decode_metadata")
-    ndraft = [int(n) for n in meta.num_draft_tokens] if meta is not None else [0] * len(req_ids)
+def _new_requests(rec: VLLMRecorder, scheduler_output: Any) -> list[taps.NewRequest]:
+    """The requests scheduled for the first time that are recorded (all, unless
+    --sample-every); finished ones leave the kept set."""
     new = []
-    for nr in getattr(a["scheduler_output"], "scheduled_new_reqs", None) or []:
+    for nr in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
         rid = str(nr.req_id)
         if rid in rec.seen_rids:
             continue
         rec.seen_rids.add(rid)
-        new.append(
-            taps.NewRequest(rid, list(nr.prompt_token_ids or []), int(nr.num_computed_tokens))
-        )
+        if rec.admit(rid):
+            new.append(taps.new_request(nr))
+    if rec.sample_every > 1:
+        for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
+            rec.kept.discard(str(rid))
+    return new
+
+
+def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step | None:
+    batch = runner.input_batch
+    req_ids = [str(r) for r in list(batch.req_ids)[: batch.num_reqs]]
+    new = _new_requests(rec, a["scheduler_output"])
+    rec.keep_at = None
+    if rec.sample_every > 1:
+        keep = [i for i, r in enumerate(req_ids) if r in rec.kept]
+        if not keep:
+            return None  # no recorded request in this step: nothing copied
+        rec.keep_at = keep
+    meta = a.get("spec_decode_metadata")
+    ndraft = [int(n) for n in meta.num_draft_tokens] if meta is not None else [0] * len(req_ids)
     sampled = a.get("sampled_token_ids")
     return taps.Step(
         req_ids=req_ids,
@@ -75,6 +104,12 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step:
 
 def _emit_step(rec: VLLMRecorder, step: taps.Step) -> None:
     """Each table group is its own tap: one that fails is disabled, the others go on."""
+    if rec.keep_at is not None:
+        keep = rec.keep_at
+        cut = rec.run_tap("step", lambda: taps.restrict(step, keep))
+        if cut is None:
+            return
+        step = cut
     new = taps.requests_rows(step.new_requests)
     if new is not None:
         rec.run_tap("requests", lambda: rec.emit([new]))
@@ -403,15 +438,7 @@ def wrap_v2_add_requests(original: Callable) -> Callable:
         if rec is not None:
 
             def tap():
-                new = []
-                for nr in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
-                    rid = str(nr.req_id)
-                    if rid in rec.seen_rids:
-                        continue
-                    rec.seen_rids.add(rid)
-                    ids = list(nr.prompt_token_ids or [])
-                    new.append(taps.NewRequest(rid, ids, int(nr.num_computed_tokens)))
-                w = taps.requests_rows(new)
+                w = taps.requests_rows(_new_requests(rec, scheduler_output))
                 if w is not None:
                     rec.emit([w])
 

