@@ -41,6 +41,10 @@ class MTPLoadReport:
     embed_source: str  # the checkpoint key the embedding came from
     head_source: str  # the checkpoint key the output head came from
     scales: list[str]  # quantization-scale keys under the MTP prefixes
+    key_dtypes: dict[str, str] = field(default_factory=dict)  # MTP keys: the stored dtype
+    # own embedding / head copies under the MTP prefix -> whether they equal the target's
+    own_copy_equals_target: dict[str, bool] = field(default_factory=dict)
+    quantized: bool = False  # the config declares a quantization_config
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -60,6 +64,9 @@ class MTPLoadReport:
             "embed_source": self.embed_source,
             "head_source": self.head_source,
             "scales": self.scales,
+            "key_dtypes": self.key_dtypes,
+            "own_copy_equals_target": self.own_copy_equals_target,
+            "quantized": self.quantized,
             "notes": self.notes,
         }
 
@@ -82,6 +89,24 @@ def weight_index(ckpt_dir: Path) -> dict[str, Path]:
             return dict.fromkeys(st.keys(), single)
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"{ckpt_dir}: cannot list checkpoint keys ({exc})") from None
+
+
+def read_dtypes(where: dict[str, Path], keys: list[str]) -> dict[str, str]:
+    """The stored dtype of each key (safetensors names: BF16, F8_E4M3, ...), no data read."""
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, str] = {}
+    by_file: dict[Path, list[str]] = {}
+    for k in keys:
+        by_file.setdefault(where[k], []).append(k)
+    for f, ks in by_file.items():
+        try:
+            with safe_open(str(f), "pt") as st:
+                for k in ks:
+                    out[k] = st.get_slice(k).get_dtype()
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{f}: cannot read tensor headers ({exc})") from None
+    return out
 
 
 def read_keys(where: dict[str, Path], keys: list[str]) -> dict[str, torch.Tensor]:
@@ -163,7 +188,8 @@ def load_mtp_head(
     for k, prefix in enumerate(prefixes):
         for key in keys:
             if key.startswith(prefix):
-                key_map[key] = map_layer_key(layout, key[len(prefix) :], k)
+                name = map_layer_key(layout, key[len(prefix) :], k)
+                key_map[key] = name if name in params else None  # e.g. an o_proj.bias
     own_embed = [k for k, v in key_map.items() if v == "embed_tokens.weight"]
     own_head = [k for k, v in key_map.items() if v == "lm_head.weight"]
     embed_source = own_embed[0] if own_embed else "model.embed_tokens.weight"
@@ -189,6 +215,11 @@ def load_mtp_head(
                 )
             params[name].copy_(t.to(dtype))
             loaded.append(name)
+    own_equal: dict[str, bool] = {}
+    for own, shared in ((own_embed, "model.embed_tokens.weight"), (own_head, "lm_head.weight")):
+        if own and shared in where:
+            a, b = tensors.get(own[0]), read_keys(where, [shared])[shared]
+            own_equal[own[0]] = a is not None and a.shape == b.shape and torch.equal(a, b)
     report = MTPLoadReport(
         path=str(ckpt_dir),
         layout=layout,
@@ -200,6 +231,9 @@ def load_mtp_head(
         embed_source=embed_source,
         head_source=head_source,
         scales=sorted(k for k in key_map if is_scale(k)),
+        key_dtypes=read_dtypes(where, sorted(key_map)),
+        own_copy_equals_target=own_equal,
+        quantized=bool(raw.get("quantization_config")),
         notes=notes,
     )
     return head.eval(), report
