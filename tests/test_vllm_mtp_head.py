@@ -122,6 +122,23 @@ def test_depth0_matches_vllms_mimo_mtp_forward(vllm_calls, head):
         assert torch.equal(ref.logits.argmax(-1), logits.argmax(-1))
 
 
+def test_vllm_feeds_the_pre_norm_state_the_world_was_trained_on(vllm_calls):
+    """The hidden source, seen live: what vLLM hands mimo_mtp for the prompt rows is the
+    target's last-layer state before the final norm, the state the training dump holds (bf16
+    there, fp32 here), and not the final-normed one."""
+    from transformers import Qwen2ForCausalLM
+
+    target = Qwen2ForCausalLM.from_pretrained(WORLD / "target", dtype=torch.float32).eval()
+    prompts, calls = vllm_calls
+    td = open_training(WORLD / "training")
+    for n, (p, i) in enumerate(zip(prompts, _depth0_calls(prompts, calls), strict=True)):
+        fed = calls[i]["previous_hidden_states"].float()
+        trained = td[n].last[: len(p)].float()
+        torch.testing.assert_close(fed, trained, atol=5e-2, rtol=2e-2)
+        post = target.model.norm(fed)
+        assert (post - trained).abs().max() > 10 * (fed - trained).abs().max()
+
+
 def test_depth1_matches_vllms_chained_call(vllm_calls, head):
     """vLLM's depth 1 runs MTP layer 0 again on one row per request (position len), fed the
     depth-0 output of the last row and the depth-0 argmax; the reference's `step`."""
