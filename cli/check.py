@@ -271,7 +271,9 @@ def _holds_mtp_head(path: str) -> bool:
         raw = read_config(ckpt)
     except CheckpointError:
         return False  # the drafter loader says what is wrong with it
-    arch = (raw.get("architectures") or [""])[0]
+    arch = str((raw.get("architectures") or [""])[0])
+    if "eagle" in arch.lower() or "speculators_model_type" in raw or "draft_vocab_size" in raw:
+        return False  # a drafter whose config copied the target's fields
     return bool(raw.get("num_nextn_predict_layers")) or arch == "MiMoForCausalLM"
 
 
