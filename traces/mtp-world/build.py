@@ -22,7 +22,9 @@ Makes, deterministically (fixed seeds, `torch.use_deterministic_algorithms`, one
 
 Why MiMo and not the second world's DeepSeek-V3 shape (MLA + MoE): the reference head here
 implements dense decoder blocks only, and the dense MiMo layout is the one measured to load and
-draft on vLLM 0.32's CPU backends; a DeepSeek-V3 MTP world is left for later (see README.md).
+draft on vLLM 0.32's CPU backends, while the second world's DeepSeek-V3 target is not run by
+vLLM or SGLang on this CPU (traces/second-world/build.py says so; serving a DeepSeek-V3 MTP
+target was not tried here). A DeepSeek-V3 MTP world is left for later.
 Output is bit-identical between runs on the same torch version and CPU type.
 Budget: well under 2 minutes on 2 CPU cores.
 """
