@@ -80,6 +80,7 @@ _DRIFT_FIX = (
 # The what-if search's hypotheses (diagnose.config:whatif_findings maps each to its code).
 _WHATIF = "diagnose.config:whatif_findings"
 _RULES = "rules.checkpoint"
+_MTP_RULES = "rules.mtp"  # the MTP head's table (hstrace.rules.mtp.MTP_RULES)
 
 _ALL: tuple[Code, ...] = (
     Code(
@@ -148,7 +149,12 @@ _ALL: tuple[Code, ...] = (
         "weights-dropped",
         "weights",
         "checkpoint tensors were not loaded (key prefix or name the engine does not map)",
-        ("diagnose.config:static_load_findings", _RULES, "diagnose.weights:weights_dropped"),
+        (
+            "diagnose.config:static_load_findings",
+            _RULES,
+            _MTP_RULES,
+            "diagnose.weights:weights_dropped",
+        ),
         fix={
             "": "rename the checkpoint keys to the names the engine maps (SGLang: fc.*, "
             "midlayer.* or layers.0.*, norm.*, lm_head.*, d2t); unknown keys are dropped "
@@ -161,7 +167,7 @@ _ALL: tuple[Code, ...] = (
         "embed-head-source",
         "weights",
         "embeddings or lm_head come from another source than in training",
-        (_RULES, _WHATIF),
+        (_RULES, _MTP_RULES, _WHATIF),
         fix={
             "what-if": "the engine replaces the drafter's trained embed_tokens with the "
             "target's (SGLang set_embed); serve with an engine that loads the draft embedding, "
