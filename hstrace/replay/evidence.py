@@ -33,6 +33,7 @@ from hstrace.replay.fed import (
     build_draft_inputs,
     build_vocab_readings,
 )
+from hstrace.replay.impact import Chains, build_chains
 from hstrace.replay.ranks import RankComparison, build_ranks
 from hstrace.replay.read import ServingData
 from hstrace.replay.runner import CaptureScan, DrafterRunner
@@ -53,6 +54,8 @@ class Evidence:
     draft_inputs: DraftInputs
     vocab: VocabReadings
     batch: BatchCoupling
+    # The greedy chains as served and as trained, for the impact stage (`replay.impact`).
+    chains: Chains | None = None
     # Accept lengths per DP rank beside rank 0's replay (only with more than one rank).
     accept_len_by_rank: dict[str, Any] = field(default_factory=dict)
     # Every rank next to rank 0 (None: one rank, or the comparison could not be built).
@@ -186,6 +189,19 @@ def build_evidence(
         draft_inputs = build_draft_inputs(serving, agreement.rows, agreement.requests, target)
         vocab = build_vocab_readings(drafter, agreement.rows)
         batch = build_batch_coupling(alignment)
+        chains = searched.guarded(
+            "impact",
+            lambda: build_chains(
+                runner,
+                alignment.aligned,
+                target,
+                serving.static,
+                whatif.served_model if whatif is not None and whatif.ran else None,
+                whatif.best.name if whatif is not None and whatif.best is not None else None,
+                served_reading(vocab),
+                serving.accept_by_key,
+            ),
+        )
     ranks = None
     if views and len(views) > 1:
         by_rank = {0: serving, **(other_ranks or {})}
@@ -207,6 +223,7 @@ def build_evidence(
         draft_inputs=draft_inputs,
         vocab=vocab,
         batch=batch,
+        chains=chains,
         accept_len_by_rank=dict(accept_len_by_rank or {}),
         ranks=ranks,
         unavailable=merged(
@@ -220,5 +237,19 @@ def build_evidence(
             vocab,
             batch,
             ranks.unavailable if ranks is not None else {},
+            chains.skipped if chains is not None else {},
         ),
     )
+
+
+def served_reading(vocab: VocabReadings) -> str | None:
+    """How the engine read `d2t`: the reading that explains its proposed ids, when offsets do
+    not (None: not recorded)."""
+    from hstrace.replay.compare import AGREE_TOP1
+
+    if vocab.scores is None:
+        return None
+    best = max(vocab.scores, key=vocab.scores.get)
+    if vocab.scores.get("offsets", 0.0) >= AGREE_TOP1 or vocab.scores[best] < AGREE_TOP1:
+        return "offsets"
+    return best

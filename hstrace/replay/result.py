@@ -11,6 +11,7 @@ from typing import Any
 
 from hstrace.errors import EXIT_CLEAN, EXIT_COULD_NOT_JUDGE, EXIT_FAULT
 from hstrace.findings import CODES, Finding, in_dataflow_order
+from hstrace.replay.impact import Impacts, verdict_phrase
 
 JSON_SCHEMA_VERSION = 1
 
@@ -81,6 +82,8 @@ class ReplayResult:
     # Checks or pieces of evidence that failed internally (name -> `Type: message`): the
     # judgement is incomplete, never `no-wiring-fault`.
     failed: dict[str, str] = field(default_factory=dict)
+    # What each fault costs and its fix is worth (`replay.impact.impacts`, on `faults`).
+    impact: Impacts | None = None
 
     def __post_init__(self) -> None:
         if self.failed:  # "no wiring fault" is a claim about every check
@@ -112,6 +115,21 @@ class ReplayResult:
             return clean[0]
         return Finding("no-wiring-fault", CODES["no-wiring-fault"][1], severity="info")
 
+    def impact_of(self, f: Finding) -> tuple[dict[str, Any] | None, str | None]:
+        """(the impact of fixing fault `f` alone, why there is none)."""
+        faults = self.faults
+        if self.impact is None or f not in faults:
+            return None, None
+        i = next(j for j, g in enumerate(faults) if g is f)
+        if i >= len(self.impact.by_finding):
+            return None, None
+        return self.impact.by_finding[i], self.impact.unavailable[i]
+
+    def impact_line(self, f: Any) -> str | None:
+        """The verdict's sentence on what fixing `f` is worth (None: no impact computed)."""
+        got, _ = self.impact_of(f) if isinstance(f, Finding) else (None, None)
+        return verdict_phrase(got)
+
     @property
     def exit_code(self) -> int:
         """1 a fault (even when incomplete), 3 could not judge, 0 no fault."""
@@ -134,8 +152,14 @@ class ReplayResult:
                 "severity": v.severity,
                 "summary": v.summary,
                 "fix": v.fix,
+                "impact_line": self.impact_line(v),
             },
-            "findings": [_jsonable(f.to_json()) for f in self.findings],
+            "findings": [_jsonable(self._finding_json(f)) for f in self.findings],
+            **(
+                {"impact_all": _jsonable(self.impact.all)}
+                if self.impact is not None and self.impact.all is not None
+                else {}
+            ),
             "metrics": _jsonable(self.metrics),
             "coverage": _jsonable(self.coverage),
             "fingerprints": _jsonable(self.fingerprints),
@@ -145,6 +169,16 @@ class ReplayResult:
             "failed": dict(self.failed),
             "exit_code": self.exit_code,
         }
+
+    def _finding_json(self, f: Finding) -> dict[str, Any]:
+        out = f.to_json()
+        if f.severity != "fault" or self.impact is None:
+            return out
+        got, why = self.impact_of(f)
+        out["impact"] = {**got, "fix": f.fix} if got is not None else None
+        if got is None:
+            out["impact_unavailable"] = why or "not computed"
+        return out
 
 
 def _jsonable(x: Any) -> Any:

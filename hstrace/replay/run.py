@@ -35,6 +35,7 @@ from hstrace.replay.align import (
     recover_serving_ids,
 )
 from hstrace.replay.evidence import Evidence, build_evidence
+from hstrace.replay.impact import impacts
 from hstrace.replay.read import ServingData, accept_len_by_rank, read_serving
 from hstrace.replay.result import Judgement, ReplayResult
 from hstrace.replay.unavailable import merged, split_failures
@@ -416,7 +417,7 @@ def judge(ev: Evidence, inputs: dict[str, Any], checks: Checks) -> ReplayResult:
         judged: Judgement = checks(ev)
     # Missing evidence is "not checked, and why"; a check or evidence that raised is a failure.
     skipped, failed = split_failures(merged(ev.unavailable, judged.failed))
-    return ReplayResult(
+    result = ReplayResult(
         findings=list(judged.findings),
         metrics=ev.metrics_json(),
         coverage=ev.alignment.coverage.to_json(),
@@ -425,3 +426,6 @@ def judge(ev: Evidence, inputs: dict[str, Any], checks: Checks) -> ReplayResult:
         skipped=skipped,
         failed=failed,
     )
+    # what each fault costs: on the chains the evidence ran, by the part its fix puts back
+    result.impact = impacts(result.faults, ev.chains)
+    return result

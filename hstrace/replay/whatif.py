@@ -146,6 +146,9 @@ class WhatIfSearch:
     results: list[WhatIfResult] = field(default_factory=list)  # best first
     best: WhatIfResult | None = None  # the one that reproduces the engine, if any
     tolerance: float | None = None
+    # The drafter as the engine ran it, when `best` is a config misreading (a variant of the
+    # drafter, fed the recorded inputs): the impact stage (`replay.impact`) runs it as served.
+    served_model: Callable[[], torch.nn.Module] | None = None
 
     def to_json(self) -> dict[str, Any]:
         if not self.ran:
@@ -205,11 +208,21 @@ def search_whatifs(
     h = _Inputs(runner, a.rows, a.requests, a.fc_inputs_fit, target, training_layers,
                 training_step0)  # fmt: skip
     baseline = base.top1 if base is not None else 0.0
-    results = _search(h, whatif_list(h))
+    hyps = whatif_list(h)
+    results = _search(h, hyps)
     tolerance = base.tolerance if base is not None else _tolerance_without_baseline(h)
     best = reproducing(results, baseline, tolerance)
+    served = None
+    if best is not None:
+        hyp = next(x for x in hyps if x.name == best.name)
+        served = hyp.model if hyp.items is None else None
     return WhatIfSearch(
-        ran=True, baseline=baseline, results=results, best=best, tolerance=tolerance
+        ran=True,
+        baseline=baseline,
+        results=results,
+        best=best,
+        tolerance=tolerance,
+        served_model=served,
     )
 
 

@@ -15,6 +15,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from hstrace.findings import STAGES
+from hstrace.replay.impact import impact_lines, verdict_phrase
 from hstrace.replay.result import ReplayResult
 from hstrace.report.markdown import cell, row
 
@@ -134,6 +135,21 @@ def _print_finding(console: Console, n: int, f: Any) -> None:
             console.print(Padding(escape(line), (0, 0, 0, 5)), overflow="ellipsis", no_wrap=True)
 
 
+def _print_impact(console: Console, result: ReplayResult, f: Any) -> None:
+    from rich.markup import escape
+    from rich.padding import Padding
+
+    got, why = result.impact_of(f)
+    if got is not None:
+        console.print(
+            Padding(f"[bold]impact:[/] {escape(verdict_phrase(got) or '')}", (0, 0, 0, 3))
+        )
+        for line in impact_lines(got):
+            console.print(Padding(escape(line), (0, 0, 0, 5)))
+    elif why:
+        console.print(Padding(f"impact: not computed ({escape(why)})", (0, 0, 0, 3)))
+
+
 def _fmt(v: Any) -> str:
     return f"{v:.4f}" if isinstance(v, float) else str(v)
 
@@ -141,6 +157,7 @@ def _fmt(v: Any) -> str:
 def render_terminal(result: ReplayResult, console: Console | None = None) -> None:
     console = console or Console()
     from rich.markup import escape
+    from rich.padding import Padding
 
     v = result.verdict
     flow = " → ".join(f"[bold red]{s}[/]" if s == v.stage else s for s in STAGES)
@@ -149,6 +166,8 @@ def render_terminal(result: ReplayResult, console: Console | None = None) -> Non
     body = f"[bold]{escape(v.code)}[/]{escape(stage)}\n{escape(v.summary)}"
     if v.fix:
         body += f"\n\n[bold]fix:[/] {escape(v.fix)}"
+    if result.impact_line(v):
+        body += f"\n[bold]impact:[/] {escape(result.impact_line(v))}"
     title = "verdict: first divergence" + (" (judgement incomplete)" if result.failed else "")
     console.print(Panel(body, title=title, border_style=style))
     for line in result.incomplete_lines:  # one line each: what failed, and how
@@ -158,6 +177,11 @@ def render_terminal(result: ReplayResult, console: Console | None = None) -> Non
         console.print("[bold]findings (dataflow order)[/]")
         for n, f in enumerate(result.findings, 1):
             _print_finding(console, n, f)
+            _print_impact(console, result, f)
+        if result.impact is not None and result.impact.all is not None:
+            console.print("[bold]fixing every fault[/]")
+            for line in impact_lines(result.impact.all):
+                console.print(Padding(escape(line), (0, 0, 0, 3)))
     metrics = Table(title="metrics")
     metrics.add_column("metric")
     metrics.add_column("value", justify="right")
@@ -206,6 +230,8 @@ def render_markdown(result: ReplayResult) -> str:
         ]
     if v.fix:
         lines += [f"**Fix:** {_md(v.fix)}", ""]
+    if result.impact_line(v):
+        lines += [f"**Impact:** {_md(result.impact_line(v))}", ""]
     lines += ["Dataflow: " + " → ".join(f"**{s}**" if s == v.stage else s for s in STAGES), ""]
     if result.findings:
         lines += [
@@ -221,6 +247,7 @@ def render_markdown(result: ReplayResult) -> str:
             if f.evidence:
                 lines.append(f"- `{f.code}` evidence: {_md(_evidence_line(f.evidence, 20))}")
         lines.append("")
+        lines += _impact_markdown(result)
     lines += ["## Metrics", "", "| metric | value |", "| --- | --- |"]
     for key, label in METRIC_LABELS.items():
         if key in result.metrics and result.metrics[key] is not None:
@@ -247,6 +274,22 @@ def render_markdown(result: ReplayResult) -> str:
         lines += [f"- {_md(k)}: {_md(why)}" for k, why in result.skipped.items()]
         lines.append("")
     return "\n".join(lines)
+
+
+def _impact_markdown(result: ReplayResult) -> list[str]:
+    """What each fault costs: served vs fixed, and fixing every fault."""
+    rows = []
+    for f in result.faults:
+        got, why = result.impact_of(f)
+        if got is not None:
+            rows += [f"- `{f.code}`: {_md(verdict_phrase(got))}"]
+            rows += [f"  - {_md(line)}" for line in impact_lines(got)]
+        elif why:
+            rows.append(f"- `{f.code}`: not computed ({_md(why)})")
+    if result.impact is not None and result.impact.all is not None:
+        rows.append("- fixing every fault:")
+        rows += [f"  - {_md(line)}" for line in impact_lines(result.impact.all)]
+    return ["## Impact (expected accept length, as served vs fixed)", "", *rows, ""] if rows else []
 
 
 def _md(text: Any) -> str:
