@@ -1,0 +1,150 @@
+"""What each fault costs (issue 28 item 1): the impact stage (`hstrace.replay.impact`).
+
+The arithmetic is checked on counts written by hand; the stage on real traces the reference
+engine records from the tiny world with one or two fault knobs (each an engine behaviour:
+`d2t` read as a table, slots concatenated in another order, another RoPE base), replayed
+against the tiny world's training data. Nothing is injected into hstrace.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hstrace.findings import Finding
+from hstrace.replay.impact import (
+    Chains,
+    Counts,
+    compare,
+    impacts,
+    realized_counts,
+    verdict_phrase,
+)
+from hstrace.report.replay import render_markdown
+from hstrace.training import open_training
+
+WORLD = Path(__file__).resolve().parent.parent / "traces" / "tiny-world"
+TRAINING = WORLD / "training-speculators"
+
+
+# -- the arithmetic ------------------------------------------------------------------------------
+def test_counts_accept_length_and_per_position_by_hand():
+    # two requests: 4 steps (drafts accepted 3,1,0,2 -> by position 3,2,1), 2 steps (0,0)
+    c = realized_counts([[3, 1, 0, 2], [0, 0]], k=3)
+    assert c.steps.tolist() == [4, 2]
+    assert c.accepted.tolist() == [[3, 2, 1], [0, 0, 0]]
+    assert c.accept_length() == pytest.approx(1 + 6 / 6)
+    # per position: the fraction of all steps whose draft i was accepted (not conditional)
+    assert c.per_position() == pytest.approx([3 / 6, 2 / 6, 1 / 6])
+
+
+def test_gain_inside_its_spread_is_not_measurable_and_says_so():
+    served = Counts(np.array([10.0, 10.0, 10.0]), np.array([[5.0, 2, 1], [6, 3, 1], [4, 2, 0]]))
+    same = compare(served, served, None, k=3, topk=1, tokens=60)
+    assert same["gain"] == 0 and not same["measurable"] and same["realized"] is None
+    assert "nothing measurable" in verdict_phrase(same) and "low priority" in verdict_phrase(same)
+    better = Counts(served.steps, served.accepted + np.array([[4.0, 4, 4]]))
+    up = compare(served, better, None, k=3, topk=1, tokens=60)
+    assert up["measurable"] and up["gain"] == pytest.approx(1.2)
+    assert up["gain_ci"][0] > 0
+    lo, hi = up["fixed"]["ci"]
+    assert lo <= up["fixed"]["accept_length"] <= hi
+    assert verdict_phrase(up).startswith("fixing this raises the expected accept length")
+
+
+def test_a_fault_the_replay_cannot_rebuild_has_no_impact_and_says_why():
+    c = Counts(np.array([5.0]), np.array([[1.0, 0, 0]]))
+    chains = Chains(k=3, counts={(False, True, True): c, (True, True, True): c},
+                    served={"aux": "the serving capture", "model": None, "vocab": None})  # fmt: skip
+    got = impacts([Finding("weights-dropped", "x"), Finding("rope-mismatch", "y")], chains)
+    assert got.by_finding == [None, None]
+    assert "weights-dropped" in got.unavailable[0]
+    assert "no config misreading" in got.unavailable[1]
+    assert got.all is None
+
+
+# -- the stage, on traces the reference engine records ---------------------------------------
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    from test_diagnose_scenarios import HELDOUT, PROMPT_TOKENS, record
+
+    from hstrace.engines import Prompt
+
+    td = open_training(TRAINING)
+    prompts = [
+        Prompt(input_ids=tuple(td[i].input_ids[:PROMPT_TOKENS].tolist()), source_id=f"h:{i}")
+        for i in HELDOUT
+    ]
+    out = tmp_path_factory.mktemp("impact")
+    knobs = {
+        "clean": {},
+        "d2t": {"d2t_as_table": True},
+        "d2t+order": {"d2t_as_table": True, "aux_order": [2, 0, 1]},
+        "rope+order": {"rope_theta": 500000.0, "aux_order": [2, 0, 1]},
+    }
+    return {name: record(out / f"{name}.zarr", prompts, **k) for name, k in knobs.items()}
+
+
+def replayed(trace):
+    from hstrace import replay_trace
+
+    return replay_trace(trace, TRAINING)
+
+
+def test_clean_trace_has_no_fault_and_no_impact(traces):
+    result = replayed(traces["clean"])
+    j = result.to_json()
+    assert result.exit_code == 0 and j["verdict"]["impact_line"] is None
+    assert all("impact" not in f for f in j["findings"]) and "impact_all" not in j
+
+
+def test_d2t_table_costs_the_chain_and_its_fix_restores_it(traces):
+    result = replayed(traces["d2t"])
+    j = result.to_json()
+    f = j["findings"][0]
+    assert f["code"] == "d2t-direct-table"
+    imp = f["impact"]
+    assert imp["metric"] == "expected_accept_length"
+    assert (imp["num_speculative_tokens"], imp["topk"]) == (3, 1)  # as the trace served
+    assert len(imp["served"]["per_position"]) == 3 == len(imp["fixed"]["per_position"])
+    # ids read from the table are other tokens: as served the target accepts no draft
+    assert imp["served"]["accept_length"] < 1.1 and imp["served"]["per_position"][0] < 0.1
+    assert imp["fixed"]["accept_length"] >= imp["served"]["accept_length"] + 1
+    assert imp["measurable"] and imp["gain_ci"][0] > 0
+    # the trace's own accept lengths next to the estimate: serving accepted next to nothing too
+    assert imp["realized"]["accept_length"] < 1.1 and imp["estimate_agrees"] is True
+    assert imp["fix"] == f["fix"] and "i + d2t[i]" in imp["fix"]
+    s, x = imp["served"]["accept_length"], imp["fixed"]["accept_length"]
+    assert j["verdict"]["impact_line"] == (
+        f"fixing this raises the expected accept length {s:.2f} → {x:.2f}"
+    )
+    md = render_markdown(result)
+    assert f"**Impact:** fixing this raises the expected accept length {s:.2f} → {x:.2f}" in md
+    assert "## Impact" in md and "realized in the trace" in md
+
+
+def test_two_faults_each_alone_and_all_names_the_one_eating_acceptance(traces):
+    j = replayed(traces["d2t+order"]).to_json()
+    by = {f["code"]: f for f in j["findings"] if f["severity"] == "fault"}
+    assert set(by) == {"d2t-direct-table", "aux-order"}
+    d2t, order = by["d2t-direct-table"]["impact"], by["aux-order"]["impact"]
+    # fixing the slot order alone leaves the ids wrong: nothing measurable
+    assert not order["measurable"] and order["fixed"]["accept_length"] < 1.1
+    assert d2t["measurable"] and d2t["gain"] >= 1
+    every = j["impact_all"]
+    assert every["parts_fixed"] == ["aux", "vocab"] and "fix" not in every
+    assert every["served"] == d2t["served"] == order["served"]
+    assert every["fixed"]["accept_length"] >= every["served"]["accept_length"] + 1
+
+
+def test_config_fault_is_rebuilt_from_the_whatif(traces):
+    j = replayed(traces["rope+order"]).to_json()
+    by = {f["code"]: f for f in j["findings"] if f["severity"] == "fault"}
+    assert {"rope-mismatch", "aux-order"} <= set(by)
+    for code in ("rope-mismatch", "aux-order"):
+        imp = by[code]["impact"]
+        assert imp is not None, by[code].get("impact_unavailable")
+        assert imp["steps"] > 0 and imp["served"]["accept_length"] >= 1
+    assert sorted(j["impact_all"]["parts_fixed"]) == ["aux", "model"]
