@@ -111,11 +111,17 @@ _ALL: tuple[Code, ...] = (
         "norm-flag-mismatch",
         "config",
         "a norm flag the drafter was trained with is ignored or read differently by the engine",
-        (_RULES, _WHATIF, "diagnose.config:fed_back_state"),
+        # the numbers first: a what-if checked on the training tensors names the value that
+        # reproduces training; a rule only knows the config (its evidence is kept)
+        (_WHATIF, "diagnose.config:fed_back_state", _RULES),
         fix={
             "what-if": "the engine behaves as if {flag}={served}; the drafter was trained with "
             '{flag}={trained}: set "{key}": {trained_json} in the draft config.json and serve '
             "with an engine version that reads it",
+            "what-if-unconfirmed": "the engine behaves as if {flag}={served}, but on the "
+            "training tensors {flag}={trained} does not fit better (loss {nll_as_trained} vs "
+            "{nll_as_served}): write {key} explicitly with the value the drafter "
+            "was trained with (its training config says which)",
             "fed-back": 'set "norm_output": {trained_json} (speculators/vLLM meaning: feed the '
             "normed state back) in the draft config.json and serve with an engine version that "
             "reads it, or retrain with the state the engine feeds back",

@@ -148,3 +148,29 @@ def test_config_fault_is_rebuilt_from_the_whatif(traces):
         assert imp is not None, by[code].get("impact_unavailable")
         assert imp["steps"] > 0 and imp["served"]["accept_length"] >= 1
     assert sorted(j["impact_all"]["parts_fixed"]) == ["aux", "model"]
+
+
+# -- the fix is checked (issue 28 item 2) ----------------------------------------------------
+def test_norm_flag_fix_is_the_value_that_reproduces_training(tmp_path):
+    """The engine serves norm_before_residual=True to a drafter trained with False (the
+    reference engine's norm-flag knob, as vLLM does when the key is absent): the fix names the
+    flag and the trained value, checked on the training tensors, and what it is worth."""
+    from test_diagnose_scenarios import HELDOUT, PROMPT_TOKENS, record
+
+    from hstrace.engines import Prompt
+
+    td = open_training(TRAINING)
+    prompts = [
+        Prompt(input_ids=tuple(td[i].input_ids[:PROMPT_TOKENS].tolist()), source_id=f"h:{i}")
+        for i in HELDOUT
+    ]
+    trace = record(tmp_path / "nbr.zarr", prompts, norm_flags={"norm_before_residual": True})
+    result = replayed(trace)
+    v = result.verdict
+    assert v.code == "norm-flag-mismatch", v.summary
+    assert '"norm_before_residual": false' in v.fix
+    check = v.evidence["fix_checked_on_training"]
+    # training minimised the loss with the trained value: it fits the training tensors better
+    assert check["nll_as_trained"] < check["nll_as_served"] and check["rows"] > 0
+    imp = result.to_json()["findings"][0]["impact"]
+    assert imp["fix"] == v.fix and imp["served"]["accept_length"] >= 1

@@ -95,15 +95,28 @@ def whatif_findings(ev: Evidence) -> list[Finding]:
     }
     if code == "attention-window" and base is not None:
         evidence.update(_agreement_by_distance(ev))
+    variant, summary = "what-if", ""
+    check = search.training_check
+    if check is not None:
+        evidence["fix_checked_on_training"] = check
+        summary = (
+            f"; on the training tensors step-0 accuracy {check['as_trained']:.2f} as trained vs "
+            f"{check['as_served']:.2f} as served, loss {check['nll_as_trained']:.3f} vs "
+            f"{check['nll_as_served']:.3f}"
+        )
+        # a fix that does not reproduce training better than serving is not printed as the fix
+        if code == "norm-flag-mismatch" and not check["nll_as_trained"] < check["nll_as_served"]:
+            variant = "what-if-unconfirmed"
     return [
         finding(
             code,
             f"the engine's draft logits are reproduced by the reference with {best.name} "
-            f"({best.agreement:.0%} top-1 agreement vs {baseline:.0%} without)",
+            f"({best.agreement:.0%} top-1 agreement vs {baseline:.0%} without){summary}",
             evidence,
-            variant="what-if",
+            variant=variant,
             severity="fault",
             **best.params,
+            **(check or {}),
         )
     ]
 

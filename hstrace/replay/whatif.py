@@ -149,6 +149,10 @@ class WhatIfSearch:
     # The drafter as the engine ran it, when `best` is a config misreading (a variant of the
     # drafter, fed the recorded inputs): the impact stage (`replay.impact`) runs it as served.
     served_model: Callable[[], torch.nn.Module] | None = None
+    # The fix checked on the training tensors: step-0 accuracy (loss-masked rows, vs the stored
+    # token t+2) of the drafter as trained and of `best`'s variant ({"as_trained", "as_served",
+    # "rows"}); None when `best` changes the inputs, not the drafter, or there are no tensors.
+    training_check: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         if not self.ran:
@@ -168,6 +172,9 @@ FLAG_KEYS: dict[str, str] = {
     "norm_before_residual": "norm_before_residual",
     "logits_use_norm": "norm_output (SpecForge meaning: norm before lm_head)",
 }
+# The hypothesis kinds that change only how the drafter is read (its config or embedding): the
+# impact stage runs them as the served drafter on any aux concat.
+CONFIG_KINDS = frozenset({"norm-flag", "rope-theta", "sliding-window", "target-embedding"})
 # RoPE bases engines fall back to: EAGLE/SpecForge configs without rope_theta, Llama-3, Qwen.
 COMMON_THETAS = (10000.0, 500000.0, 1000000.0)
 
@@ -212,10 +219,14 @@ def search_whatifs(
     results = _search(h, hyps)
     tolerance = base.tolerance if base is not None else _tolerance_without_baseline(h)
     best = reproducing(results, baseline, tolerance)
-    served = None
+    served, check = None, None
     if best is not None:
         hyp = next(x for x in hyps if x.name == best.name)
-        served = hyp.model if hyp.items is None else None
+        # a config misreading: the same drafter fed the same inputs, read another way (not fc
+        # skipped, whose drafter cannot take the aux concat; not the input misreadings)
+        served = hyp.model if hyp.kind in CONFIG_KINDS else None
+        if served is not None and training_step0 is not None:
+            check = _on_training(h, served())
     return WhatIfSearch(
         ran=True,
         baseline=baseline,
@@ -223,7 +234,46 @@ def search_whatifs(
         best=best,
         tolerance=tolerance,
         served_model=served,
+        training_check=check,
     )
+
+
+def _on_training(h: _Inputs, served: torch.nn.Module) -> dict[str, Any]:
+    """Does the fix close the gap on what training fed the drafter? On the aligned training
+    tensors (the rows `acc0_training` judges): step-0 accuracy and the mean negative
+    log-likelihood of the stored token t+2 (in the draft vocab; the quantity training
+    minimised, so the value a drafter was trained with scores lower), as trained and as served."""
+    ts = h.training_step0
+    items = [
+        Step0Input(
+            torch.as_tensor(a.sample.input_ids[1 : n + 1]).long(),
+            a.sample.aux_concat[:n],
+            torch.arange(n),
+        )
+        for a, n in ts.rows
+    ]
+    m = ts.judged
+    d2t = h.runner.drafter.d2t.long()
+    to_draft = torch.full((int(h.runner.cfg.vocab_size),), -1, dtype=torch.long)
+    to_draft[torch.arange(len(d2t)) + d2t] = torch.arange(len(d2t))
+    label = to_draft[ts.labels.long()]
+    keep = m & (label >= 0)
+
+    def acc(logits: torch.Tensor) -> float:
+        return agreement(h.runner.map_to_target(logits.argmax(-1))[m], ts.labels[m])
+
+    def nll(logits: torch.Tensor) -> float:
+        lp = torch.log_softmax(logits.float(), -1)[keep]
+        return float(-lp.gather(-1, label[keep][:, None]).mean())
+
+    logits = h.runner.run(served, items)
+    return {
+        "as_trained": round(acc(ts.logits), 4),
+        "as_served": round(acc(logits), 4),
+        "nll_as_trained": round(nll(ts.logits), 4),
+        "nll_as_served": round(nll(logits), 4),
+        "rows": int(m.sum()),
+    }
 
 
 @dataclass(frozen=True)

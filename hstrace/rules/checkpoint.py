@@ -309,8 +309,9 @@ FLAG_RULES: list[Rule[CheckpointFacts]] = [
         summary="config has no norm_before_residual: speculators' class default is False, vLLM's "
         "update_eagle3 default is True",
         evidence=lambda f, m: {"speculators_default": False, "vllm_default": True},
-        fix="Write norm_before_residual explicitly into config.json (True for drafters trained "
-        "by speculators' train.py).",
+        fix="Write norm_before_residual explicitly into config.json, with the value the drafter "
+        "was trained with (its training config; `hstrace replay --against TRAINING_DIR` "
+        "checks which value reproduces training).",
         severity="warning",
         applies_to=engines(vllm=""),
     ),
