@@ -141,6 +141,7 @@ def check(
     from hstrace.drafter import load_drafter
     from hstrace.drafter.norm_output import norm_output_flags
     from hstrace.evaluation import resolve_norm_output, training_findings
+    from hstrace.evaluation.accuracy import flag_fix_on_training
     from hstrace.metrics import TargetHead
     from hstrace.rules import run_static
     from hstrace.training import open_training
@@ -224,6 +225,12 @@ def check(
         if evaluated is not None:
             more, metrics["training"] = evaluated
             findings += more
+        if emb_ok:  # each norm flag's fix, tried on the training tensors (issue 28 item 5)
+            _internal(
+                failed,
+                "norm flags on the training tensors",
+                lambda: flag_fix_on_training(model, td, findings, samples),
+            )
     findings = in_dataflow_order(findings)
     faults = sum(f.severity == "fault" for f in findings)
     code = EXIT_FAULT if faults else (EXIT_COULD_NOT_JUDGE if failed else EXIT_CLEAN)

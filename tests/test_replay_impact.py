@@ -174,3 +174,34 @@ def test_norm_flag_fix_is_the_value_that_reproduces_training(tmp_path):
     assert check["nll_as_trained"] < check["nll_as_served"] and check["rows"] > 0
     imp = result.to_json()["findings"][0]["impact"]
     assert imp["fix"] == v.fix and imp["served"]["accept_length"] >= 1
+
+
+# -- hstrace check --against (issue 28 item 5) -----------------------------------------------
+def test_check_against_tries_the_norm_flag_fix_on_the_training_tensors(tmp_path):
+    """The speculators drafter (trained with norm_before_residual False) shipped without the
+    key, as a user would: vLLM reads True. `check --against` scores both values on the training
+    tensors and names the one training used."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(WORLD / "drafter-speculators", drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    assert config.pop("norm_before_residual") is False
+    (drafter / "config.json").write_text(json.dumps(config))
+    out = subprocess.run(
+        [sys.executable, "-m", "hstrace", "check", str(drafter), "--against", str(TRAINING),
+         "--engine", "vllm", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    doc = json.loads(out.stdout)
+    f = next(f for f in doc["findings"] if f["code"] == "norm-flag-mismatch")
+    got = f["evidence"]["on_training"]
+    assert got["flag"] == "norm_before_residual" and got["value_that_fits_training"] is False
+    fixed = got["with the fix (norm_before_residual=False)"]
+    served = got["as the engine reads it (norm_before_residual=True)"]
+    assert fixed["loss"] < served["loss"] and fixed["rows"] == served["rows"] > 0
+    assert fixed["acc0_data"] > served["acc0_data"]
+    assert "True for drafters trained" not in f["fix"]  # the rule no longer guesses the value

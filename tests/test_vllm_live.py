@@ -297,6 +297,13 @@ def test_absent_norm_before_residual_is_served_true(no_nbr) -> None:
     # the engine's logits are reproduced by the flag, and differ from the reference without it
     assert evidence["max_logprob_diff_with_it"] <= evidence["tolerance"]
     assert evidence["max_logprob_diff_without_it"] > evidence["tolerance"]
+    # issue 28: the fix is the trained value, checked on the training tensors (not "True")
+    assert '"norm_before_residual": false' in res.verdict.fix, res.verdict.fix
+    check = evidence["fix_checked_on_training"]
+    assert check["nll_as_trained"] < check["nll_as_served"]
+    f = res.to_json()["findings"][0]
+    assert f["code"] == "norm-flag-mismatch" and f["impact"]["fix"] == res.verdict.fix
+    assert f["impact"]["num_speculative_tokens"] == 3 and f["impact"]["realized"] is not None
 
 
 @pytest.fixture(scope="module")

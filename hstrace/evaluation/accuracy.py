@@ -6,6 +6,7 @@ a measurement)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -220,3 +221,76 @@ def _specforge_sim_len(uncond: list[float]) -> float:
         prod *= a
         total += prod
     return total
+
+
+# The drafter flags a norm-flag finding can name, as `DrafterConfig` spells them.
+NORM_FLAGS = ("norm_before_fc", "norm_before_residual", "fc_norm", "feed_normed", "logits_use_norm")
+
+
+def _step0_scores(model: Eagle3Drafter, samples: list[Any]) -> dict[str, Any]:
+    """Step-0 accuracy (target space, vs the stored token t+2, loss-masked rows, the last
+    stored position excluded: `acc0_data`) and the mean loss of that token in the draft vocab
+    (what training minimised; labels outside the draft vocab skipped)."""
+    d2t = model.d2t.long()
+    to_draft = torch.full((int(model.cfg.vocab_size),), -1, dtype=torch.long)
+    to_draft[torch.arange(len(d2t)) + d2t] = torch.arange(len(d2t))
+    acc, loss, n_loss = Accuracy(0, 0), 0.0, 0
+    dtype = next(model.parameters()).dtype
+    with torch.no_grad():
+        for s in samples:
+            ids, mask = s.input_ids.long(), s.loss_mask.bool()
+            if ids.shape[0] < 3:
+                continue
+            next_ids = torch.cat([ids[1:], ids.new_zeros(1)])
+            logits = model(next_ids, s.aux_concat.to(dtype)).logits.float()
+            ref, m = data_reference(ids), mask.clone()
+            m[-1] = False
+            acc += accuracy_target_space(model.draft_to_target(logits.argmax(-1)), ref, m)
+            label = torch.where(ref >= 0, to_draft[ref.clamp(min=0)], ref)
+            keep = m & (label >= 0)
+            lp = torch.log_softmax(logits[keep], -1).gather(-1, label[keep][:, None])
+            loss -= float(lp.sum())
+            n_loss += int(keep.sum())
+    return {
+        "acc0_data": round(acc.value, 4) if acc.total else None,
+        "loss": round(loss / n_loss, 4) if n_loss else None,
+        "rows": acc.total,
+    }
+
+
+def flag_fix_on_training(
+    model: Eagle3Drafter, td: Any, findings: list[Finding], max_samples: int = 16
+) -> None:
+    """`hstrace check --against` (issue 28 item 5): for each norm-flag finding, the drafter on
+    the training tensors with the flag as the checkpoint says it was trained (the fix) and as
+    the engine reads it (the other value), in the finding's evidence as `on_training`: step-0
+    accuracy and loss both ways, and which value fits the training tensors (lower loss)."""
+    from hstrace.drafter.model import Eagle3Drafter as Drafter
+
+    samples = [td[i] for i in range(min(len(td), max_samples))]
+    for f in findings:
+        if f.code != "norm-flag-mismatch":
+            continue
+        text = f.summary + " " + " ".join(f.evidence)
+        flags = [n for n in NORM_FLAGS if n in text]
+        if not flags:
+            continue
+        flag = flags[0]
+        trained = bool(getattr(model.cfg, flag))
+        try:
+            other = Drafter(dataclasses.replace(model.cfg, **{flag: not trained}))
+        except ValueError:  # mutually exclusive flags: the other value cannot be served
+            continue
+        other.load_state_dict(model.state_dict(), strict=False)
+        with_fix, as_engine = _step0_scores(model, samples), _step0_scores(other.eval(), samples)
+        fits = (
+            None
+            if with_fix["loss"] is None or as_engine["loss"] is None
+            else (trained if with_fix["loss"] < as_engine["loss"] else not trained)
+        )
+        f.evidence["on_training"] = {
+            "flag": flag,
+            f"with the fix ({flag}={trained})": with_fix,
+            f"as the engine reads it ({flag}={not trained})": as_engine,
+            "value_that_fits_training": fits,
+        }
