@@ -237,7 +237,7 @@ def build_evidence(
             vocab,
             batch,
             ranks.unavailable if ranks is not None else {},
-            chains.skipped if chains is not None else {},
+            # why a fault has no impact is said on the finding (`impact_unavailable`), not here
         ),
     )
 

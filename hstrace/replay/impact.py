@@ -179,10 +179,6 @@ class Chains:
     unavailable: dict[str, str] = field(default_factory=dict)
     why_not: str | None = None  # the chains did not run at all
 
-    @property
-    def skipped(self) -> dict[str, str]:
-        """What could not be computed, for the replay's `skipped`."""
-        return {"impact": self.why_not, **self.unavailable} if self.why_not else self.unavailable
 
 
 def spec_of(static: Mapping[str, Any]) -> tuple[int | None, int]:
