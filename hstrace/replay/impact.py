@@ -180,7 +180,6 @@ class Chains:
     why_not: str | None = None  # the chains did not run at all
 
 
-
 def spec_of(static: Mapping[str, Any]) -> tuple[int | None, int]:
     """(num_speculative_tokens, topk) as served: the static audit's effective settings."""
     spec = static.get("spec") if isinstance(static.get("spec"), dict) else {}
