@@ -178,3 +178,67 @@ def capture_record(layer_ids: Sequence[int], source: Mapping[str, Any]) -> dict[
         "layer_ids_source": source.get("source"),
         "capture_convention": CAPTURE_CONVENTION,
     }
+
+
+# ---- MTP heads (`method: mtp`) ---------------------------------------------------------------
+
+MTP_CAPTURE_CONVENTION = (
+    "mtp: the target model's forward output, as vLLM hands it to the head "
+    "(MiMoForCausalLM: hidden + residual before model.norm; the norm is applied in compute_logits)"
+)
+# vLLM's `MiMoMTP.load_weights` gets the whole target checkpoint and keeps only keys containing
+# `mtp_layers`, `embed_tokens` or `lm_head` (renamed by its WeightsMapper); every other key is
+# passed over without a word. The target's decoder layers and final norm are the target's own;
+# any other key the head did not consume is a dropped MTP weight.
+MTP_LOAD = LoadAuditSpec(
+    engine="vLLM",
+    default_loader="vllm.model_executor.model_loader.weight_utils:default_weight_loader",
+    special_keys=(),
+    fix=(
+        "store the MTP layers as model.mtp_layers.{k}.* (token_layernorm, hidden_layernorm, "
+        "input_proj, self_attn.*, mlp.*, input_layernorm, post_attention_layernorm, "
+        "final_layernorm): vLLM's MiMoMTP.load_weights keeps only keys containing mtp_layers, "
+        "embed_tokens or lm_head and skips every other key silently"
+    ),
+    expected_unloaded=(),
+    target_key_pattern=r"^model\.(layers\.\d+\.|norm\.)",
+)
+SCALE_SUFFIXES = ("scale", "scale_inv", "input_scale", "weight_scale", "k_scale", "v_scale")
+
+
+def mtp_record(
+    *,
+    method: str,
+    model_type: str | None,
+    architectures: list[str],
+    n_predict: int | None,
+    num_speculative_tokens: int,
+    draft_class: str,
+    target_class: str,
+    target_layers: int,
+    parameters: list[str],
+    embed_shared: bool,
+    head_shared: bool,
+) -> dict[str, Any]:
+    """The static facts of an MTP deployment: what vLLM resolved, how many heads it has vs how
+    many drafts it chains (a head index past `n_predict` reuses head 0: vLLM's proposer never
+    passes `spec_step_idx`), which parameters are quantization scales, shared embedding/head."""
+    reuse = n_predict is not None and num_speculative_tokens > 1
+    return {
+        "method": method,
+        "model_type": model_type,
+        "architectures": architectures,
+        "n_predict": n_predict,
+        "num_speculative_tokens": num_speculative_tokens,
+        "depths_reuse_head_0": reuse,
+        "draft_class": draft_class,
+        "target_class": target_class,
+        "target_layers": target_layers,
+        "head_layer_ids": sorted(
+            {int(p.split(".")[2]) for p in parameters if p.startswith("model.mtp_layers.")}
+        ),
+        "scale_parameters": [p for p in parameters if p.rsplit(".", 1)[-1] in SCALE_SUFFIXES],
+        "embed_shared_with_target": embed_shared,
+        "lm_head_shared_with_target": head_shared,
+        "hidden_source": MTP_CAPTURE_CONVENTION,
+    }
