@@ -27,6 +27,7 @@ from hstrace.engines import load_audit
 from hstrace.engines.support import Version
 from hstrace.engines.vllm import audit, taps, taps_v2
 from hstrace.engines.vllm.versions import SUPPORT
+from hstrace.findings import from_fact
 
 
 class VLLMRecorder(Recorder):
@@ -36,6 +37,7 @@ class VLLMRecorder(Recorder):
         # vLLM's aux ids, sorted (= HF hidden_states indices): the `aux_hidden` layer_ids.
         self.capture_layers: list[int] | None = None
         self.capture_convention: str | None = None  # MTP: not an HF hidden_states index
+        self.mtp_load: Any = None  # the MTP head's WeightsAudit (load_weights tap)
         self.current: taps.Step | None = None  # the step being collected
         self.collecting = False  # inside the proposer: drafter calls belong to the step
 
@@ -206,8 +208,13 @@ def wrap_load_weights(original: Callable) -> Callable:
 
 
 def wrap_mtp_load_weights(original: Callable) -> Callable:
-    """The MTP head's load: the whole target checkpoint goes in, the head keeps its keys."""
-    return load_weights.wrap_load_weights(original, lambda: REC, audit.MTP_LOAD)
+    """The MTP head's load: the whole target checkpoint goes in, the head keeps its keys. The
+    audit is kept on the recorder: the proposer's static tap adds the files vLLM never read."""
+
+    def keep(rec: Any, _model: Any, wa: Any, _facts: Any) -> None:
+        rec.mtp_load = wa
+
+    return load_weights.wrap_load_weights(original, lambda: REC, audit.MTP_LOAD, keep)
 
 
 def _aux_layers_tap(rec: VLLMRecorder, runner: Any, model_runner: str) -> None:
@@ -366,7 +373,22 @@ def _mtp_static(rec: VLLMRecorder, proposer: Any, target_model: Any) -> dict[str
         is getattr(inner, "embed_tokens", object()),
         head_shared=getattr(model, "lm_head", None) is getattr(target_model, "lm_head", object()),
     )
+    # weight files vLLM never opened: their keys are dropped MTP weights too
+    loads: dict[str, Any] = {}
+    unread = audit.unread_weight_files(path) if path.is_dir() else {}
+    mtp["unread_files"] = {name: len(keys) for name, keys in unread.items()}
+    if unread and rec.mtp_load is not None:
+        wa = rec.mtp_load
+        for name, keys in unread.items():
+            for key in keys:
+                wa.checkpoint_keys.setdefault(key, {"file": name, "read": False})
+        facts = load_audit.weights_facts(wa, audit.MTP_LOAD)
+        loads = {
+            "weights": wa.to_static(),
+            "findings_load": [from_fact(f).to_json() for f in facts],
+        }
     return {
+        **loads,
         "mtp": mtp,
         "drafter": {
             "path": str(dmc.model),

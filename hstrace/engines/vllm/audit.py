@@ -16,7 +16,9 @@ vLLM's conventions (0.32.0, V1 runner; shared/reference/vllm-internals.md §2):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from hstrace.engines.load_audit import LoadAuditSpec
@@ -241,4 +243,36 @@ def mtp_record(
         "embed_shared_with_target": embed_shared,
         "lm_head_shared_with_target": head_shared,
         "hidden_source": MTP_CAPTURE_CONVENTION,
+    }
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    """The tensor names in a safetensors file, from its JSON header only (no tensor read)."""
+    with path.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if not 0 < n < 1 << 27:
+            return []
+        header = json.loads(fh.read(n))
+    return sorted(k for k in header if k != "__metadata__")
+
+
+def unread_weight_files(directory: Path) -> dict[str, list[str]]:
+    """Safetensors files of a checkpoint that vLLM never opens, with their keys: when
+    `model.safetensors.index.json` exists, vLLM loads only the files its `weight_map` names
+    (`filter_duplicate_safetensors_files`) and says nothing of the others (an MTP layer saved
+    to its own file and not added to the index is never loaded)."""
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        return {}
+    try:
+        listed = set(json.loads(index.read_text()).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {
+        p.name: safetensors_keys(p)
+        for p in sorted(directory.glob("*.safetensors"))
+        if p.name not in listed
     }
