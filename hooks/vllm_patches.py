@@ -463,13 +463,16 @@ def wrap_v2_propose(original: Callable) -> Callable:
     @functools.wraps(original)
     def propose(self, *args, **kwargs):
         rec = REC
-        if rec is None or "step" in rec.disabled or getattr(self, "method", None) != "eagle3":
+        method = getattr(self, "method", None)
+        if rec is None or "step" in rec.disabled or method not in SPEC_METHODS:
             return original(self, *args, **kwargs)
         a = bind_args(original, (self, *args), kwargs)
         if a.get("dummy_run") or a.get("is_profile"):
             return original(self, *args, **kwargs)
+        last = a.get("last_hidden_states") if method == "mtp" else None
         step = rec.run_tap(
-            "step", lambda: taps_v2.target_step(a["input_batch"], a["aux_hidden_states"] or [])
+            "step",
+            lambda: taps_v2.target_step(a["input_batch"], a["aux_hidden_states"] or [], last),
         )
         rec.current, rec.collecting = step, step is not None
         try:
@@ -479,7 +482,12 @@ def wrap_v2_propose(original: Callable) -> Callable:
             if step is not None:
                 qs = step.query_start or [0]
                 lens = [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
-                rec.run_tap("target", lambda: rec.emit(taps.target_rows(step, rec.capture_layers)))
+                rec.run_tap(
+                    "target",
+                    lambda: rec.emit(
+                        taps.target_rows(step, rec.capture_layers, rec.capture_convention)
+                    ),
+                )
                 rec.run_tap("draft", lambda: rec.emit(taps.draft_rows(step, lens)))
 
     return propose
