@@ -152,6 +152,7 @@ _ALL: tuple[Code, ...] = (
             "diagnose.config:static_load_findings",
             _RULES,
             "diagnose.weights:weights_dropped",
+            "diagnose.mtp:head_not_in_checkpoint",
             "diagnose.mtp:engine_vs_reference",
         ),
         fix={

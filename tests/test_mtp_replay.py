@@ -119,9 +119,8 @@ def test_pairing_shares_and_halves() -> None:
 
 def _evidence(**kw) -> MTPEvidence:
     serving = ServingData(requests=[], meta={"static": {"mtp": {"method": "mtp"}}})
-    return MTPEvidence(
-        serving=serving, head_report={"layer_prefixes": ["model.mtp_layers.0."]}, **kw
-    )
+    kw.setdefault("head_report", {"layer_prefixes": ["model.mtp_layers.0."]})
+    return MTPEvidence(serving=serving, **kw)
 
 
 def test_token_pairing_is_judged_against_the_shift_the_head_scores_best_with() -> None:
@@ -162,3 +161,13 @@ def test_mtp_checks_ignore_other_evidence_and_close_only_when_nothing_diverges()
     assert [f.code for f in j.findings] == ["no-wiring-fault"] and not j.failed
     faulty = _evidence(training_accuracy={"as_loaded": 0.05, "halves_exchanged": 0.9})
     assert [f.code for f in checks.diagnose_mtp(faulty).findings] == ["mtp-input-order"]
+
+
+def test_a_head_the_checkpoint_does_not_fill_is_weights_dropped() -> None:
+    ev = _evidence(
+        head_report={"missing": ["layers.0.eh_proj.weight"], "path": "t", "layer_prefixes": []}
+    )
+    (f,) = checks.head_not_in_checkpoint(ev)
+    assert f.code == "weights-dropped" and f.severity == "fault"
+    assert f.evidence["unloaded_parameters"] == ["layers.0.eh_proj.weight"]
+    assert checks.head_not_in_checkpoint(_evidence()) == []

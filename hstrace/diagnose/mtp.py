@@ -117,6 +117,27 @@ def token_pairing(ev: Any) -> list[Finding]:
     ]
 
 
+def head_not_in_checkpoint(ev: Any) -> list[Finding]:
+    """The served checkpoint, read as engines read it (its index when there is one), fills
+    none of some MTP head parameters: whatever serves it, those hold initial values."""
+    mtp = _mtp(ev)
+    missing = list(mtp.head_report.get("missing") or []) if mtp else []
+    if not missing:
+        return []
+    return [
+        finding(
+            "weights-dropped",
+            f"the target checkpoint, read as engines read it, fills none of {len(missing)} MTP "
+            "head parameters: they serve their initial values",
+            evidence={
+                "unloaded_parameters": missing[:20],
+                "checkpoint": mtp.head_report.get("path") if mtp else None,
+                "mtp_layers_found": mtp.head_report.get("layer_prefixes") if mtp else None,
+            },
+        )
+    ]
+
+
 def engine_vs_reference(ev: Any) -> list[Finding]:
     """On identical recorded inputs the engine's head and the reference head (the same
     checkpoint) disagree: the engine computes with other weights than the checkpoint holds."""
@@ -176,6 +197,7 @@ def diagnose_mtp(ev: MTPEvidence) -> Judgement:
         acceptance_simulated,
         spec_params,
         static_load_findings,
+        head_not_in_checkpoint,
         engine_vs_reference,
         hidden_source,
         token_pairing,

@@ -337,14 +337,23 @@ def build_mtp_evidence(
             "trained_shift": TRAINED_SHIFT,
             "meaning": "share of served rows t whose token is tokens[t + shift]",
         }
+    head_ok = not head_report.get("missing")
+    if not head_ok:  # a head left at its initial values judges nothing
+        missing = head_report["missing"]
+        un.note(
+            "mtp reference head",
+            f"the checkpoint fills none of {len(missing)} head parameters ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}): the head's accuracy and the engine-vs-"
+            "reference comparison are not judged",
+        )
     return MTPEvidence(
         serving=data,
         head_report=head_report,
         fed=fed,
         pairing=pairing,
-        training_accuracy=training[0] if training else None,
-        serving_accuracy=serving["acc0"] if serving else None,
-        engine_vs_reference=serving["agreement"] if serving else None,
+        training_accuracy=training[0] if training and head_ok else None,
+        serving_accuracy=serving["acc0"] if serving and head_ok else None,
+        engine_vs_reference=serving["agreement"] if serving and head_ok else None,
         compared={"requests": serving["requests"], "rows": serving["rows"]} if serving else {},
         unavailable=un.frozen(),
     )
