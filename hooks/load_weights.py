@@ -105,6 +105,10 @@ class _Watch:
 
     def tapped(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
         for key, tensor in weights:
+            if self.spec.is_target_key(key):  # the target's own layer, not the head's
+                self.wa.target_keys.append(key)
+                yield key, tensor
+                continue
             try:
                 self.wa.checkpoint_keys[key] = {
                     "shape": list(tensor.shape),

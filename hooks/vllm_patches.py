@@ -27,6 +27,7 @@ from hstrace.engines import load_audit
 from hstrace.engines.support import Version
 from hstrace.engines.vllm import audit, taps, taps_v2
 from hstrace.engines.vllm.versions import SUPPORT
+from hstrace.findings import from_fact
 
 
 class VLLMRecorder(Recorder):
@@ -35,6 +36,8 @@ class VLLMRecorder(Recorder):
         self.seen_rids: set[str] = set()
         # vLLM's aux ids, sorted (= HF hidden_states indices): the `aux_hidden` layer_ids.
         self.capture_layers: list[int] | None = None
+        self.capture_convention: str | None = None  # MTP: not an HF hidden_states index
+        self.mtp_load: Any = None  # the MTP head's WeightsAudit (load_weights tap)
         self.current: taps.Step | None = None  # the step being collected
         self.collecting = False  # inside the proposer: drafter calls belong to the step
         # `record --sample-every K`: one request in K is recorded (the K-th seen, counting
@@ -117,7 +120,10 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step) -> None:
         return  # the proposer did not run (e.g. inputs too long for the drafter)
     qs = step.query_start
     lens = [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
-    rec.run_tap("target", lambda: rec.emit(taps.target_rows(step, rec.capture_layers)))
+    rec.run_tap(
+        "target",
+        lambda: rec.emit(taps.target_rows(step, rec.capture_layers, rec.capture_convention)),
+    )
     verifying = [i for i, n in enumerate(step.num_draft_tokens) if n > 0]
     if verifying:
         rec.run_tap("verify", lambda: rec.emit([taps.verify_rows(step, verifying)]))
@@ -144,14 +150,19 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
     return propose_draft_token_ids
 
 
-def _fill_from_proposer(step: taps.Step, a: dict[str, Any]) -> None:
+SPEC_METHODS = ("eagle3", "mtp")  # the proposer methods recorded (same machinery)
+
+
+def _fill_from_proposer(step: taps.Step, a: dict[str, Any], method: str) -> None:
     n = int(a["target_token_ids"].shape[0])
     cad = a["common_attn_metadata"]
     qs = [int(x) for x in _tolist(cad.query_start_loc_cpu)]
     tis = a.get("token_indices_to_sample")
     step.target_ids = a["target_token_ids"][:n].detach().clone()  # views of runner buffers
     step.target_positions = a["target_positions"][..., :n].detach().clone()
-    step.target_aux = a["target_hidden_states"]  # a fresh torch.cat: not reused by vLLM
+    hidden = a["target_hidden_states"]
+    # EAGLE-3: a fresh torch.cat, not reused by vLLM; MTP: a view of the target's output
+    step.target_aux = hidden.detach().clone() if method == "mtp" else hidden
     step.query_start = qs
     step.sample_rows = (
         [int(x) for x in _tolist(tis)] if tis is not None else [q - 1 for q in qs[1:]]
@@ -163,10 +174,12 @@ def wrap_propose(original: Callable) -> Callable:
     def propose(self, *args, **kwargs):
         rec = REC
         step = rec.current if rec is not None else None
-        if step is None or getattr(self, "method", None) != "eagle3":
+        method = getattr(self, "method", None)
+        if step is None or method not in SPEC_METHODS:
             return original(self, *args, **kwargs)
         rec.run_tap(
-            "step", lambda: _fill_from_proposer(step, bind_args(original, (self, *args), kwargs))
+            "step",
+            lambda: _fill_from_proposer(step, bind_args(original, (self, *args), kwargs), method),
         )
         rec.collecting = "step" not in rec.disabled
         try:
@@ -227,6 +240,16 @@ def wrap_compute_logits(original: Callable) -> Callable:
 def wrap_load_weights(original: Callable) -> Callable:
     """The shared load_weights audit (hstrace.engines.load_audit) with vLLM's `LOAD` spec."""
     return load_weights.wrap_load_weights(original, lambda: REC, audit.LOAD)
+
+
+def wrap_mtp_load_weights(original: Callable) -> Callable:
+    """The MTP head's load: the whole target checkpoint goes in, the head keeps its keys. The
+    audit is kept on the recorder: the proposer's static tap adds the files vLLM never read."""
+
+    def keep(rec: Any, _model: Any, wa: Any, _facts: Any) -> None:
+        rec.mtp_load = wa
+
+    return load_weights.wrap_load_weights(original, lambda: REC, audit.MTP_LOAD, keep)
 
 
 def _aux_layers_tap(rec: VLLMRecorder, runner: Any, model_runner: str) -> None:
@@ -371,13 +394,113 @@ def _tp_static(model: Any, spec: Any) -> dict[str, Any]:
     return record
 
 
+def _mtp_static(rec: VLLMRecorder, proposer: Any, target_model: Any) -> dict[str, Any]:
+    """The MTP deployment: method and resolved model type, heads vs drafts, scales, shared
+    embedding/head, the capture (the target's output, one slot of width H)."""
+    vc = proposer.vllm_config
+    spec = vc.speculative_config
+    dmc = spec.draft_model_config
+    hf = dmc.hf_config
+    mc = vc.model_config
+    model = proposer.model
+    inner = getattr(target_model, "model", target_model)
+    n_layers = int(mc.get_total_num_hidden_layers())
+    eff = int(spec.num_speculative_tokens)
+    settings = audit.spec_settings(None, eff)
+    settings["configured_in_checkpoint"] = None
+    settings["method"] = spec.method
+    rec.capture_layers = [n_layers]
+    rec.capture_convention = "mtp_target_output"
+    path = Path(str(mc.model))
+    mtp = audit.mtp_record(
+        method=str(spec.method),
+        model_type=getattr(hf, "model_type", None),
+        architectures=list(getattr(hf, "architectures", None) or []),
+        n_predict=getattr(hf, "num_nextn_predict_layers", None),
+        num_speculative_tokens=eff,
+        draft_class=type(model).__name__,
+        target_class=type(target_model).__name__,
+        target_layers=n_layers,
+        parameters=[n for n, _ in model.named_parameters()],
+        embed_shared=getattr(getattr(model, "model", None), "embed_tokens", None)
+        is getattr(inner, "embed_tokens", object()),
+        head_shared=getattr(model, "lm_head", None) is getattr(target_model, "lm_head", object()),
+    )
+    # weight files vLLM never opened: their keys are dropped MTP weights too
+    loads: dict[str, Any] = {}
+    unread = audit.unread_weight_files(path) if path.is_dir() else {}
+    mtp["unread_files"] = {name: len(keys) for name, keys in unread.items()}
+    if unread and rec.mtp_load is not None:
+        wa = rec.mtp_load
+        for name, keys in unread.items():
+            for key in keys:
+                wa.checkpoint_keys.setdefault(key, {"file": name, "read": False})
+        facts = load_audit.weights_facts(wa, audit.MTP_LOAD)
+        loads = {
+            "weights": wa.to_static(),
+            "findings_load": [from_fact(f).to_json() for f in facts],
+        }
+    return {
+        **loads,
+        "mtp": mtp,
+        "drafter": {
+            "path": str(dmc.model),
+            "dialect": "mtp",
+            "config_format": "target",
+            "architecture": (mtp["architectures"] or [None])[0],
+        },
+        "target": {
+            "path": str(mc.model),
+            "num_layers": n_layers,
+            "hidden_size": int(mc.get_hidden_size()),
+            "vocab_size": int(mc.get_vocab_size()),
+            "dtype": str(mc.dtype).removeprefix("torch."),
+        },
+        "draft_class": mtp["draft_class"],
+        "capture": {
+            "layers_to_capture": [n_layers],
+            "capture_order": [n_layers],
+            "num_captures": 1,
+            "layer_ids_source": "mtp: the target's forward output",
+            "capture_convention": audit.MTP_CAPTURE_CONVENTION,
+            "target_class": mtp["target_class"],
+        },
+        "embed_head": {
+            "has_own_embed_tokens": not mtp["embed_shared_with_target"],
+            "embed_shared_with_target": mtp["embed_shared_with_target"],
+            "has_own_lm_head": not mtp["lm_head_shared_with_target"],
+            "lm_head_shared_with_target": mtp["lm_head_shared_with_target"],
+        },
+        "spec": settings,
+        "acceptance": audit.acceptance_setting(
+            getattr(spec, "rejection_sample_method", None),
+            getattr(spec, "synthetic_acceptance_rates", None),
+            getattr(spec, "synthetic_acceptance_length", None),
+        ),
+        "serving": {
+            "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+            "chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
+            "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
+            "padded_drafter_batch": not bool(getattr(spec, "disable_padded_drafter_batch", False)),
+            "enforce_eager": bool(mc.enforce_eager),
+            "compilation_mode": str(vc.compilation_config.mode),
+            "device": str(proposer.device),
+        },
+        "engine_version": ".".join(map(str, rec.version)),
+        "checkpoint_sha256": load_audit.hash_checkpoint_files(path) if path.is_dir() else {},
+    }
+
+
 def wrap_proposer_load_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def load_model(self, target_model, *args, **kwargs):
         result = original(self, target_model, *args, **kwargs)
         rec = REC
-        if rec is not None and getattr(self, "method", None) == "eagle3":
+        method = getattr(self, "method", None)
+        if rec is not None and method == "eagle3":
             rec.run_tap("proposer", lambda: rec.static(_proposer_static(self, target_model)))
+        elif rec is not None and method == "mtp":
+            rec.run_tap("proposer", lambda: rec.static(_mtp_static(rec, self, target_model)))
         return result
 
     return load_model
@@ -393,13 +516,16 @@ def wrap_v2_propose(original: Callable) -> Callable:
     @functools.wraps(original)
     def propose(self, *args, **kwargs):
         rec = REC
-        if rec is None or "step" in rec.disabled or getattr(self, "method", None) != "eagle3":
+        method = getattr(self, "method", None)
+        if rec is None or "step" in rec.disabled or method not in SPEC_METHODS:
             return original(self, *args, **kwargs)
         a = bind_args(original, (self, *args), kwargs)
         if a.get("dummy_run") or a.get("is_profile"):
             return original(self, *args, **kwargs)
+        last = a.get("last_hidden_states") if method == "mtp" else None
         step = rec.run_tap(
-            "step", lambda: taps_v2.target_step(a["input_batch"], a["aux_hidden_states"] or [])
+            "step",
+            lambda: taps_v2.target_step(a["input_batch"], a["aux_hidden_states"] or [], last),
         )
         rec.current, rec.collecting = step, step is not None
         try:
@@ -409,7 +535,12 @@ def wrap_v2_propose(original: Callable) -> Callable:
             if step is not None:
                 qs = step.query_start or [0]
                 lens = [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
-                rec.run_tap("target", lambda: rec.emit(taps.target_rows(step, rec.capture_layers)))
+                rec.run_tap(
+                    "target",
+                    lambda: rec.emit(
+                        taps.target_rows(step, rec.capture_layers, rec.capture_convention)
+                    ),
+                )
                 rec.run_tap("draft", lambda: rec.emit(taps.draft_rows(step, lens)))
 
     return propose
@@ -483,6 +614,10 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "SpecDecodeBaseProposer.propose": wrap_propose,
     "Eagle3LlamaForCausalLM.forward": wrap_drafter_forward,
     "Eagle3LlamaForCausalLM.compute_logits": wrap_compute_logits,
+    # the MTP head (same proposer, same step): its load, its forward per depth, its logits
+    "MiMoMTP.load_weights": wrap_mtp_load_weights,
+    "MiMoMTP.forward": wrap_drafter_forward,
+    "MiMoMTP.compute_logits": wrap_compute_logits,
 }
 
 

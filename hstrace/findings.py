@@ -160,6 +160,8 @@ _ALL: tuple[Code, ...] = (
             _RULES,
             _MTP_RULES,
             "diagnose.weights:weights_dropped",
+            "diagnose.mtp:head_not_in_checkpoint",
+            "diagnose.mtp:engine_vs_reference",
         ),
         fix={
             "": "rename the checkpoint keys to the names the engine maps (SGLang: fc.*, "
@@ -285,6 +287,19 @@ _ALL: tuple[Code, ...] = (
         },
     ),
     Code(
+        "mtp-hidden-source",
+        "target-capture",
+        "the MTP head is fed another target state than it was trained on (before vs after the "
+        "final norm, or another layer)",
+        ("diagnose.mtp:hidden_source",),
+        fix={
+            "": "the engine feeds the {served} state and the head was trained on the {trained} "
+            "state: serve with a target class that hands the head the {trained} state (vLLM: "
+            "the target model's forward output, or its get_mtp_target_hidden_states), or "
+            "retrain the head on the {served} states the engine feeds"
+        },
+    ),
+    Code(
         "hidden-corrupt",
         "target-capture",
         "aux hidden states are zeros, constant, or belong to another request",
@@ -322,6 +337,30 @@ _ALL: tuple[Code, ...] = (
             "--speculative-algorithm EAGLE3 so the target delivers the aux concat",
         },
         hypotheses=("no-fc",),
+    ),
+    Code(
+        "mtp-input-order",
+        "draft-input",
+        "the MTP head's eh_proj takes the embedding and hidden halves in the other order than "
+        "it was trained with (a converter that swapped them)",
+        ("diagnose.mtp:input_order",),
+        fix={
+            "": "exchange the two input halves of {key} (W[:, :H] <-> W[:, H:]) in the "
+            "checkpoint: the engine concatenates them in its family's order (vLLM MiMo: hidden "
+            "first; DeepSeek-V3: embedding first) and the weights were trained in the other"
+        },
+    ),
+    Code(
+        "mtp-token-pairing",
+        "draft-input",
+        "the MTP head is fed the hidden state of token t with the embedding of another token "
+        "than the one it was trained with (t+1)",
+        ("diagnose.mtp:token_pairing",),
+        fix={
+            "": "pair the hidden state of token t with the embedding of token t+{trained} (the "
+            "engine pairs it with t+{served}): shift the draft input ids by "
+            "{trained}-{served} before the head's first pass"
+        },
     ),
     Code(
         "token-shift",
@@ -429,7 +468,7 @@ _ALL: tuple[Code, ...] = (
         "no-wiring-fault",
         "acceptance",
         "serving and training agree; the drafter itself is weak",
-        ("diagnose.training_side:no_wiring_fault",),
+        ("diagnose.training_side:no_wiring_fault", "diagnose.mtp:no_wiring_fault"),
         severity="info",
         fix={
             "": "nothing to rewire: to raise acceptance, train the drafter longer or on data "

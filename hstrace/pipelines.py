@@ -28,6 +28,16 @@ def replay_trace(
     from hstrace.diagnose import diagnose
     from hstrace.replay.run import replay_with
 
+    if _is_mtp(Path(trace_path)):  # an MTP head's trace: its own replay, its own checks
+        from hstrace.diagnose.mtp import diagnose_mtp
+        from hstrace.replay.mtp import replay_mtp
+
+        return replay_mtp(
+            diagnose_mtp,
+            Path(trace_path),
+            Path(against),
+            Path(target_path) if target_path is not None else None,
+        )
     return replay_with(
         diagnose,
         Path(trace_path),
@@ -37,6 +47,16 @@ def replay_trace(
         progress=progress,
         salt_file=Path(salt_file) if salt_file is not None else None,
     )
+
+
+def _is_mtp(trace_path: Path) -> bool:
+    from hstrace.replay.mtp import is_mtp_trace
+    from hstrace.trace import open_trace
+
+    if not ((trace_path / "zarr.json").is_file() or trace_path.suffix == ".zip"):
+        return False  # not a trace: replay_with says why
+    with open_trace(trace_path) as tr:
+        return is_mtp_trace(tr.meta)
 
 
 def replay_verdict(against: str | os.PathLike[str], drafter: str | os.PathLike[str] | None) -> Any:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The README's first command: the main job, for real, on this machine.
 #
-#   bash scripts/demo.sh [--engine vllm|sglang]
+#   bash scripts/demo.sh [--engine vllm|sglang] [--drafter eagle3|mtp]
 #
 # vllm (default): builds (once, cached) the vLLM CPU venv (scripts/vllm-venv.sh), serves the
 # tiny world on vLLM with the SpecForge-format drafter as it is (its aux ids are written for
@@ -14,6 +14,10 @@
 # sglang: the real SGLang 0.5.23 server on CPU (scripts/sglang-venv.sh, HSTRACE_SGLANG_CPU=1)
 # with the speculators drafter converted to SGLang's layout: aux-layer-shift (demo_sglang).
 #
+# --drafter mtp (vLLM only): serves the MTP world (traces/mtp-world: a MiMo target with one MTP
+# layer) with `"method": "mtp"`, records it and replays it against the tensors the head was
+# trained on: no-wiring-fault, exit 0 (demo_vllm_mtp).
+#
 # Engines: each is a `demo_<name>` function below; add one to support another engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,9 +26,17 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --engine) ENGINE="${2:?--engine needs a name}"; shift 2 ;;
     --engine=*) ENGINE="${1#--engine=}"; shift ;;
-    *) echo "hstrace demo: error: unknown argument $1 (usage: scripts/demo.sh [--engine vllm|sglang])" >&2; exit 2 ;;
+    --drafter) DRAFTER="${2:?--drafter needs eagle3 or mtp}"; shift 2 ;;
+    --drafter=*) DRAFTER="${1#--drafter=}"; shift ;;
+    *) echo "hstrace demo: error: unknown argument $1 (usage: scripts/demo.sh [--engine vllm|sglang] [--drafter eagle3|mtp])" >&2; exit 2 ;;
   esac
 done
+case "${DRAFTER:=eagle3}" in
+  eagle3) ;;
+  mtp) [[ "$ENGINE" == vllm ]] || { echo "hstrace demo: error: --drafter mtp runs on vLLM only (SGLang's CPU path cannot serve the MTP world yet)" >&2; exit 2; }
+       ENGINE=vllm_mtp ;;
+  *) echo "hstrace demo: error: unknown drafter $DRAFTER (have: eagle3 mtp)" >&2; exit 2 ;;
+esac
 TRAINING=traces/tiny-world/training-speculators
 SAMPLES="${HSTRACE_DEMO_SAMPLES:-8}"
 
@@ -79,6 +91,25 @@ demo_sglang() {
     --server-cmd "$py -m sglang.launch_server --model-path traces/tiny-world/target --speculative-algorithm EAGLE3 --speculative-draft-model-path $drafter --speculative-eagle-topk 1 --speculative-num-steps 3 --speculative-num-draft-tokens 4 --device cpu --attention-backend torch_native --dtype bfloat16 --disable-cuda-graph --mem-fraction-static 0.15 --max-total-tokens 32768 --host 127.0.0.1 --port $port" \
     --prompts-from "$TRAINING" --samples "$SAMPLES" --out "$out"
   "$py" -m hstrace replay "$out" --against "$TRAINING" --target traces/tiny-world/target
+}
+
+demo_vllm_mtp() {
+  if [[ "$(uname -s)-$(uname -m)" != "Linux-x86_64" ]]; then
+    echo "hstrace demo: error: vLLM's CPU build runs on x86-64 Linux only (this is $(uname -s) $(uname -m)); the MTP demo has no bundled trace" >&2
+    exit 2
+  fi
+  local py out port spec training=traces/mtp-world/training
+  py="$(bash scripts/vllm-venv.sh | tail -1)"
+  out="$(mktemp -d "${TMPDIR:-/tmp}/hstrace-demo.XXXXXX")/demo-mtp.zarr"
+  port="${HSTRACE_DEMO_PORT:-18400}"
+  export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" HF_HUB_OFFLINE=1
+  export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$HOME/.cache/hstrace/vllm-cache}"
+  spec='{"method": "mtp", "num_speculative_tokens": 2}'
+  echo "serving the MTP world on vLLM (CPU) with its MTP head (method mtp), recording $SAMPLES training samples into $out" >&2
+  "$py" -m hstrace record \
+    --server-cmd "$py -m vllm.entrypoints.openai.api_server --model traces/mtp-world/target --speculative-config '$spec' --host 127.0.0.1 --port $port --max-model-len 512 --dtype float32 --enforce-eager" \
+    --prompts-from "$training" --samples "$SAMPLES" --out "$out"
+  "$py" -m hstrace replay "$out" --against "$training"
 }
 
 if ! declare -F "demo_$ENGINE" >/dev/null; then

@@ -34,7 +34,7 @@ def test_every_patch_point_exists_with_its_signature() -> None:
     points = SUPPORT.patch_points_for(
         SUPPORT.check_supported_version(SUPPORT.installed_version() or "")
     )
-    assert len(points) == 7
+    assert len(points) == 10
     assert signature_mismatches(points) == []
     # the CPU runner inherits the patched runner methods (it overrides none of them)
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner

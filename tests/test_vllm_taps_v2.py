@@ -172,3 +172,21 @@ def test_the_v2_wrappers_write_a_trace_the_reader_accepts(tmp_path) -> None:
         target = rank.table("target")
         assert target.column("step", "mode").tolist() == [0, 1]  # one propose call, no dummy
         assert rank.table("draft_extend") is None
+
+
+def test_an_mtp_speculator_is_recorded_from_last_hidden_states() -> None:
+    """`MTPSpeculator` (V2) gets no aux states: `propose` feeds it `last_hidden_states`
+    [num_tokens_after_padding, hidden], the target's output (stand-in shaped as 0.33.0's)."""
+    batch = _batch()
+    last = _aux()[2]  # one [12, H] tensor whose values name their token row
+    step = taps_v2.target_step(batch, [], last)
+    assert step.target_aux.shape == (9, H)  # padding rows dropped
+    assert torch.equal(step.target_aux, last[:9]) and step.target_aux is not last
+    last[0, 0] = -1.0  # the runner reuses its buffer: the step holds a copy
+    assert step.target_aux[0, 0] == 200.0
+    writes = taps.target_rows(step, [4], "mtp_target_output")
+    attrs = writes[0].column_attrs["tok/aux_hidden"]
+    assert attrs["layer_ids"] == [4] and attrs["layer_id_convention"] == "mtp_target_output"
+    assert attrs["slot_width"] == H
+    with pytest.raises(ValueError, match="no aux hidden states"):
+        taps_v2.target_step(batch, [])

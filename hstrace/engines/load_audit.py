@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,9 @@ class WeightsAudit:
     parameters: list[str] = field(default_factory=list)
     loaded_parameters: set[str] = field(default_factory=set)
     expected_unloaded: tuple[str, ...] = SHARED_FROM_TARGET
+    # keys of the target's own layers, passed over by a head that loads from the full target
+    # checkpoint (an MTP head): not the head's, never "dropped"
+    target_keys: list[str] = field(default_factory=list)
 
     def dropped_keys(self) -> list[str]:
         return [
@@ -63,6 +67,7 @@ class WeightsAudit:
             "dropped_keys": self.dropped_keys(),
             "unloaded_parameters": self.unloaded_parameters(),
             "shared_from_target": [p for p in self.expected_unloaded if p in self.parameters],
+            "target_keys_passed_over": len(self.target_keys),
         }
 
 
@@ -77,6 +82,14 @@ class LoadAuditSpec:
     special_keys: tuple[tuple[str, str], ...]
     fix: str  # the finding's fix: the key names this engine maps
     expected_unloaded: tuple[str, ...] = SHARED_FROM_TARGET
+    # regex of the target's own keys in a full checkpoint the head is loaded from (MTP)
+    target_key_pattern: str | None = None
+
+    def is_target_key(self, key: str) -> bool:
+        return (
+            self.target_key_pattern is not None
+            and re.match(self.target_key_pattern, key) is not None
+        )
 
     def special(self, key: str) -> str | None:
         return next((what for part, what in self.special_keys if part in key), None)

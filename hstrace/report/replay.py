@@ -28,6 +28,8 @@ METRIC_LABELS: dict[str, str] = {
     "engine_vs_reference_topk": "engine vs reference, top-k overlap",
     "engine_vs_reference_max_logprob_diff": "engine vs reference, max |logprob diff| (fp32 judge)",
     "target_space_top1": "engine target ids vs reference d2t mapping, top-1 agreement",
+    "acc0_mtp_training": "MTP step-0 acc, training inputs (argmax == target's greedy token)",
+    "acc0_mtp_serving": "MTP step-0 acc, serving inputs (argmax == target's greedy token)",
     "mean_accept_len": "serving mean accept length (excl. bonus)",
 }
 

@@ -437,7 +437,8 @@ class EngineHooksContract:
         rec = getattr(patches, self.recorder_class)({"out": str(out), "streams": []}, version)
         rec.writer_factory = lambda rank: TraceWriter(out, rank=rank, process=False)
         monkeypatch.setattr(patches, "REC", rec)
-        (qualname,) = [q for q in patches.WRAPPERS if q.endswith(".load_weights")]
+        # the EAGLE-3 drafter's load (vLLM also wraps its MTP head's: tests/test_mtp_replay.py)
+        (qualname,) = [q for q in patches.WRAPPERS if q.endswith(".load_weights") and "Eagle3" in q]
         (config_dir := tmp_path / "drafter").mkdir()
         (config_dir / "config.json").write_text(json.dumps({"hidden_size": 4}))
         model = self.drafter(config_dir)

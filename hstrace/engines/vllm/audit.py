@@ -16,7 +16,9 @@ vLLM's conventions (0.32.0, V1 runner; shared/reference/vllm-internals.md §2):
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from hstrace.engines.load_audit import LoadAuditSpec
@@ -208,4 +210,100 @@ def tp_record(rank: int, size: int, embed: Any, head: Any) -> dict[str, Any]:
         "size": size,
         "embed_tokens": vocab_shard(embed) if embed is not None else None,
         "lm_head": vocab_shard(head) if head is not None else None,
+    }
+
+
+# ---- MTP heads (`method: mtp`) ---------------------------------------------------------------
+
+MTP_CAPTURE_CONVENTION = (
+    "mtp: the target model's forward output, as vLLM hands it to the head "
+    "(MiMoForCausalLM: hidden + residual before model.norm; the norm is applied in compute_logits)"
+)
+# vLLM's `MiMoMTP.load_weights` gets the whole target checkpoint and keeps only keys containing
+# `mtp_layers`, `embed_tokens` or `lm_head` (renamed by its WeightsMapper); every other key is
+# passed over without a word. The target's decoder layers and final norm are the target's own;
+# any other key the head did not consume is a dropped MTP weight.
+MTP_LOAD = LoadAuditSpec(
+    engine="vLLM",
+    default_loader="vllm.model_executor.model_loader.weight_utils:default_weight_loader",
+    special_keys=(),
+    fix=(
+        "store the MTP layers as model.mtp_layers.{k}.* (token_layernorm, hidden_layernorm, "
+        "input_proj, self_attn.*, mlp.*, input_layernorm, post_attention_layernorm, "
+        "final_layernorm): vLLM's MiMoMTP.load_weights keeps only keys containing mtp_layers, "
+        "embed_tokens or lm_head and skips every other key silently"
+    ),
+    expected_unloaded=(),
+    target_key_pattern=r"^model\.(layers\.\d+\.|norm\.)",
+)
+SCALE_SUFFIXES = ("scale", "scale_inv", "input_scale", "weight_scale", "k_scale", "v_scale")
+
+
+def mtp_record(
+    *,
+    method: str,
+    model_type: str | None,
+    architectures: list[str],
+    n_predict: int | None,
+    num_speculative_tokens: int,
+    draft_class: str,
+    target_class: str,
+    target_layers: int,
+    parameters: list[str],
+    embed_shared: bool,
+    head_shared: bool,
+) -> dict[str, Any]:
+    """The static facts of an MTP deployment: what vLLM resolved, how many heads it has vs how
+    many drafts it chains (a head index past `n_predict` reuses head 0: vLLM's proposer never
+    passes `spec_step_idx`), which parameters are quantization scales, shared embedding/head."""
+    reuse = n_predict is not None and num_speculative_tokens > 1
+    return {
+        "method": method,
+        "model_type": model_type,
+        "architectures": architectures,
+        "n_predict": n_predict,
+        "num_speculative_tokens": num_speculative_tokens,
+        "depths_reuse_head_0": reuse,
+        "draft_class": draft_class,
+        "target_class": target_class,
+        "target_layers": target_layers,
+        "head_layer_ids": sorted(
+            {int(p.split(".")[2]) for p in parameters if p.startswith("model.mtp_layers.")}
+        ),
+        "scale_parameters": [p for p in parameters if p.rsplit(".", 1)[-1] in SCALE_SUFFIXES],
+        "embed_shared_with_target": embed_shared,
+        "lm_head_shared_with_target": head_shared,
+        "hidden_source": MTP_CAPTURE_CONVENTION,
+    }
+
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    """The tensor names in a safetensors file, from its JSON header only (no tensor read)."""
+    with path.open("rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if not 0 < n < 1 << 27:
+            return []
+        header = json.loads(fh.read(n))
+    return sorted(k for k in header if k != "__metadata__")
+
+
+def unread_weight_files(directory: Path) -> dict[str, list[str]]:
+    """Safetensors files of a checkpoint that vLLM never opens, with their keys: when
+    `model.safetensors.index.json` exists, vLLM loads only the files its `weight_map` names
+    (`filter_duplicate_safetensors_files`) and says nothing of the others (an MTP layer saved
+    to its own file and not added to the index is never loaded)."""
+    index = directory / INDEX_FILE
+    if not index.is_file():
+        return {}
+    try:
+        listed = set(json.loads(index.read_text()).get("weight_map", {}).values())
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {
+        p.name: safetensors_keys(p)
+        for p in sorted(directory.glob("*.safetensors"))
+        if p.name not in listed
     }

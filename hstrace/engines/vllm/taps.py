@@ -206,9 +206,13 @@ def _rows_of(step: Step, members: list[int]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
-def target_rows(step: Step, capture_layers: list[int] | None) -> list[TableWrite]:
+def target_rows(
+    step: Step, capture_layers: list[int] | None, convention: str | None = None
+) -> list[TableWrite]:
     """The target forward of one step: prefill/extend chunks (mode 0), then verifies (mode 1),
-    each at its true positions (a prefix-cache hit runs only the suffix)."""
+    each at its true positions (a prefix-cache hit runs only the suffix). `convention` names
+    what the captured state is when it is not HF `hidden_states[k]` (an MTP head is handed
+    the target's forward output, e.g. before the final norm)."""
     qs = step.query_start
     assert qs is not None and step.target_ids is not None and step.target_positions is not None
     n_req = len(qs) - 1
@@ -226,7 +230,10 @@ def target_rows(step: Step, capture_layers: list[int] | None) -> list[TableWrite
     assert aux is not None
     attrs = None
     if capture_layers:
-        attrs = {"tok/aux_hidden": aux_hidden_attrs(capture_layers, int(aux.shape[-1]))}
+        col = aux_hidden_attrs(capture_layers, int(aux.shape[-1]))
+        if convention is not None:
+            col["layer_id_convention"] = convention
+        attrs = {"tok/aux_hidden": col}
     ids = step.target_ids.to(torch.int64)
     pos = step.target_positions.to(torch.int64)
     writes = []

@@ -38,8 +38,14 @@ def _ints(x: Any) -> list[int]:
     return [int(v) for v in (x.tolist() if hasattr(x, "tolist") else x)]
 
 
-def target_step(input_batch: Any, aux_hidden_states: Sequence[torch.Tensor]) -> taps.Step:
-    """The target forward V2 hands to `propose`, as a V1 `Step` (target rows only)."""
+def target_step(
+    input_batch: Any,
+    aux_hidden_states: Sequence[torch.Tensor],
+    last_hidden_states: torch.Tensor | None = None,
+) -> taps.Step:
+    """The target forward V2 hands to `propose`, as a V1 `Step` (target rows only). An MTP
+    speculator (`MTPSpeculator`) gets no aux states: it is fed `last_hidden_states`
+    [num_tokens(_padded), hidden], the target's forward output (one slot)."""
     n_req = int(input_batch.num_reqs)
     req_ids = [str(r) for r in list(input_batch.req_ids)[:n_req]]
     qs = _ints(input_batch.query_start_loc_np)[: n_req + 1]
@@ -48,9 +54,12 @@ def target_step(input_batch: Any, aux_hidden_states: Sequence[torch.Tensor]) -> 
         raise ValueError(f"query_start_loc ends at {qs[-1]}, input_batch has {n_tok} tokens")
     per_req = input_batch.num_draft_tokens_per_req
     ndraft = _ints(per_req)[:n_req] if per_req is not None else [0] * n_req
-    if not aux_hidden_states:
+    if aux_hidden_states:
+        aux = torch.cat([h[:n_tok] for h in aux_hidden_states], dim=-1)
+    elif last_hidden_states is not None:  # MTP: a view of the runner's output, copied now
+        aux = last_hidden_states[:n_tok].detach().clone()
+    else:
         raise ValueError("no aux hidden states: the target captured no layer for EAGLE-3")
-    aux = torch.cat([h[:n_tok] for h in aux_hidden_states], dim=-1)
     return taps.Step(
         req_ids=req_ids,
         num_draft_tokens=ndraft,

@@ -30,6 +30,9 @@ _V, _END = MIN_SUPPORTED, MAX_SUPPORTED
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 _DRAFTER = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
+# the MTP head vLLM serves for a MiMo target (`method: mtp`, model type `mimo_mtp`); the
+# proposer (SpecDecodeBaseProposer) is the same as EAGLE-3's, so only the head is new
+_MTP = "vllm.model_executor.models.mimo_mtp:MiMoMTP"
 _V2 = "vllm.v1.worker.gpu."
 _V2_RUNNER = f"{_V2}model_runner:GPUModelRunner"
 _V2_SPEC = f"{_V2}spec_decode.target_dependent_ar.speculator:TargetDependentARSpeculator"
@@ -102,6 +105,23 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     ),
     PatchPoint(
         f"{_DRAFTER}.compute_logits",
+        ("self", "hidden_states"),
+        _V,
+        _END,
+        ("draft_extend", "draft_step", "logits"),
+    ),
+    # the MTP head (V1): its load (full target checkpoint, filtered inside), its forward per
+    # depth, its logits (outer module: not compiled)
+    PatchPoint(f"{_MTP}.load_weights", ("self", "weights"), _V, _END, ("static.weights",)),
+    PatchPoint(
+        f"{_MTP}.forward",
+        ("self", "input_ids", "positions", "hidden_states", "intermediate_tensors"),
+        _V,
+        _END,
+        ("draft_extend", "draft_step"),
+    ),
+    PatchPoint(
+        f"{_MTP}.compute_logits",
         ("self", "hidden_states"),
         _V,
         _END,

