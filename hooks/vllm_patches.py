@@ -37,6 +37,9 @@ class VLLMRecorder(Recorder):
         self.capture_layers: list[int] | None = None
         self.current: taps.Step | None = None  # the step being collected
         self.collecting = False  # inside the proposer: drafter calls belong to the step
+        # the rejection sampler's rule inputs of this step's verify (it runs before the
+        # proposer; `_begin_step` takes them)
+        self.pending_verify: list[taps.VerifyProbs | None] | None = None
 
 
 REC: VLLMRecorder | None = None
@@ -64,12 +67,16 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step:
             taps.NewRequest(rid, list(nr.prompt_token_ids or []), int(nr.num_computed_tokens))
         )
     sampled = a.get("sampled_token_ids")
+    pending, rec.pending_verify = rec.pending_verify, None
+    if pending is not None and len(pending) != len(ndraft):
+        pending = None  # not this batch's verify
     return taps.Step(
         req_ids=req_ids,
         num_draft_tokens=ndraft,
         new_requests=new,
         draft_token_ids=meta.draft_token_ids.detach().cpu() if meta is not None else None,
         sampled=[_tolist(r) for r in _tolist(sampled)] if sampled is not None else None,
+        verify_probs=pending,
     )
 
 
@@ -184,6 +191,73 @@ def wrap_compute_logits(original: Callable) -> Callable:
         return logits
 
     return compute_logits
+
+
+def _rule(sampler: Any, draft_probs: Any, sm: Any) -> int:
+    if getattr(sampler, "synthetic_mode", False):
+        return taps.RULE_SYNTHETIC
+    if sm.all_greedy:
+        return taps.RULE_GREEDY
+    return taps.RULE_ONE_HOT if draft_probs is None else taps.RULE_DRAFT_PROBS
+
+
+def _verify_tap(sampler: Any, original: Callable, a: dict[str, Any]) -> list:
+    """The target's rows at the drafted positions, raw and after the engine's own transforms
+    (its `apply_logits_processors` and `apply_sampling_constraints`, run on a copy, as
+    `forward` runs them), and the draft's probabilities: what the rule compares."""
+    import sys
+
+    import torch
+
+    meta, sm, logits, draft_probs = (
+        a["metadata"],
+        a["sampling_metadata"],
+        a["logits"],
+        a["draft_probs"],
+    )
+    raw = logits[meta.target_logits_indices].to(torch.float32)
+    proc = sampler.apply_logits_processors(raw.clone(), sm, meta)
+    proc = sys.modules[original.__module__].apply_sampling_constraints(
+        proc, meta.cu_num_draft_tokens, sm
+    )
+    greedy = sm.all_greedy
+    temperature = None if greedy or sm.temperature is None else sm.temperature
+    params = {
+        "temperature": torch.zeros(len(meta.num_draft_tokens)) if greedy else temperature,
+        "top_p": sm.top_p,
+        "top_k": sm.top_k,
+        "repetition_penalty": sm.repetition_penalties,
+        "frequency_penalty": sm.frequency_penalties,
+        "presence_penalty": sm.presence_penalties,
+    }
+    params = {k: None if v is None else v.detach().float().cpu() for k, v in params.items()}
+    penalties = not sm.no_penalties and sm.prompt_token_ids is not None
+    return taps.verify_probs(
+        meta.draft_token_ids,
+        list(meta.num_draft_tokens),
+        raw,
+        proc,
+        draft_probs,
+        params,
+        _rule(sampler, draft_probs, sm),
+        prompt_ids=sm.prompt_token_ids.cpu() if penalties else None,
+        output_ids=sm.output_token_ids if penalties else None,
+    )
+
+
+def wrap_rejection_forward(original: Callable) -> Callable:
+    """V1 `RejectionSampler.forward`: what the verify rule compares, kept for the step's verify
+    rows (`_begin_step`); read before vLLM runs (it may update `logits` in place)."""
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        rec = REC
+        if rec is not None and "verify_probs" not in rec.disabled:
+            a = bind_args(original, (self, *args), kwargs)
+            rec.pending_verify = rec.run_tap("verify_probs", lambda: _verify_tap(self, original, a))
+        return original(self, *args, **kwargs)
+
+    return forward
 
 
 # ---- static audit ---------------------------------------------------------------------------
@@ -431,6 +505,7 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "TargetDependentARSpeculator.load_model": wrap_proposer_load_model,  # same attributes
     "TargetDependentARSpeculator.propose": wrap_v2_propose,
     "RejectionSampler.__call__": wrap_v2_rejection_sampler,
+    "RejectionSampler.forward": wrap_rejection_forward,
     "Eagle3LlamaForCausalLM.load_weights": wrap_load_weights,
     "GPUModelRunner._setup_eagle3_aux_hidden_state_outputs": wrap_setup_aux,
     "SpecDecodeBaseProposer.load_model": wrap_proposer_load_model,

@@ -34,8 +34,24 @@ def test_every_patch_point_exists_with_its_signature() -> None:
     points = SUPPORT.patch_points_for(
         SUPPORT.check_supported_version(SUPPORT.installed_version() or "")
     )
-    assert len(points) == 7
+    assert len(points) == 8
     assert signature_mismatches(points) == []
+    # the verify tap reruns these two of the sampler's own functions on a copy of the rows
+    import inspect
+
+    from vllm.v1.sample import rejection_sampler as rs
+
+    assert list(inspect.signature(rs.RejectionSampler.apply_logits_processors).parameters) == [
+        "self",
+        "logits",
+        "sampling_metadata",
+        "metadata",
+    ]
+    assert list(inspect.signature(rs.apply_sampling_constraints).parameters) == [
+        "logits",
+        "cu_num_draft_tokens",
+        "sampling_metadata",
+    ]
     # the CPU runner inherits the patched runner methods (it overrides none of them)
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 

@@ -32,6 +32,8 @@ ATTRS_READ: dict[str, tuple[str, ...]] = {
         "model_config",
     ),
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer": ("method", "vllm_config"),
+    # the V1 verify (`apply_logits_processors` is a method of the class: its signature below)
+    "vllm.v1.sample.rejection_sampler:RejectionSampler": ("synthetic_mode",),
     # V2: the speculator's config and draft model; the sampler's request states
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner": (
         "use_aux_hidden_state_outputs",

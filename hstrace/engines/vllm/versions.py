@@ -30,6 +30,7 @@ _V, _END = MIN_SUPPORTED, MAX_SUPPORTED
 _RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 _PROPOSER = "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer"
 _DRAFTER = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
+_REJECT = "vllm.v1.sample.rejection_sampler:RejectionSampler"
 _V2 = "vllm.v1.worker.gpu."
 _V2_RUNNER = f"{_V2}model_runner:GPUModelRunner"
 _V2_SPEC = f"{_V2}spec_decode.target_dependent_ar.speculator:TargetDependentARSpeculator"
@@ -106,6 +107,15 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         _V,
         _END,
         ("draft_extend", "draft_step", "logits"),
+    ),
+    # the V1 verify: what the rejection rule compares (target rows raw and after the engine's
+    # transforms, the draft's probabilities, the sampling parameters)
+    PatchPoint(
+        f"{_REJECT}.forward",
+        ("self", "metadata", "draft_probs", "logits", "sampling_metadata"),
+        _V,
+        _END,
+        ("verify",),
     ),
     # Model Runner V2 (0.33+): its runner (aux layers set in load_model; new requests)
     PatchPoint(
