@@ -11,7 +11,7 @@ its `EngineSpec` (`hstrace.engines.spec`), and `hstrace.engines.registry` lists 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -49,13 +49,40 @@ class RecordOptions:
     # Prompts in flight at once (server engines batch them: sglang, vllm); 1 = one after the
     # other.
     concurrency: int = 1
+    # Sampling parameters every driven request carries (server engines; `SAMPLING_KEYS`);
+    # empty = greedy (temperature 0).
+    sampling: Mapping[str, float | int] = field(default_factory=dict)
+
+    def request_sampling(self) -> dict[str, float | int]:
+        """The sampling parameters of a driven request: temperature 0 unless given."""
+        return {"temperature": 0.0, **self.sampling}
 
     def __post_init__(self) -> None:
+        unknown_keys = set(self.sampling) - set(SAMPLING_KEYS)
+        if unknown_keys:
+            raise ValueError(
+                f"unknown sampling parameter(s) {sorted(unknown_keys)}; "
+                f"known: {', '.join(SAMPLING_KEYS)}"
+            )
         unknown = set(self.streams) - set(STREAMS)
         if unknown:
             raise ValueError(f"unknown streams {sorted(unknown)}; known: {', '.join(STREAMS)}")
         if self.on_full not in ("block", "drop"):
             raise ValueError(f"on_full must be block or drop, not {self.on_full!r}")
+
+
+# The sampling parameters `hstrace record --sampling` passes on (the names vLLM's OpenAI
+# server and SGLang's `sampling_params` both take).
+SAMPLING_KEYS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+)
 
 
 @dataclass(frozen=True)

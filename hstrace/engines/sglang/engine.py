@@ -45,7 +45,10 @@ class SGLangEngine(ServerEngine):
         rid = f"hstrace-{i}"
         body: dict[str, Any] = {
             "rid": rid,
-            "sampling_params": {"max_new_tokens": options.max_new_tokens, "temperature": 0.0},
+            "sampling_params": {
+                "max_new_tokens": options.max_new_tokens,
+                **options.request_sampling(),
+            },
         }
         if prompt.input_ids is not None:
             body["input_ids"] = list(prompt.input_ids)

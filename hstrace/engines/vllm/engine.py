@@ -119,7 +119,7 @@ class VLLMEngine(ServerEngine):
             "model": self._model,
             "prompt": list(prompt.input_ids) if prompt.input_ids is not None else prompt.text,
             "max_tokens": options.max_new_tokens,
-            "temperature": 0.0,
+            **options.request_sampling(),
             "return_token_ids": True,
         }
         reply = post_json(proc, base + "/v1/completions", body, i, {"X-Request-Id": rid})

@@ -194,9 +194,11 @@ def verify_probs(
         else:
             seen, n_out = [-1] * n, [-1] * n
         sl = slice(start, start + n)
+        temperature = params.get("temperature")
+        greedy_row = temperature is not None and float(temperature[i]) < 1e-5
         out.append(
             VerifyProbs(
-                rule=rule,
+                rule=RULE_GREEDY if greedy_row and rule != RULE_SYNTHETIC else rule,
                 params={k: _param(v, i) for k, v in params.items()},
                 per_token={
                     "p_target": p[sl].tolist(),
