@@ -37,6 +37,7 @@ from hstrace.replay.read import ServingData
 from hstrace.replay.runner import CaptureScan, DrafterRunner
 from hstrace.replay.slots import Slots, build_slots
 from hstrace.replay.unavailable import Unavailable, merged
+from hstrace.replay.verify import SampledAcceptance, build_sampled_acceptance
 from hstrace.replay.whatif import WhatIfSearch, search_whatifs
 
 
@@ -52,6 +53,8 @@ class Evidence:
     draft_inputs: DraftInputs
     vocab: VocabReadings
     batch: BatchCoupling
+    # Each verify's rule: predicted vs realized acceptance, the target's transforms recomputed.
+    sampled: SampledAcceptance
     # Accept lengths per DP rank beside rank 0's replay (only with more than one rank).
     accept_len_by_rank: dict[str, Any] = field(default_factory=dict)
     # Everything that could not be checked, and why: the replay's `skipped`.
@@ -110,6 +113,7 @@ class Evidence:
         out.update(self.draft_inputs.to_json())
         out.update(self.vocab.to_json())
         out.update(self.batch.to_json())
+        out.update(self.sampled.to_json())
         if self.whatif is not None:
             out["whatif"] = self.whatif.to_json()
         if self.agreement.cache is not None:
@@ -177,6 +181,7 @@ def build_evidence(
         draft_inputs = build_draft_inputs(serving, agreement.rows, agreement.requests, target)
         vocab = build_vocab_readings(drafter, agreement.rows)
         batch = build_batch_coupling(alignment)
+    sampled = build_sampled_acceptance(serving)
     if serving.wide is not None:
         serving.wide.window.clear()  # the last window read: not needed by any check
     first = {"drafter forward": no_forward} if no_forward else {}
@@ -191,6 +196,7 @@ def build_evidence(
         draft_inputs=draft_inputs,
         vocab=vocab,
         batch=batch,
+        sampled=sampled,
         accept_len_by_rank=dict(accept_len_by_rank or {}),
         unavailable=merged(
             first,
@@ -202,5 +208,6 @@ def build_evidence(
             draft_inputs,
             vocab,
             batch,
+            sampled,
         ),
     )
