@@ -46,6 +46,7 @@ def sampling_transform(ev: Evidence) -> list[Finding]:
     sa = ev.sampled
     if not sa.n_mismatched:
         return []
+    # the misreading that reproduces the most mismatches (each counts every one it reproduces)
     top = max(sa.transform_explained.items(), key=lambda kv: kv[1])[0]
     first = sa.transform_mismatches[0]
     return [

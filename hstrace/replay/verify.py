@@ -205,7 +205,7 @@ def token_transform(v: VerifyRound, j: int) -> dict[str, Any] | None:
         )
         / temp,
     }
-    row["explained"] = next((k for k, val in readings.items() if _close(val, got)), None)
+    row["explained"] = [k for k, val in readings.items() if _close(val, got)]
     return row
 
 
@@ -240,8 +240,8 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
                 checked += 1
                 if "explained" in row:
                     n_bad += 1
-                    why = row["explained"] or "unexplained"
-                    explained[why] = explained.get(why, 0) + 1
+                    for why in row["explained"] or ["unexplained"]:
+                        explained[why] = explained.get(why, 0) + 1
                     if len(mismatches) < max_listed:
                         mismatches.append({"req_key": v.key, "verify_step": v.step, **row})
 
