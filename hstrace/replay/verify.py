@@ -97,13 +97,21 @@ class SampledAcceptance:
     def to_json(self) -> dict[str, Any]:
         if not self.by_rule and not self.transform_checked:
             return {}
-        return {
+        out: dict[str, Any] = {
             "sampled_acceptance": {
                 "by_rule": {k: v.to_json() for k, v in self.by_rule.items()},
                 "transform_checked": self.transform_checked,
                 "transform_mismatched": self.n_mismatched,
             }
         }
+        sums = list(self.by_rule.values())
+        if sums:  # over every judged round, whatever its rule (the summary table's lines)
+            pred = sum(s.predicted for s in sums)
+            out["verify_rule_predicted_accepted"] = round(pred, 3)
+            out["verify_rule_realized_accepted"] = sum(s.realized for s in sums)
+            sigma = math.sqrt(sum(s.sigma**2 for s in sums))
+            out["verify_rule_sigma"] = round(sigma, 3)
+        return out
 
 
 def acceptance_probability(rule: int, p: np.ndarray, q: np.ndarray, greedy_hit: np.ndarray):

@@ -28,6 +28,9 @@ METRIC_LABELS: dict[str, str] = {
     "engine_vs_reference_max_logprob_diff": "engine vs reference, max |logprob diff| (fp32 judge)",
     "target_space_top1": "engine target ids vs reference d2t mapping, top-1 agreement",
     "mean_accept_len": "serving mean accept length (excl. bonus)",
+    "verify_rule_predicted_accepted": "accepted drafts the engine's verify rule predicts (Σ a)",
+    "verify_rule_realized_accepted": "accepted drafts, as the engine accepted them",
+    "verify_rule_sigma": "binomial spread of the prediction (σ)",
 }
 
 
