@@ -39,7 +39,7 @@ class VLLMRecorder(Recorder):
         self.collecting = False  # inside the proposer: drafter calls belong to the step
         # the rejection sampler's rule inputs of this step's verify (it runs before the
         # proposer; `_begin_step` takes them)
-        self.pending_verify: list[taps.VerifyProbs | None] | None = None
+        self.pending_verify: tuple[Any, list[taps.VerifyProbs | None]] | None = None
 
 
 REC: VLLMRecorder | None = None
@@ -68,15 +68,16 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step:
         )
     sampled = a.get("sampled_token_ids")
     pending, rec.pending_verify = rec.pending_verify, None
-    if pending is not None and len(pending) != len(ndraft):
-        pending = None  # not this batch's verify
+    # the sampler's rows are this step's only if it verified this step's drafts (the same
+    # SpecDecodeMetadata object reaches both)
+    probs = pending[1] if pending is not None and pending[0] is meta else None
     return taps.Step(
         req_ids=req_ids,
         num_draft_tokens=ndraft,
         new_requests=new,
         draft_token_ids=meta.draft_token_ids.detach().cpu() if meta is not None else None,
         sampled=[_tolist(r) for r in _tolist(sampled)] if sampled is not None else None,
-        verify_probs=pending,
+        verify_probs=probs,
     )
 
 
@@ -254,7 +255,8 @@ def wrap_rejection_forward(original: Callable) -> Callable:
         rec = REC
         if rec is not None and "verify_probs" not in rec.disabled:
             a = bind_args(original, (self, *args), kwargs)
-            rec.pending_verify = rec.run_tap("verify_probs", lambda: _verify_tap(self, original, a))
+            probs = rec.run_tap("verify_probs", lambda: _verify_tap(self, original, a))
+            rec.pending_verify = (a["metadata"], probs) if probs is not None else None
         return original(self, *args, **kwargs)
 
     return forward
