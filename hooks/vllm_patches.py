@@ -217,9 +217,11 @@ def _verify_tap(sampler: Any, original: Callable, a: dict[str, Any]) -> list:
         a["draft_probs"],
     )
     raw = logits[meta.target_logits_indices].to(torch.float32)
-    proc = sampler.apply_logits_processors(raw.clone(), sm, meta)
+    pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
+    ids = meta.draft_token_ids.to(torch.int64).clamp(0, raw.shape[-1] - 1).reshape(-1, 1)
+    pen_logit = pen.gather(1, ids.to(pen.device)).reshape(-1).clone()  # before the in-place div
     proc = sys.modules[original.__module__].apply_sampling_constraints(
-        proc, meta.cu_num_draft_tokens, sm
+        pen, meta.cu_num_draft_tokens, sm
     )
     greedy = sm.all_greedy
     temperature = None if greedy or sm.temperature is None else sm.temperature
@@ -237,6 +239,7 @@ def _verify_tap(sampler: Any, original: Callable, a: dict[str, Any]) -> list:
         meta.draft_token_ids,
         list(meta.num_draft_tokens),
         raw,
+        pen_logit,
         proc,
         draft_probs,
         params,

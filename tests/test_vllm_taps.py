@@ -265,6 +265,7 @@ def test_verify_rule_inputs_per_drafted_token_and_their_absence() -> None:
         torch.tensor([21, 22, 23]),
         [0, 3],
         raw,
+        raw[torch.arange(3), torch.tensor([21, 22, 23])],
         proc,
         None,
         {"temperature": torch.tensor([0.5, 0.5]), "top_p": None},
@@ -280,6 +281,7 @@ def test_verify_rule_inputs_per_drafted_token_and_their_absence() -> None:
     assert b.per_token["p_target"] == pytest.approx(want.tolist())
     assert b.per_token["q_draft"] == [1.0, 1.0, 1.0]
     assert b.per_token["logit_raw"] == [2.0, 1.0, 0.5]
+    assert b.per_token["logit_pen"] == [2.0, 1.0, 0.5]
     assert b.per_token["logit_proc"] == [4.0, 2.0, 1.0]
     assert b.per_token["target_argmax"] == [21, 21, 21]
     assert b.per_token["seen_prompt"] == [0, 1, 0] and b.per_token["n_out"] == [2, 0, 0]

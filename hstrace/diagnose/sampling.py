@@ -49,17 +49,20 @@ def sampling_transform(ev: Evidence) -> list[Finding]:
     # the misreading that reproduces the most mismatches (each counts every one it reproduces)
     top = max(sa.transform_explained.items(), key=lambda kv: kv[1])[0]
     first = sa.transform_mismatches[0]
+    implied = first.get("implied_temperature")
+    implied_text = f" (temperature implied {implied:.4g})" if implied is not None else ""
     return [
         finding(
             "sampling-transform",
             f"{sa.n_mismatched} of {sa.transform_checked} drafted tokens' verify logits are not "
-            f"the request's transforms of the raw logits; the first (verify step "
-            f"{first['verify_step']}, draft position {first['position']}, token "
-            f"{first['token']}): engine {first['engine']:.4f}, reference "
-            f"{first['reference']:.4f}; reproduced by: {top}",
+            f"the request's sampling transforms of the raw logits; the first, at the "
+            f"{first['stage']} stage (verify step {first['verify_step']}, draft position "
+            f"{first['position']}, token {first['token']}): engine {first['engine']:.4g}, "
+            f"reference {first['reference']:.4g}{implied_text}; reproduced by: {top}",
             evidence={
                 "checked": sa.transform_checked,
                 "mismatched": sa.n_mismatched,
+                "by_stage": sa.by_stage,
                 "explained_by": sa.transform_explained,
                 "first": sa.transform_mismatches,
             },

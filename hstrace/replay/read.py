@@ -283,6 +283,7 @@ RULE_TOKEN_COLUMNS = (
     "p_target",
     "q_draft",
     "logit_raw",
+    "logit_pen",
     "logit_proc",
     "target_argmax",
     "seen_prompt",

@@ -92,6 +92,7 @@ class SampledAcceptance:
     transform_mismatches: list[dict[str, Any]]  # the first ones, with their evidence
     transform_explained: dict[str, int]  # misreading -> how many mismatches it reproduces
     n_mismatched: int
+    by_stage: dict[str, int] = field(default_factory=dict)  # "penalties"/"temperature" -> count
     unavailable: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -102,6 +103,7 @@ class SampledAcceptance:
                 "by_rule": {k: v.to_json() for k, v in self.by_rule.items()},
                 "transform_checked": self.transform_checked,
                 "transform_mismatched": self.n_mismatched,
+                "transform_mismatched_by_stage": self.by_stage,
             }
         }
         sums = list(self.by_rule.values())
@@ -115,7 +117,9 @@ class SampledAcceptance:
 
 
 def acceptance_probability(rule: int, p: np.ndarray, q: np.ndarray, greedy_hit: np.ndarray):
-    """a_j of each drafted token under `rule` (module docstring)."""
+    """a_j of each drafted token under `rule` (module docstring). A NaN p is a rejection, as in
+    the engine's own comparison `p / q >= u` (False for NaN)."""
+    p = np.nan_to_num(p, nan=0.0)
     if rule == 0:
         return greedy_hit.astype(np.float64)
     if rule == 1:
@@ -136,7 +140,7 @@ def _round_terms(v: VerifyRound) -> tuple[np.ndarray, int]:
 def rule_sums(rounds: list[VerifyRound]) -> dict[str, RuleSum]:
     by: dict[str, list[VerifyRound]] = {}
     for v in rounds:
-        if v.rule in (0, 1, 2) and len(v.drafts) and np.isfinite(v.tokens["p_target"]).all():
+        if v.rule in (0, 1, 2) and len(v.drafts):
             by.setdefault(RULE_NAMES[v.rule], []).append(v)
     out = {}
     for name, vs in by.items():
@@ -183,37 +187,62 @@ def _temperature(params: dict[str, float]) -> float:
     return 1.0 if not np.isfinite(t) or t < GREEDY_T else t
 
 
-def token_transform(v: VerifyRound, j: int) -> dict[str, Any] | None:
-    """The engine's processed logit of draft j next to the reference (None: not comparable:
-    masked by top-k/top-p, or not recorded). With `explained` when it differs."""
+def _penalty_inputs(v: VerifyRound, j: int) -> tuple[bool, int, dict[str, float]]:
     t = v.tokens
-    z, got = float(t["logit_raw"][j]), float(t["logit_proc"][j])
-    if not (np.isfinite(z) and np.isfinite(got)):
+    x = int(v.drafts[j])
+    seen_prompt, n_out = int(t["seen_prompt"][j]), int(t["n_out"][j])
+    if seen_prompt < 0:  # the engine applied no penalties: the request asked for none
+        none = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+        return False, 0, {**v.params, **none}
+    count = n_out + int((v.drafts[:j] == x).sum())
+    return bool(seen_prompt) or count > 0, count, v.params
+
+
+def token_transform(v: VerifyRound, j: int) -> dict[str, Any] | None:
+    """Draft j's target logit through the two transforms, engine next to reference (None: not
+    recorded). Stage "penalties": the raw logit penalised by the request's history vs the
+    engine's logit after its penalties; stage "temperature": that logit over the request's
+    temperature vs the engine's processed logit (-inf = masked by top-k/top-p: skipped; NaN is
+    never a mask). With `explained` when a stage differs: every misreading that reproduces the
+    engine's value."""
+    t = v.tokens
+    z, pen, got = (float(t[k][j]) for k in ("logit_raw", "logit_pen", "logit_proc"))
+    if not (np.isfinite(z) and np.isfinite(pen)):
         return None
     x = int(v.drafts[j])
-    earlier = int((v.drafts[:j] == x).sum())
-    seen_prompt, n_out = int(t["seen_prompt"][j]), int(t["n_out"][j])
-    params, temp = v.params, _temperature(v.params)
-    if seen_prompt < 0:  # the engine applied no penalties: the request asked for none
-        seen, count = False, 0
-        no_pen = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-        params = {**params, **no_pen}
-    else:
-        count = n_out + earlier
-        seen = bool(seen_prompt) or count > 0
-    want = penalised(z, seen, count, params) / temp
-    row = {"token": x, "position": j, "raw_logit": z, "engine": got, "reference": want}
+    seen, count, params = _penalty_inputs(v, j)
+    temp = _temperature(v.params)
+    want_pen = penalised(z, seen, count, params)
+    row: dict[str, Any] = {"token": x, "position": j, "raw_logit": z}
+    if not _close(want_pen, pen):
+        n_out = int(t["n_out"][j])
+        readings = {
+            "penalties not applied": z,
+            "penalties ignore the round's earlier drafts (applied once per step)": penalised(
+                z, int(t["seen_prompt"][j]) > 0 or n_out > 0, n_out, params
+            ),
+        }
+        row |= {"stage": "penalties", "engine": pen, "reference": want_pen}
+        row["explained"] = [k for k, val in readings.items() if _close(val, pen)]
+        return row
+    if got == float("-inf"):
+        return None  # masked by top-k / top-p
+    want = pen / temp
+    row |= {"stage": "temperature", "engine": got, "reference": want}
     if _close(want, got):
         return row
-    readings = {
-        "temperature not applied": penalised(z, seen, count, params),
-        "penalties not applied": z / temp,
-        "penalties ignore the round's earlier drafts (applied once per step)": penalised(
-            z, seen_prompt > 0 or n_out > 0, n_out, params
-        )
-        / temp,
-    }
-    row["explained"] = [k for k, val in readings.items() if _close(val, got)]
+    if not np.isfinite(got):
+        row["explained"] = [
+            f"processed logit {got} (the verify's temperature or top-p is not the request's)"
+        ]
+        return row
+    implied = pen / got if got != 0 else float("inf")
+    row["implied_temperature"] = implied
+    row["explained"] = (
+        ["temperature not applied"]
+        if _close(pen, got)
+        else [f"temperature applied is not the request's {temp:g}"]
+    )
     return row
 
 
@@ -221,10 +250,10 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
     u = Unavailable()
     rounds = serving.verify_rounds
     if not rounds:  # a trace without the rule columns (SGLang, vLLM V2, older hstrace)
-        return SampledAcceptance({}, 0, [], {}, 0, u.frozen())
+        return SampledAcceptance({}, 0, [], {}, 0, unavailable=u.frozen())
     if all(v.rule < 0 for v in rounds):
         u.note("sampled acceptance", "the verify tap recorded no rule inputs (it was disabled)")
-        return SampledAcceptance({}, 0, [], {}, 0, u.frozen())
+        return SampledAcceptance({}, 0, [], {}, 0, unavailable=u.frozen())
     sums = u.guarded("sampled acceptance", lambda: rule_sums(rounds)) or {}
     if any(v.rule == 3 for v in rounds):
         u.note("verify rule (synthetic)", "synthetic acceptance rates are not a function of p, q")
@@ -235,6 +264,7 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
             "as the engine gave it",
         )
     checked, mismatches, explained, n_bad = 0, [], {}, 0
+    by_stage: dict[str, int] = {}
 
     def scan() -> None:
         nonlocal checked, n_bad
@@ -248,10 +278,13 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
                 checked += 1
                 if "explained" in row:
                     n_bad += 1
+                    by_stage[row["stage"]] = by_stage.get(row["stage"], 0) + 1
                     for why in row["explained"] or ["unexplained"]:
                         explained[why] = explained.get(why, 0) + 1
                     if len(mismatches) < max_listed:
                         mismatches.append({"req_key": v.key, "verify_step": v.step, **row})
 
     u.guarded("sampling transform", scan)
-    return SampledAcceptance(sums, checked, mismatches, explained, n_bad, u.frozen())
+    return SampledAcceptance(
+        sums, checked, mismatches, explained, n_bad, by_stage, unavailable=u.frozen()
+    )

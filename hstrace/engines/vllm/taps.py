@@ -80,7 +80,7 @@ SAMPLING_PARAMS = (
     "presence_penalty",
 )
 # Per drafted token (`verify.proposed.<name>`).
-PROPOSED_FLOAT = ("p_target", "q_draft", "logit_raw", "logit_proc")
+PROPOSED_FLOAT = ("p_target", "q_draft", "logit_raw", "logit_pen", "logit_proc")
 PROPOSED_INT = ("target_argmax", "seen_prompt", "n_out")
 
 
@@ -154,6 +154,7 @@ def verify_probs(
     draft_ids: torch.Tensor,
     num_draft_tokens: list[int],
     raw_logits: torch.Tensor,
+    pen_logit: torch.Tensor,
     proc_logits: torch.Tensor,
     draft_probs: torch.Tensor | None,
     params: dict[str, torch.Tensor | None],
@@ -172,6 +173,7 @@ def verify_probs(
     z = raw_logits.float().gather(1, safe.to(raw_logits.device)).reshape(-1).cpu()
     proc = proc_logits.float()
     zp = proc.gather(1, safe.to(proc.device)).reshape(-1).cpu()
+    zpen = pen_logit.float().reshape(-1).cpu()
     p = proc.softmax(dim=-1).gather(1, safe.to(proc.device)).reshape(-1).cpu()
     argmax = proc.argmax(dim=-1).reshape(-1).cpu()
     if draft_probs is None:
@@ -204,6 +206,7 @@ def verify_probs(
                     "p_target": p[sl].tolist(),
                     "q_draft": q[sl].tolist(),
                     "logit_raw": z[sl].tolist(),
+                    "logit_pen": zpen[sl].tolist(),
                     "logit_proc": zp[sl].tolist(),
                     "target_argmax": argmax[sl].tolist(),
                     "seen_prompt": seen,
