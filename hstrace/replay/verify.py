@@ -21,17 +21,18 @@ Bernoulli(a_j) draws given the drafts:
 An engine whose realized A lies more than Z_SPREAD standard deviations (plus SLACK tokens) from
 E[A] accepts more or fewer than its own rule: `verify-rule`.
 
-The transforms. vLLM's target side: logit z of x, penalised by the request's history (the
-prompt and the output so far, including the round's earlier drafts x_<j):
+The transforms. vLLM's target side, in two stages recorded apart: the logit z of x penalised
+by the request's history (the prompt and the output so far, including the round's earlier
+drafts x_<j),
 
     z' = z / r if x seen and z > 0, z · r if x seen and z ≤ 0 (repetition r), else z
     z'' = z' - f · c(x) - π · 1[c(x) > 0]       (frequency f, presence π, c = output count)
-    ℓ = z'' / T                                   (temperature; greedy rows keep T = 1)
 
-then top-k/top-p mask tokens to -inf (those rows are skipped). ℓ recomputed here from the raw
-logit and the recorded history against the engine's own processed logit: a mismatch is
-`sampling-transform`, named by the misreading that reproduces it (temperature not applied,
-penalties not applied, penalties that ignore the round's earlier drafts).
+then ℓ = z'' / T (temperature; greedy rows keep T = 1), then top-k/top-p mask tokens to -inf
+(those are skipped; a NaN is never a mask). Each stage recomputed here against the engine's
+own value: a mismatch is `sampling-transform`, named by its stage and the misreading that
+reproduces it (penalties not applied, penalties that ignore the round's earlier drafts,
+temperature not applied, another temperature).
 """
 
 from __future__ import annotations
