@@ -362,7 +362,8 @@ _ALL: tuple[Code, ...] = (
         "(penalties or temperature applied otherwise than to the draft's rule)",
         ("diagnose.sampling:sampling_transform",),
         fix={
-            "": "the engine's verify applies {explained}: apply the request's repetition, "
+            "": "the engine's verify logits are reproduced by: {explained}. Apply the request's "
+            "repetition, "
             "frequency and presence penalties over the prompt, the output and the round's "
             "earlier drafts, then the temperature, once per draft position and on the target "
             "side of the rule only as the engine's draft rule assumes (known: sglang PR #33643, "
