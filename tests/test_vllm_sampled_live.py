@@ -185,3 +185,19 @@ def test_penalties_are_applied_per_draft_position_as_vllm_says(penalties) -> Non
     assert s["transform_checked"] >= changed
     assert s["transform_mismatched_by_stage"].get("penalties", 0) == 0
     _rule_within_spread(res)
+
+
+def test_vllm_cpu_expands_no_per_token_temperature() -> None:
+    """The engine fact behind the `sampled` verdict, on vLLM's own function (no server): the
+    rejection sampler's `expand_batch_to_tokens` with the CPU kernel overrides never writes its
+    float output (the shim writes an int64 copy), so requests at temperature 0.8 are verified
+    with whatever the fresh `new_empty` tensor held."""
+    import torch
+    from vllm.platforms import current_platform
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    current_platform.register_triton_kernel_overrides()
+    expanded = expand_batch_to_tokens(
+        torch.tensor([0.8, 0.8]), torch.tensor([3, 6], dtype=torch.int32), 6, 0, 1
+    )
+    assert not torch.allclose(expanded, torch.full((6,), 0.8))
