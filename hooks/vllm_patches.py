@@ -202,27 +202,20 @@ def _rule(sampler: Any, draft_probs: Any, sm: Any) -> int:
     return taps.RULE_ONE_HOT if draft_probs is None else taps.RULE_DRAFT_PROBS
 
 
-def _verify_tap(sampler: Any, original: Callable, a: dict[str, Any]) -> list:
-    """The target's rows at the drafted positions, raw and after the engine's own transforms
-    (its `apply_logits_processors` and `apply_sampling_constraints`, run on a copy, as
-    `forward` runs them), and the draft's probabilities: what the rule compares."""
-    import sys
-
+def _verify_tap(
+    sampler: Any, a: dict[str, Any], raw: Any, proc: Any
+) -> list[taps.VerifyProbs | None]:
+    """What the rule compared: the target's rows at the drafted positions raw (read before
+    vLLM ran), after its penalties (its own `apply_logits_processors`, rerun on a copy: a pure
+    function of the batch), and the processed rows vLLM itself handed `rejection_sample`
+    (`proc`, never recomputed: its temperature expansion reads fresh memory on CPU); the
+    draft's probabilities; the sampling parameters."""
     import torch
 
-    meta, sm, logits, draft_probs = (
-        a["metadata"],
-        a["sampling_metadata"],
-        a["logits"],
-        a["draft_probs"],
-    )
-    raw = logits[meta.target_logits_indices].to(torch.float32)
+    meta, sm, draft_probs = a["metadata"], a["sampling_metadata"], a["draft_probs"]
     pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
     ids = meta.draft_token_ids.to(torch.int64).clamp(0, raw.shape[-1] - 1).reshape(-1, 1)
-    pen_logit = pen.gather(1, ids.to(pen.device)).reshape(-1).clone()  # before the in-place div
-    proc = sys.modules[original.__module__].apply_sampling_constraints(
-        pen, meta.cu_num_draft_tokens, sm
-    )
+    pen_logit = pen.gather(1, ids.to(pen.device)).reshape(-1)
     greedy = sm.all_greedy
     temperature = None if greedy or sm.temperature is None else sm.temperature
     params = {
@@ -249,18 +242,55 @@ def _verify_tap(sampler: Any, original: Callable, a: dict[str, Any]) -> list:
     )
 
 
+# `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+# draft_probs, target_logits, ...)`: the processed target rows are its sixth argument.
+_TARGET_LOGITS_ARG = 5
+
+
 def wrap_rejection_forward(original: Callable) -> Callable:
     """V1 `RejectionSampler.forward`: what the verify rule compares, kept for the step's verify
-    rows (`_begin_step`); read before vLLM runs (it may update `logits` in place)."""
+    rows (`_begin_step`). The raw rows are read before vLLM runs (it may update `logits` in
+    place); the processed rows are the very tensor `forward` hands the module's
+    `rejection_sample`, seen through a pass-through that stands in for that module global
+    during this call only (vLLM's worker runs one step at a time)."""
+    import sys
+
+    module = sys.modules[original.__module__]
 
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         rec = REC
-        if rec is not None and "verify_probs" not in rec.disabled:
-            a = bind_args(original, (self, *args), kwargs)
-            probs = rec.run_tap("verify_probs", lambda: _verify_tap(self, original, a))
-            rec.pending_verify = (a["metadata"], probs) if probs is not None else None
-        return original(self, *args, **kwargs)
+        if rec is None or "verify_probs" in rec.disabled:
+            return original(self, *args, **kwargs)
+        a = bind_args(original, (self, *args), kwargs)
+        seen: dict[str, Any] = {}
+
+        def begin():
+            meta = a["metadata"]
+            seen["raw"] = a["logits"][meta.target_logits_indices].float().clone()
+            inner = module.rejection_sample
+
+            def rejection_sample(*r_args, **r_kwargs):
+                if len(r_args) > _TARGET_LOGITS_ARG:
+                    seen["proc"] = r_args[_TARGET_LOGITS_ARG]
+                else:
+                    seen["proc"] = r_kwargs.get("target_logits")
+                return inner(*r_args, **r_kwargs)
+
+            seen["inner"] = inner
+            module.rejection_sample = rejection_sample
+
+        rec.run_tap("verify_probs", begin)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if "inner" in seen:
+                module.rejection_sample = seen["inner"]
+            if seen.get("proc") is not None:
+                probs = rec.run_tap(
+                    "verify_probs", lambda: _verify_tap(self, a, seen["raw"], seen["proc"])
+                )
+                rec.pending_verify = (a["metadata"], probs) if probs is not None else None
 
     return forward
 

@@ -36,7 +36,8 @@ def test_every_patch_point_exists_with_its_signature() -> None:
     )
     assert len(points) == 8
     assert signature_mismatches(points) == []
-    # the verify tap reruns these two of the sampler's own functions on a copy of the rows
+    # the verify tap reruns the sampler's penalties on a copy and reads the processed rows
+    # that forward hands the module's rejection_sample (its sixth argument)
     import inspect
 
     from vllm.v1.sample import rejection_sampler as rs
@@ -47,10 +48,13 @@ def test_every_patch_point_exists_with_its_signature() -> None:
         "sampling_metadata",
         "metadata",
     ]
-    assert list(inspect.signature(rs.apply_sampling_constraints).parameters) == [
-        "logits",
+    assert list(inspect.signature(rs.rejection_sample).parameters)[:6] == [
+        "draft_token_ids",
+        "num_draft_tokens",
+        "max_spec_len",
         "cu_num_draft_tokens",
-        "sampling_metadata",
+        "draft_probs",
+        "target_logits",
     ]
     # the CPU runner inherits the patched runner methods (it overrides none of them)
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
