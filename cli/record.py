@@ -7,7 +7,13 @@ from pathlib import Path
 
 import click
 
-from hstrace.engines.base import DEFAULT_STREAMS, STREAMS, EngineConfig, RecordOptions
+from hstrace.engines.base import (
+    DEFAULT_STREAMS,
+    SAMPLING_PARAMS,
+    STREAMS,
+    EngineConfig,
+    RecordOptions,
+)
 from hstrace.engines.registry import ENGINES, engine_for_command, engine_spec, get_engine
 from hstrace.errors import HstraceError
 from hstrace.prompts import load_prompts_from_training, load_prompts_jsonl
@@ -25,6 +31,30 @@ def parse_streams(value: str | None) -> frozenset[str]:
             f"unknown stream(s) {', '.join(sorted(unknown))}; known: {', '.join(STREAMS)}, all"
         )
     return chosen
+
+
+def parse_sampling(value: str | None) -> dict[str, float | int]:
+    """`--sampling JSON`: an object of known sampling parameters with numeric values."""
+    if value is None:
+        return {}
+    import json
+
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise HstraceError(f"--sampling: not JSON ({exc.msg})") from None
+    if not isinstance(parsed, dict):
+        raise HstraceError("--sampling: give a JSON object, e.g. '{\"temperature\": 0.8}'")
+    unknown = sorted(set(parsed) - set(SAMPLING_PARAMS))
+    if unknown:
+        raise HstraceError(
+            f"--sampling: unknown parameter(s) {', '.join(unknown)}; known: "
+            + ", ".join(SAMPLING_PARAMS)
+        )
+    bad = [k for k, v in parsed.items() if isinstance(v, bool) or not isinstance(v, int | float)]
+    if bad:
+        raise HstraceError(f"--sampling: {', '.join(sorted(bad))} must be a number")
+    return parsed
 
 
 @click.command(name="record")
@@ -111,6 +141,15 @@ def parse_streams(value: str | None) -> frozenset[str]:
     "another.",
 )
 @click.option(
+    "--sampling",
+    "sampling_json",
+    default=None,
+    metavar="JSON",
+    help="Sampling parameters of every driven request (sglang, vllm), e.g. "
+    '\'{"temperature": 0.8, "top_p": 0.9}\'; keys: temperature, top_p, top_k, min_p, '
+    "repetition_penalty, frequency_penalty, presence_penalty, seed. Default: temperature 0.",
+)
+@click.option(
     "--startup-timeout",
     type=float,
     default=900.0,
@@ -174,6 +213,7 @@ def record(
     knobs: tuple[str, ...],
     startup_timeout: float,
     concurrency: int,
+    sampling_json: str | None,
     serve: bool,
     stop_requests: int | None,
     duration: float | None,
@@ -207,6 +247,9 @@ def record(
         if engine_name != "vllm":
             raise HstraceError("--runner applies only to --engine vllm")
         extra["runner"] = runner
+    sampling = parse_sampling(sampling_json)
+    if sampling and engine_spec(engine_name).support is None:
+        raise HstraceError(f"--sampling applies to a served engine, not --engine {engine_name}")
     options = RecordOptions(
         max_new_tokens=max_new_tokens,
         streams=parse_streams(streams),
@@ -234,6 +277,13 @@ def record(
             if prompts_file is not None
             else load_prompts_from_training(training_dir, samples)
         )  # type: ignore[arg-type]
+        if sampling:  # --sampling: every prompt's defaults, a JSONL line's own keys win
+            import dataclasses
+
+            prompts = [
+                dataclasses.replace(p, sampling=tuple({**sampling, **dict(p.sampling)}.items()))
+                for p in prompts
+            ]
         plain_cmd = None
         if parity:  # refuse before the first server starts
             plain_cmd = command_without_speculation(engine_name, server_cmd)

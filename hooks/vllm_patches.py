@@ -40,6 +40,9 @@ class VLLMRecorder(Recorder):
         self.mtp_load: Any = None  # the MTP head's WeightsAudit (load_weights tap)
         self.current: taps.Step | None = None  # the step being collected
         self.collecting = False  # inside the proposer: drafter calls belong to the step
+        # the rejection sampler's rule inputs of this step's verify (it runs before the
+        # proposer; `_begin_step` takes them)
+        self.pending_verify: tuple[Any, list[taps.VerifyProbs | None]] | None = None
         # `record --sample-every K`: one request in K is recorded (the K-th seen, counting
         # from the first); a step with none of them costs only this membership check
         self.sample_every = max(1, int(cfg.get("sample_every") or 1))
@@ -96,12 +99,17 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step 
     meta = a.get("spec_decode_metadata")
     ndraft = [int(n) for n in meta.num_draft_tokens] if meta is not None else [0] * len(req_ids)
     sampled = a.get("sampled_token_ids")
+    pending, rec.pending_verify = rec.pending_verify, None
+    # the sampler's rows are this step's only if it verified this step's drafts (the same
+    # SpecDecodeMetadata object reaches both)
+    probs = pending[1] if pending is not None and pending[0] is meta else None
     return taps.Step(
         req_ids=req_ids,
         num_draft_tokens=ndraft,
         new_requests=new,
         draft_token_ids=meta.draft_token_ids.detach().cpu() if meta is not None else None,
         sampled=[_tolist(r) for r in _tolist(sampled)] if sampled is not None else None,
+        verify_probs=probs,
     )
 
 
@@ -232,6 +240,107 @@ def wrap_compute_logits(original: Callable) -> Callable:
         return logits
 
     return compute_logits
+
+
+def _rule(sampler: Any, draft_probs: Any, sm: Any) -> int:
+    if getattr(sampler, "synthetic_mode", False):
+        return taps.RULE_SYNTHETIC
+    if sm.all_greedy:
+        return taps.RULE_GREEDY
+    return taps.RULE_ONE_HOT if draft_probs is None else taps.RULE_DRAFT_PROBS
+
+
+def _verify_tap(
+    sampler: Any, a: dict[str, Any], raw: Any, proc: Any
+) -> list[taps.VerifyProbs | None]:
+    """What the rule compared: the target's rows at the drafted positions raw (read before
+    vLLM ran), after its penalties (its own `apply_logits_processors`, rerun on a copy: a pure
+    function of the batch), and the processed rows vLLM itself handed `rejection_sample`
+    (`proc`, never recomputed: its temperature expansion reads fresh memory on CPU); the
+    draft's probabilities; the sampling parameters."""
+    import torch
+
+    meta, sm, draft_probs = a["metadata"], a["sampling_metadata"], a["draft_probs"]
+    pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
+    ids = meta.draft_token_ids.to(torch.int64).clamp(0, raw.shape[-1] - 1).reshape(-1, 1)
+    pen_logit = pen.gather(1, ids.to(pen.device)).reshape(-1)
+    greedy = sm.all_greedy
+    temperature = None if greedy or sm.temperature is None else sm.temperature
+    params = {
+        "temperature": torch.zeros(len(meta.num_draft_tokens)) if greedy else temperature,
+        "top_p": sm.top_p,
+        "top_k": sm.top_k,
+        "repetition_penalty": sm.repetition_penalties,
+        "frequency_penalty": sm.frequency_penalties,
+        "presence_penalty": sm.presence_penalties,
+    }
+    params = {k: None if v is None else v.detach().float().cpu() for k, v in params.items()}
+    penalties = not sm.no_penalties and sm.prompt_token_ids is not None
+    return taps.verify_probs(
+        meta.draft_token_ids,
+        list(meta.num_draft_tokens),
+        raw,
+        pen_logit,
+        proc,
+        draft_probs,
+        params,
+        _rule(sampler, draft_probs, sm),
+        prompt_ids=sm.prompt_token_ids.cpu() if penalties else None,
+        output_ids=sm.output_token_ids if penalties else None,
+    )
+
+
+# `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+# draft_probs, target_logits, ...)`: the processed target rows are its sixth argument.
+_TARGET_LOGITS_ARG = 5
+
+
+def wrap_rejection_forward(original: Callable) -> Callable:
+    """V1 `RejectionSampler.forward`: what the verify rule compares, kept for the step's verify
+    rows (`_begin_step`). The raw rows are read before vLLM runs (it may update `logits` in
+    place); the processed rows are the very tensor `forward` hands the module's
+    `rejection_sample`, seen through a pass-through that stands in for that module global
+    during this call only (vLLM's worker runs one step at a time)."""
+    import sys
+
+    module = sys.modules[original.__module__]
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        rec = REC
+        if rec is None or "verify_probs" in rec.disabled:
+            return original(self, *args, **kwargs)
+        a = bind_args(original, (self, *args), kwargs)
+        seen: dict[str, Any] = {}
+
+        def begin():
+            meta = a["metadata"]
+            seen["raw"] = a["logits"][meta.target_logits_indices].float().clone()
+            inner = module.rejection_sample
+
+            def rejection_sample(*r_args, **r_kwargs):
+                if len(r_args) > _TARGET_LOGITS_ARG:
+                    seen["proc"] = r_args[_TARGET_LOGITS_ARG]
+                else:
+                    seen["proc"] = r_kwargs.get("target_logits")
+                return inner(*r_args, **r_kwargs)
+
+            seen["inner"] = inner
+            module.rejection_sample = rejection_sample
+
+        rec.run_tap("verify_probs", begin)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if "inner" in seen:
+                module.rejection_sample = seen["inner"]
+            if seen.get("proc") is not None:
+                probs = rec.run_tap(
+                    "verify_probs", lambda: _verify_tap(self, a, seen["raw"], seen["proc"])
+                )
+                rec.pending_verify = (a["metadata"], probs) if probs is not None else None
+
+    return forward
 
 
 # ---- static audit ---------------------------------------------------------------------------
@@ -607,6 +716,7 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "TargetDependentARSpeculator.load_model": wrap_proposer_load_model,  # same attributes
     "TargetDependentARSpeculator.propose": wrap_v2_propose,
     "RejectionSampler.__call__": wrap_v2_rejection_sampler,
+    "RejectionSampler.forward": wrap_rejection_forward,
     "Eagle3LlamaForCausalLM.load_weights": wrap_load_weights,
     "GPUModelRunner._setup_eagle3_aux_hidden_state_outputs": wrap_setup_aux,
     "SpecDecodeBaseProposer.load_model": wrap_proposer_load_model,

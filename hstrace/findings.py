@@ -430,6 +430,36 @@ _ALL: tuple[Code, ...] = (
         },
     ),
     Code(
+        "sampling-transform",
+        "acceptance",
+        "the target's verify logits are not the request's sampling transforms of its raw logits "
+        "(penalties or temperature applied otherwise than to the draft's rule)",
+        ("diagnose.sampling:sampling_transform",),
+        fix={
+            "": "the engine's verify logits are reproduced by: {explained}. Apply the request's "
+            "repetition, "
+            "frequency and presence penalties over the prompt, the output and the round's "
+            "earlier drafts, then the temperature, once per draft position and on the target "
+            "side of the rule only as the engine's draft rule assumes (known: sglang PR #33643, "
+            "vllm PR #48932, TensorRT-LLM PR #17701); confirm by recording the same prompts "
+            "with the penalties off"
+        },
+    ),
+    Code(
+        "verify-rule",
+        "acceptance",
+        "the engine accepts more or fewer drafts than its own rejection rule predicts from "
+        "the probabilities it used, beyond the binomial spread",
+        ("diagnose.sampling:verify_rule",),
+        fix={
+            "": "the verify does not implement its rule ({rule}: accept with {formula}): check "
+            "the rejection sampler for a relaxed or strict acceptance mode, a draft "
+            "probability read as one-hot or the other way round (vllm #40551), or a uniform "
+            "that is not drawn per position; record again with speculation's sampling at its "
+            "defaults and compare"
+        },
+    ),
+    Code(
         "teacher-norm",
         "acceptance",
         "the training teacher used another final norm than the target applies",

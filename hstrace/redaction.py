@@ -36,7 +36,14 @@ from hstrace.errors import HstraceError
 REDACT_MODES = ("ids", "hidden")
 
 # Columns holding token ids, by vocab domain. Draft top-k ids live in the draft vocab.
-TARGET_ID_COLUMNS = {"input_ids", "prompt_ids", "topk_target_ids", "bonus_id", "ids"}
+TARGET_ID_COLUMNS = {
+    "input_ids",
+    "prompt_ids",
+    "topk_target_ids",
+    "bonus_id",
+    "ids",
+    "target_argmax",  # verify: the target's argmax at each drafted position
+}
 DRAFT_ID_COLUMNS = {"topk_draft_ids"}
 # Columns holding hidden states (one row per token; width = slots * slot_width).
 HIDDEN_COLUMNS = {"aux_hidden", "hidden_in"}

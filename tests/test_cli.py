@@ -44,3 +44,29 @@ def test_the_entry_point_turns_any_exception_into_one_line(monkeypatch, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unexpected RuntimeError: first line" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{temperature: 0.8}", "--sampling: not JSON"),
+        ("[0.8]", "--sampling: give a JSON object"),
+        ('{"temprature": 0.8}', "--sampling: unknown parameter(s) temprature"),
+        ('{"top_p": "0.9"}', "--sampling: top_p must be a number"),
+    ],
+)
+def test_record_sampling_is_checked_before_any_server_starts(tmp_path, value, message):
+    out = run_main(
+        "record",
+        "--server-cmd",
+        "python -m vllm.entrypoints.openai.api_server --model x",
+        "--prompts-from",
+        str(tmp_path),
+        "--out",
+        str(tmp_path / "t.zarr"),
+        "--sampling",
+        value,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"hstrace: error: {message}"), out.stderr

@@ -34,8 +34,28 @@ def test_every_patch_point_exists_with_its_signature() -> None:
     points = SUPPORT.patch_points_for(
         SUPPORT.check_supported_version(SUPPORT.installed_version() or "")
     )
-    assert len(points) == 10
+    assert len(points) == 11
     assert signature_mismatches(points) == []
+    # the verify tap reruns the sampler's penalties on a copy and reads the processed rows
+    # that forward hands the module's rejection_sample (its sixth argument)
+    import inspect
+
+    from vllm.v1.sample import rejection_sampler as rs
+
+    assert list(inspect.signature(rs.RejectionSampler.apply_logits_processors).parameters) == [
+        "self",
+        "logits",
+        "sampling_metadata",
+        "metadata",
+    ]
+    assert list(inspect.signature(rs.rejection_sample).parameters)[:6] == [
+        "draft_token_ids",
+        "num_draft_tokens",
+        "max_spec_len",
+        "cu_num_draft_tokens",
+        "draft_probs",
+        "target_logits",
+    ]
     # the CPU runner inherits the patched runner methods (it overrides none of them)
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 

@@ -251,6 +251,52 @@ def test_engine_detection_and_prometheus_counters() -> None:
     }
 
 
+def test_verify_rule_inputs_per_drafted_token_and_their_absence() -> None:
+    """`verify_probs` on the sampler's rows (here hand-written logits for a batch of a prefill
+    request A and a verifying request B with drafts 21, 22, 23): p of each draft after the
+    transforms, q = 1 for a one-hot draft, the raw and processed logits, the history counts."""
+    vocab = 32
+    raw = torch.zeros(3, vocab)
+    raw[:, 21], raw[:, 22], raw[:, 23] = 2.0, 1.0, 0.5
+    proc = raw / 0.5  # what an engine at temperature 0.5 hands its rule
+    prompt = torch.full((2, 4), vocab)
+    prompt[1, :2] = torch.tensor([22, 5])
+    probs = taps.verify_probs(
+        torch.tensor([21, 22, 23]),
+        [0, 3],
+        raw,
+        raw[torch.arange(3), torch.tensor([21, 22, 23])],
+        proc,
+        None,
+        {"temperature": torch.tensor([0.5, 0.5]), "top_p": None},
+        taps.RULE_ONE_HOT,
+        prompt_ids=prompt,
+        output_ids=[[], [21, 21, 7]],
+    )
+    assert probs[0] is None
+    b = probs[1]
+    assert b.rule == taps.RULE_ONE_HOT and b.params["temperature"] == 0.5
+    assert b.params["top_p"] != b.params["top_p"]  # NaN: not in force
+    want = proc.softmax(-1)[torch.arange(3), torch.tensor([21, 22, 23])]
+    assert b.per_token["p_target"] == pytest.approx(want.tolist())
+    assert b.per_token["q_draft"] == [1.0, 1.0, 1.0]
+    assert b.per_token["logit_raw"] == [2.0, 1.0, 0.5]
+    assert b.per_token["logit_pen"] == [2.0, 1.0, 0.5]
+    assert b.per_token["logit_proc"] == [4.0, 2.0, 1.0]
+    assert b.per_token["target_argmax"] == [21, 21, 21]
+    assert b.per_token["seen_prompt"] == [0, 1, 0] and b.per_token["n_out"] == [2, 0, 0]
+    step = mixed_step()
+    step.verify_probs = probs
+    verify = taps.verify_rows(step, [1])
+    assert verify.req["rule"].tolist() == [taps.RULE_ONE_HOT]
+    assert verify.other["proposed"]["n_out"].tolist() == [2, 0, 0]
+    # no sampler tap (disabled, or another runner): the columns are there, NaN / -1
+    step.verify_probs = None
+    verify = taps.verify_rows(step, [1])
+    assert verify.req["rule"].tolist() == [-1]
+    assert torch.isnan(verify.other["proposed"]["p_target"]).all()
+
+
 def test_restrict_keeps_exactly_the_sampled_requests_rows() -> None:
     """`record --sample-every K`: a step cut to request B alone writes B's rows of the full
     step, row for row (target verify, verify outcome, draft extend, chain), and nothing of A."""

@@ -39,6 +39,7 @@ from hstrace.replay.read import ServingData
 from hstrace.replay.runner import CaptureScan, DrafterRunner
 from hstrace.replay.slots import Slots, build_slots
 from hstrace.replay.unavailable import Unavailable, merged
+from hstrace.replay.verify import SampledAcceptance, build_sampled_acceptance
 from hstrace.replay.whatif import WhatIfSearch, search_whatifs
 
 
@@ -54,6 +55,8 @@ class Evidence:
     draft_inputs: DraftInputs
     vocab: VocabReadings
     batch: BatchCoupling
+    # Each verify's rule: predicted vs realized acceptance, the target's transforms recomputed.
+    sampled: SampledAcceptance
     # The greedy chains as served and as trained, for the impact stage (`replay.impact`).
     chains: Chains | None = None
     # Accept lengths per DP rank beside rank 0's replay (only with more than one rank).
@@ -118,6 +121,7 @@ class Evidence:
         out.update(self.draft_inputs.to_json())
         out.update(self.vocab.to_json())
         out.update(self.batch.to_json())
+        out.update(self.sampled.to_json())
         if self.whatif is not None:
             out["whatif"] = self.whatif.to_json()
         if self.agreement.cache is not None:
@@ -202,6 +206,7 @@ def build_evidence(
                 serving.accept_by_key,
             ),
         )
+    sampled = build_sampled_acceptance(serving)
     ranks = None
     if views and len(views) > 1:
         by_rank = {0: serving, **(other_ranks or {})}
@@ -224,6 +229,7 @@ def build_evidence(
         vocab=vocab,
         batch=batch,
         chains=chains,
+        sampled=sampled,
         accept_len_by_rank=dict(accept_len_by_rank or {}),
         ranks=ranks,
         unavailable=merged(
@@ -236,6 +242,7 @@ def build_evidence(
             draft_inputs,
             vocab,
             batch,
+            sampled,
             ranks.unavailable if ranks is not None else {},
             # why a fault has no impact is said on the finding (`impact_unavailable`), not here
         ),

@@ -270,6 +270,75 @@ class ServingRequest(_Wide):
 WIDE_KINDS = ("aux", "aux_sketch", "aux_stats", "hidden_in")
 
 
+# The verify columns the rejection rule reads (`verify.req.*`, `verify.proposed.*`).
+RULE_PARAMS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+RULE_TOKEN_COLUMNS = (
+    "p_target",
+    "q_draft",
+    "logit_raw",
+    "logit_pen",
+    "logit_proc",
+    "target_argmax",
+    "seen_prompt",
+    "n_out",
+)
+
+
+@dataclass(frozen=True)
+class VerifyRound:
+    """One request's verify as its rule saw it: the drafts, how many were accepted, the rule
+    (`verify.req.rule`: 0 greedy, 1 one-hot draft, 2 draft probabilities, 3 synthetic, -1 not
+    recorded), the sampling parameters, and per drafted token the rule's inputs."""
+
+    step: int
+    key: int
+    accepted: int
+    drafts: np.ndarray
+    rule: int
+    params: dict[str, float]
+    tokens: dict[str, np.ndarray]
+
+
+def _verify_rounds(verify: Any) -> list[VerifyRound]:
+    if verify is None or verify.num_steps == 0 or "rule" not in verify.columns.get("req", []):
+        return []
+    off = verify.offsets("req")
+    off_p = verify.offsets("proposed")
+    keys = _np(verify.column("req", "req_key")).astype(np.int64)
+    acc = _np(verify.column("req", "accept_len")).astype(np.int64)
+    nprop = _np(verify.column("req", "n_proposed")).astype(np.int64)
+    rule = _np(verify.column("req", "rule")).astype(np.int64)
+    params = {k: _np(verify.column("req", k)).astype(np.float64) for k in RULE_PARAMS}
+    ids = _np(verify.column("proposed", "ids")).astype(np.int64)
+    cols = {k: _np(verify.column("proposed", k)) for k in RULE_TOKEN_COLUMNS}
+    out = []
+    for s in range(verify.num_steps):
+        start = int(off_p[s])
+        for r in range(int(off[s]), int(off[s + 1])):
+            n = int(nprop[r])
+            sl = slice(start, start + n)
+            out.append(
+                VerifyRound(
+                    step=s,
+                    key=int(keys[r]),
+                    accepted=int(acc[r]),
+                    drafts=ids[sl],
+                    rule=int(rule[r]),
+                    params={k: float(v[r]) for k, v in params.items()},
+                    tokens={k: v[sl] for k, v in cols.items()},
+                )
+            )
+            start += n
+    return out
+
+
 @dataclass
 class ServingData:
     requests: list[ServingRequest]
@@ -289,6 +358,8 @@ class ServingData:
     verify_batch_sizes: dict[int, list[int]] = field(default_factory=dict)
     # Where the wide tensors are read from (None: all held, or none recorded).
     wide: WideReader | None = None
+    # Every verify's rule inputs, in trace order (empty: the engine's verify tap recorded none).
+    verify_rounds: list[VerifyRound] = field(default_factory=list)
 
     def by_key(self) -> dict[int, ServingRequest]:
         return {r.key: r for r in self.requests}
@@ -476,6 +547,7 @@ def read_serving(trace: Any, rank: int = 0, lazy: bool = False) -> ServingData:
         accept_by_key=accept,
         verify_batch_sizes=_verify_batch_sizes(view.table("verify")),
         wide=wide,
+        verify_rounds=_verify_rounds(view.table("verify")),
     )
     if not lazy:
         data.hold_all()

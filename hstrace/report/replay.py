@@ -31,6 +31,9 @@ METRIC_LABELS: dict[str, str] = {
     "acc0_mtp_training": "MTP step-0 acc, training inputs (argmax == target's greedy token)",
     "acc0_mtp_serving": "MTP step-0 acc, serving inputs (argmax == target's greedy token)",
     "mean_accept_len": "serving mean accept length (excl. bonus)",
+    "verify_rule_predicted_accepted": "accepted drafts the engine's verify rule predicts (Σ a)",
+    "verify_rule_realized_accepted": "accepted drafts, as the engine accepted them",
+    "verify_rule_sigma": "binomial spread of the prediction (σ)",
 }
 
 

@@ -63,6 +63,47 @@ class Step:
     query_start: list[int] | None = None  # [B+1] row offsets per request
     sample_rows: list[int] | None = None  # row of each request the first pass samples from
     calls: list[DraftCall] = field(default_factory=list)
+    # from the rejection sampler (run before the proposer in the same step): per request of
+    # the batch, what its verify rule used (None: not tapped)
+    verify_probs: list[VerifyProbs | None] | None = None
+
+
+# The verify rule a request was judged by (`verify.req.rule`).
+RULE_GREEDY = 0  # accept while draft == argmax of the target's processed logits
+RULE_ONE_HOT = 1  # rejection sampling, draft treated as one-hot: accept with p(token)
+RULE_DRAFT_PROBS = 2  # rejection sampling with the draft's probabilities: min(1, p/q)
+RULE_SYNTHETIC = 3  # vLLM's synthetic acceptance rates (not a function of p, q)
+RULES = {
+    RULE_GREEDY: "greedy",
+    RULE_ONE_HOT: "one-hot",
+    RULE_DRAFT_PROBS: "draft-probs",
+    RULE_SYNTHETIC: "synthetic",
+}
+# Per-request sampling parameters the verify resolved (`verify.req.<name>`, NaN: unknown).
+SAMPLING_PARAMS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+# Per drafted token (`verify.proposed.<name>`).
+PROPOSED_FLOAT = ("p_target", "q_draft", "logit_raw", "logit_pen", "logit_proc")
+PROPOSED_INT = ("target_argmax", "seen_prompt", "n_out")
+
+
+@dataclass
+class VerifyProbs:
+    """One request's verify as the rejection sampler saw it: its rule, the sampling
+    parameters it resolved, and per drafted token the target's raw logit, its logit and
+    probability after the engine's transforms (penalties, temperature, top-k/top-p), the
+    draft's probability (1 for a one-hot draft), the processed argmax, and the history the
+    penalties count (token in the prompt 0/1, its count in the committed output; -1 unknown)."""
+
+    rule: int
+    params: dict[str, float]
+    per_token: dict[str, list[float]]
 
 
 def draft_topk(
@@ -114,6 +155,106 @@ def _expand_topk(
     return {"topk_draft_ids": ids, "topk_target_ids": tids, "topk_logprobs": lps, "lse": lse}
 
 
+def _param(x: torch.Tensor | None, i: int) -> float:
+    return float("nan") if x is None else float(x[i])
+
+
+def verify_probs(
+    draft_ids: torch.Tensor,
+    num_draft_tokens: list[int],
+    raw_logits: torch.Tensor,
+    pen_logit: torch.Tensor,
+    proc_logits: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    params: dict[str, torch.Tensor | None],
+    rule: int,
+    prompt_ids: torch.Tensor | None = None,
+    output_ids: list[list[int]] | None = None,
+) -> list[VerifyProbs | None]:
+    """What one verify's rule used, per request of the batch (None: no drafts). `raw_logits`
+    and `proc_logits` are the target's rows at the drafted positions before and after the
+    engine's transforms ([N, V], N = sum(num_draft_tokens)); `params` the per-request sampling
+    tensors ([B] or None); `prompt_ids` ([B, P], padded with V) and `output_ids` the history
+    the engine's penalties count (None when it applies none)."""
+    ids = draft_ids.to(torch.int64).reshape(-1, 1)
+    vocab = int(raw_logits.shape[-1])
+    safe = ids.clamp(0, vocab - 1)
+    z = raw_logits.float().gather(1, safe.to(raw_logits.device)).reshape(-1).cpu()
+    proc = proc_logits.float()
+    zp = proc.gather(1, safe.to(proc.device)).reshape(-1).cpu()
+    zpen = pen_logit.float().reshape(-1).cpu()
+    p = proc.softmax(dim=-1).gather(1, safe.to(proc.device)).reshape(-1).cpu()
+    argmax = proc.argmax(dim=-1).reshape(-1).cpu()
+    if draft_probs is None:
+        q = torch.ones_like(p)
+    else:
+        q = draft_probs.float().gather(1, safe.to(draft_probs.device)).reshape(-1).cpu()
+    flat = ids.reshape(-1).cpu().tolist()
+    out: list[VerifyProbs | None] = []
+    start = 0
+    for i, n in enumerate(num_draft_tokens):
+        if n == 0:
+            out.append(None)
+            continue
+        toks = flat[start : start + n]
+        if prompt_ids is not None and output_ids is not None:
+            prompt = set(prompt_ids[i].tolist())
+            hist = list(output_ids[i]) if i < len(output_ids) else []
+            seen = [int(t in prompt) for t in toks]
+            n_out = [hist.count(t) for t in toks]
+        else:
+            seen, n_out = [-1] * n, [-1] * n
+        sl = slice(start, start + n)
+        temperature = params.get("temperature")
+        greedy_row = temperature is not None and float(temperature[i]) < 1e-5
+        out.append(
+            VerifyProbs(
+                rule=RULE_GREEDY if greedy_row and rule != RULE_SYNTHETIC else rule,
+                params={k: _param(v, i) for k, v in params.items()},
+                per_token={
+                    "p_target": p[sl].tolist(),
+                    "q_draft": q[sl].tolist(),
+                    "logit_raw": z[sl].tolist(),
+                    "logit_pen": zpen[sl].tolist(),
+                    "logit_proc": zp[sl].tolist(),
+                    "target_argmax": argmax[sl].tolist(),
+                    "seen_prompt": seen,
+                    "n_out": n_out,
+                },
+            )
+        )
+        start += n
+    return out
+
+
+def _verify_sampling_columns(
+    step: Step, members: list[int]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The rule columns of a verify: per request (`rule`, the sampling parameters) and per
+    drafted token; NaN / -1 where the sampler was not tapped (the columns are always there:
+    a trace's columns are fixed by its first write)."""
+    req: dict[str, list] = {"rule": [], **{k: [] for k in SAMPLING_PARAMS}}
+    tok: dict[str, list] = {k: [] for k in (*PROPOSED_FLOAT, *PROPOSED_INT)}
+    probs = step.verify_probs
+    for i in members:
+        n = step.num_draft_tokens[i]
+        vp = probs[i] if probs is not None and i < len(probs) else None
+        if vp is not None and len(vp.per_token["p_target"]) != n:
+            vp = None
+        req["rule"].append(-1 if vp is None else vp.rule)
+        for k in SAMPLING_PARAMS:
+            req[k].append(float("nan") if vp is None else vp.params.get(k, float("nan")))
+        for k in PROPOSED_FLOAT:
+            tok[k].extend([float("nan")] * n if vp is None else vp.per_token[k])
+        for k in PROPOSED_INT:
+            tok[k].extend([-1] * n if vp is None else vp.per_token[k])
+    req_t = {"rule": torch.tensor(req["rule"], dtype=torch.int64)}
+    req_t |= {k: torch.tensor(req[k], dtype=torch.float32) for k in SAMPLING_PARAMS}
+    tok_t = {k: torch.tensor(tok[k], dtype=torch.float32) for k in PROPOSED_FLOAT}
+    tok_t |= {k: torch.tensor(tok[k], dtype=torch.int64) for k in PROPOSED_INT}
+    return req_t, tok_t
+
+
 def new_request(nr: Any) -> NewRequest:
     """A `NewRequest` from vLLM's `NewRequestData` (V1 and V2 schedulers): its id, prompt,
     prefix-cache hit and the `SamplingParams` the engine resolved for it (the API server has
@@ -150,6 +291,9 @@ def restrict(step: Step, keep: list[int]) -> Step:
         new_requests=step.new_requests,  # already only the kept ones (the hooks choose)
         draft_token_ids=drafts,
         sampled=[step.sampled[i] for i in keep] if step.sampled is not None else None,
+        verify_probs=[step.verify_probs[i] for i in keep]
+        if step.verify_probs is not None
+        else None,
     )
     if qs is None or step.target_ids is None:
         return out
@@ -298,6 +442,7 @@ def verify_rows(step: Step, members: list[int]) -> TableWrite:
         bonus.append(row[-1])
         proposed.append(drafts[starts[i] : starts[i + 1]])
         accepted.append(torch.tensor(row[:-1], dtype=torch.int64))
+    rule_req, rule_tok = _verify_sampling_columns(step, members)
     return TableWrite(
         "verify",
         req={
@@ -306,9 +451,10 @@ def verify_rows(step: Step, members: list[int]) -> TableWrite:
             "bonus_id": torch.tensor(bonus, dtype=torch.int64),
             "n_proposed": torch.tensor([ndraft[i] for i in members], dtype=torch.int64),
             "n_accepted": torch.tensor(accept, dtype=torch.int64),
+            **rule_req,
         },
         other={
-            "proposed": {"ids": torch.cat(proposed)},
+            "proposed": {"ids": torch.cat(proposed), **rule_tok},
             "accepted": {"ids": torch.cat(accepted)},
         },
     )

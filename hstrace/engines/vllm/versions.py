@@ -33,6 +33,7 @@ _DRAFTER = "vllm.model_executor.models.llama_eagle3:Eagle3LlamaForCausalLM"
 # the MTP head vLLM serves for a MiMo target (`method: mtp`, model type `mimo_mtp`); the
 # proposer (SpecDecodeBaseProposer) is the same as EAGLE-3's, so only the head is new
 _MTP = "vllm.model_executor.models.mimo_mtp:MiMoMTP"
+_REJECT = "vllm.v1.sample.rejection_sampler:RejectionSampler"
 _V2 = "vllm.v1.worker.gpu."
 _V2_RUNNER = f"{_V2}model_runner:GPUModelRunner"
 _V2_SPEC = f"{_V2}spec_decode.target_dependent_ar.speculator:TargetDependentARSpeculator"
@@ -127,6 +128,15 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         _END,
         ("draft_extend", "draft_step", "logits"),
     ),
+    # the V1 verify: what the rejection rule compares (target rows raw and after the engine's
+    # transforms, the draft's probabilities, the sampling parameters)
+    PatchPoint(
+        f"{_REJECT}.forward",
+        ("self", "metadata", "draft_probs", "logits", "sampling_metadata"),
+        _V,
+        _END,
+        ("verify",),
+    ),
     # Model Runner V2 (0.33+): its runner (aux layers set in load_model; new requests)
     PatchPoint(
         f"{_V2_RUNNER}.load_model",
@@ -182,6 +192,9 @@ ATTRS_READ: dict[str, tuple[str, ...]] = {
         "model_config",
     ),
     "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer": ("method", "vllm_config"),
+    # the V1 verify (`apply_logits_processors` is a method of the class: its signature in
+    # tests/test_vllm_patch_points.py)
+    "vllm.v1.sample.rejection_sampler:RejectionSampler": ("synthetic_mode",),
     # V2: the speculator's config and draft model; the sampler's request states
     "vllm.v1.worker.gpu.model_runner:GPUModelRunner": (
         "use_aux_hidden_state_outputs",
