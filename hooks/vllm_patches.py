@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hstrace.hooks import load_weights
+from hstrace.hooks import control, load_weights
 from hstrace.hooks.common import Recorder, bind_args, install_points
 
 from hstrace.engines import load_audit
@@ -37,6 +37,9 @@ class VLLMRecorder(Recorder):
         self.capture_layers: list[int] | None = None
         self.current: taps.Step | None = None  # the step being collected
         self.collecting = False  # inside the proposer: drafter calls belong to the step
+
+    def on_arm(self) -> None:
+        self.seen_rids = set()  # a new session's trace gets its own requests table
 
 
 REC: VLLMRecorder | None = None
@@ -63,6 +66,7 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step:
         new.append(
             taps.NewRequest(rid, list(nr.prompt_token_ids or []), int(nr.num_computed_tokens))
         )
+    rec.step_requests((n.rid for n in new), req_ids)
     sampled = a.get("sampled_token_ids")
     return taps.Step(
         req_ids=req_ids,
@@ -93,7 +97,7 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
     @functools.wraps(original)
     def propose_draft_token_ids(self, *args, **kwargs):
         rec = REC
-        if rec is None or "step" in rec.disabled:
+        if rec is None or not rec.armed or "step" in rec.disabled:  # dormant: this check only
             return original(self, *args, **kwargs)
         rec.current = rec.run_tap(
             "step", lambda: _begin_step(rec, self, bind_args(original, (self, *args), kwargs))
@@ -340,7 +344,9 @@ def wrap_v2_propose(original: Callable) -> Callable:
     @functools.wraps(original)
     def propose(self, *args, **kwargs):
         rec = REC
-        if rec is None or "step" in rec.disabled or getattr(self, "method", None) != "eagle3":
+        if rec is None or not rec.armed or "step" in rec.disabled:
+            return original(self, *args, **kwargs)
+        if getattr(self, "method", None) != "eagle3":
             return original(self, *args, **kwargs)
         a = bind_args(original, (self, *args), kwargs)
         if a.get("dummy_run") or a.get("is_profile"):
@@ -382,7 +388,7 @@ def wrap_v2_add_requests(original: Callable) -> Callable:
     @functools.wraps(original)
     def add_requests(self, scheduler_output, *args, **kwargs):
         rec = REC
-        if rec is not None:
+        if rec is not None and rec.armed:
 
             def tap():
                 new = []
@@ -410,7 +416,7 @@ def wrap_v2_rejection_sampler(original: Callable) -> Callable:
     def __call__(self, logits, input_batch, *args, **kwargs):
         out = original(self, logits, input_batch, *args, **kwargs)
         rec = REC
-        if rec is not None:
+        if rec is not None and rec.armed:
 
             def tap():
                 w = taps_v2.verify_rows(input_batch, out.sampled_token_ids, out.num_sampled)
@@ -445,4 +451,5 @@ def install(version: Version, cfg: dict[str, Any]) -> VLLMRecorder:
     global REC
     REC = VLLMRecorder(cfg, version)
     install_points(SUPPORT.patch_points_for(version), WRAPPERS, REC)
+    control.serve(REC, "vllm")  # a dormant server's control channel (none otherwise)
     return REC
