@@ -175,34 +175,52 @@ def arm(
 
 
 def _hold(conns: list[Connection], session: Session) -> None:
-    """Wait for every process's `disarmed` event; on KeyboardInterrupt ask each to disarm."""
-    for conn in conns:
-        conn.sock.settimeout(None)
-    pending = list(conns)
-    try:
-        while pending:
-            conn = pending[0]
-            try:
-                event = conn.read()
-            except (ConnectionError, OSError):
-                session.ended[_pid(conn)] = "process_gone"
-                pending.pop(0)
-                continue
-            if event.get("event") == "disarmed":
-                session.ended[int(event["pid"])] = str(event["reason"])
-                pending.pop(0)
-    except KeyboardInterrupt:
-        for conn in pending:
-            try:
-                conn.sock.settimeout(60)
-                conn.fh.write(b'{"cmd": "disarm"}\n')
-                while True:  # the event, then the reply
-                    event = conn.read()
-                    if event.get("event") == "disarmed":
-                        session.ended[int(event["pid"])] = "interrupted"
-                        break
-            except (ConnectionError, OSError, ValueError):
+    """Wait until every process's session ended. The first to end (its limit, `hstrace
+    disarm`, its death) ends the others: only the processes that see steps can count
+    requests, and a session is the whole server's. KeyboardInterrupt here disarms them all."""
+    import selectors
+
+    pending = {conn.fh: conn for conn in conns}
+    asked = False
+    with selectors.DefaultSelector() as sel:
+        for conn in conns:
+            conn.sock.settimeout(60)
+            sel.register(conn.fh, selectors.EVENT_READ)
+        try:
+            while pending:
+                for key, _ in sel.select():
+                    conn = pending.get(key.fileobj)
+                    if conn is None:
+                        continue
+                    try:
+                        event = conn.read()
+                    except (ConnectionError, OSError, ValueError):
+                        event = {"event": "disarmed", "reason": "process_gone", "pid": _pid(conn)}
+                    if event.get("event") != "disarmed":
+                        continue  # the reply to our own disarm (its event came first)
+                    session.ended[int(event["pid"])] = str(event["reason"])
+                    del pending[key.fileobj]
+                    sel.unregister(key.fileobj)
+                if pending and not asked:
+                    asked = True
+                    _ask_disarm(pending.values())
+        except KeyboardInterrupt:
+            _ask_disarm(pending.values())
+            for conn in pending.values():
+                try:
+                    while conn.read().get("event") != "disarmed":
+                        pass
+                except (ConnectionError, OSError, ValueError):
+                    pass
                 session.ended[_pid(conn)] = "interrupted"
+
+
+def _ask_disarm(conns: Any) -> None:
+    for conn in conns:
+        try:
+            conn.fh.write(b'{"cmd": "disarm"}\n')
+        except OSError:
+            pass
 
 
 def _pid(conn: Connection) -> int:
