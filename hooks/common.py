@@ -74,7 +74,9 @@ class Recorder:
         self.closed = False  # the launcher asked this process to close its trace
         self.writer_factory: Callable[[int], Any] | None = None  # tests may inject the real writer
         self.dormant = bool(cfg.get("dormant"))
-        self.armed = not self.dormant
+        self.armed = not self.dormant  # new steps are recorded
+        self.session_open = self.armed  # rows may still be written (until the close)
+        self.stepping = False  # an engine's step wrapper is collecting (see `disarm`)
         # the session: held by the serving thread while it writes, by `disarm` while it closes
         self.session_lock = threading.Lock()
         self.kept_static: dict[str, Any] = {}  # every static item, for traces armed later
@@ -84,6 +86,46 @@ class Recorder:
         self.limit_rids: set[str] = set()  # the first `requests_limit` requests of the session
         self.on_limit: Callable[[str], None] | None = None  # the control channel's disarm
         self._finalizers = False
+        self._deferred: Any = None  # the tap thread's queue (`defer`), started on first use
+
+    # ---- off the serving thread -----------------------------------------------------------------
+
+    DEFER_DEPTH = 8  # steps handed over and not yet written; a full queue stalls serving (block)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (a step's top-k, row building and staging) on this process's tap thread,
+        in order, so the serving thread only collects. `fn` must own what it reads (copies, or
+        tensors the engine never writes again). A full queue blocks: nothing is dropped."""
+        q = self._deferred
+        if q is None:
+            import queue
+
+            with self.lock:
+                if self._deferred is None:
+                    self._deferred = queue.Queue(self.DEFER_DEPTH)
+                    threading.Thread(
+                        target=self._tap_loop, name="hstrace-taps", daemon=True
+                    ).start()
+            q = self._deferred
+        q.put(fn)
+
+    def _tap_loop(self) -> None:
+        q = self._deferred
+        while True:
+            fn = q.get()
+            try:
+                fn()  # its taps run under run_tap: a failure disables one and is recorded
+            except Exception as exc:  # never let the tap thread die
+                print(f"hstrace: deferred tap: {type(exc).__name__}: {exc}", file=sys.stderr)
+            finally:
+                q.task_done()
+
+    def drain(self) -> None:
+        """Wait until every step handed over is written (before a close; never on the serving
+        thread, which is the only one that hands over)."""
+        q = self._deferred
+        if q is not None and threading.current_thread().name != "hstrace-taps":
+            q.join()
 
     def rank(self) -> int:
         import torch.distributed as dist
@@ -139,6 +181,7 @@ class Recorder:
         write_status(self.cfg, {"close_on": int(CLOSE_SIGNAL), "rank": self.rank()})
 
     def close(self) -> None:
+        self.drain()  # steps handed over to the tap thread are written first
         self.closed = True
         if self._writer is not None:
             self._writer.close()  # idempotent: a second call (atexit after Finalize) is a no-op
@@ -151,7 +194,7 @@ class Recorder:
         audit of a model loaded long before), then lets the patch points record. Returns what
         the client merges into the trace: this process's rank and its front-end facts."""
         with self.session_lock:
-            if self.armed:
+            if self.armed or self.session_open:
                 raise RuntimeError("already armed")
             self.cfg = {
                 **self.cfg,
@@ -171,7 +214,7 @@ class Recorder:
                 for name, message in self.kept_errors:
                     w.note_error(name, message)
                 w.flush()
-            self.armed = True
+            self.session_open = self.armed = True
         return {"rank": self.rank(), "main_static": dict(self.kept_main_static)}
 
     def disarm(self) -> bool:
@@ -180,7 +223,16 @@ class Recorder:
         with self.session_lock:
             if not self.armed:
                 return False
-            self.armed = False
+            self.armed = False  # no new step starts recording
+        # a step that began armed is finished and written into this session's trace
+        import time
+
+        deadline = time.monotonic() + 30.0
+        while self.stepping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.drain()
+        with self.session_lock:
+            self.session_open = False
             writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
@@ -207,10 +259,10 @@ class Recorder:
 
     def static(self, items: dict[str, Any]) -> None:
         self.kept_static.update(items)  # a later session's trace gets the load-time audit too
-        if self.closed or not self.armed:
+        if self.closed or not self.session_open:
             return
         with self.session_lock:
-            if not self.armed:
+            if not self.session_open:
                 return
             w = self.writer()
             w.update_static(items)
@@ -229,7 +281,7 @@ class Recorder:
         if self.closed:  # closed on the launcher's request: the run is over
             return
         with self.session_lock:
-            if not self.armed:  # disarmed while the step ran: the session is closed
+            if not self.session_open:  # the session is closed: nothing more to write
                 return
             w = self.writer()
             for tw in writes:
@@ -255,7 +307,7 @@ class Recorder:
                 "\n", " "
             )
             try:
-                if not self.armed:  # dormant: written into the next session's trace
+                if not self.session_open:  # dormant: written into the next session's trace
                     self.kept_errors.append((name, message))
                     return None
                 self.writer().note_error(name, message)

@@ -148,7 +148,8 @@ class Channel:
         """A child forked from this process has its recorder (inherited) but not the listener
         thread: a fresh, disarmed session and a socket of its own."""
         rec = self.rec
-        rec.armed, rec._writer = False, None
+        rec.armed = rec.session_open = rec.stepping = False
+        rec._writer, rec._deferred = None, None  # the parent's writer and tap thread
         rec.session_lock = threading.Lock()
         rec.lock = threading.Lock()
         if self.server is not None:

@@ -78,7 +78,9 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step:
 
 
 def _emit_step(rec: VLLMRecorder, step: taps.Step) -> None:
-    """Each table group is its own tap: one that fails is disabled, the others go on."""
+    """Each table group is its own tap: one that fails is disabled, the others go on. Runs on
+    the recorder's tap thread (`Recorder.defer`): the top-k, the rows and the staging copy."""
+    rec.run_tap("draft", lambda: taps.finish_topk(step))
     new = taps.requests_rows(step.new_requests)
     if new is not None:
         rec.run_tap("requests", lambda: rec.emit([new]))
@@ -93,21 +95,32 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step) -> None:
     rec.run_tap("draft", lambda: rec.emit(taps.draft_rows(step, lens)))
 
 
+def _on_cpu(step: taps.Step) -> bool:
+    t = step.target_ids if step.target_ids is not None else step.draft_token_ids
+    return t is None or not t.is_cuda
+
+
 def wrap_propose_draft_token_ids(original: Callable) -> Callable:
     @functools.wraps(original)
     def propose_draft_token_ids(self, *args, **kwargs):
         rec = REC
         if rec is None or not rec.armed or "step" in rec.disabled:  # dormant: this check only
             return original(self, *args, **kwargs)
-        rec.current = rec.run_tap(
-            "step", lambda: _begin_step(rec, self, bind_args(original, (self, *args), kwargs))
-        )
+        rec.stepping = True  # a disarm waits for this step to be handed over
         try:
-            result = original(self, *args, **kwargs)
+            rec.current = rec.run_tap(
+                "step", lambda: _begin_step(rec, self, bind_args(original, (self, *args), kwargs))
+            )
+            try:
+                result = original(self, *args, **kwargs)
+            finally:
+                step, rec.current, rec.collecting = rec.current, None, False
+            if step is not None and _on_cpu(step):  # collected here; the rest off this thread
+                rec.defer(lambda: _emit_step(rec, step))
+            elif step is not None:  # CUDA: another thread's stream would not wait for the
+                _emit_step(rec, step)  # copies queued on this one (unverified without a GPU)
         finally:
-            step, rec.current, rec.collecting = rec.current, None, False
-        if step is not None:
-            _emit_step(rec, step)
+            rec.stepping = False
         return result
 
     return propose_draft_token_ids
@@ -179,10 +192,14 @@ def wrap_compute_logits(original: Callable) -> Callable:
             step = rec.current
 
             def tap():
-                if step.calls and step.calls[-1].topk is None:
-                    step.calls[-1].topk = taps.draft_topk(
-                        logits.detach(), getattr(self, "draft_id_to_target_id", None)
-                    )
+                last = step.calls[-1] if step.calls else None
+                if last is None or last.topk is not None or last.logits is not None:
+                    return
+                d2t = getattr(self, "draft_id_to_target_id", None)
+                if logits.is_cuda:  # an async kernel here (see propose_draft_token_ids)
+                    last.topk = taps.draft_topk(logits.detach(), d2t)
+                else:  # top-k off the serving thread
+                    last.logits, last.d2t = logits.detach(), d2t
 
             rec.run_tap("draft", tap)
         return logits
@@ -360,6 +377,7 @@ def wrap_v2_propose(original: Callable) -> Callable:
         finally:
             rec.current, rec.collecting = None, False
             if step is not None:
+                taps.finish_topk(step)
                 qs = step.query_start or [0]
                 lens = [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
                 rec.run_tap("target", lambda: rec.emit(taps.target_rows(step, rec.capture_layers)))
