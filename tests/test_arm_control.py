@@ -188,3 +188,27 @@ def test_socket_peer_credentials_are_the_kernels(dormant) -> None:
         s.sendall(b'{"cmd": "hello"}\n')
         reply = json.loads(s.makefile().readline())
     assert reply == {"pid": os.getpid(), "engine": "vllm", "version": "0.32.0", "armed": False}
+
+
+def test_a_disarm_waits_for_the_step_in_flight_and_the_tap_thread(dormant, tmp_path) -> None:
+    """The step a disarm interrupts began armed: its rows (handed to the tap thread after the
+    disarm was asked for) are in the session's trace, and nothing after it."""
+    rec, run, channel = dormant
+    out = tmp_path / "inflight.zarr"
+    t, box = arm_in_thread(run, out)
+    rec.stepping = True  # a step wrapper is collecting (vllm_patches.propose_draft_token_ids)
+    asked = threading.Thread(target=client.disarm, args=(str(run),), daemon=True)
+    asked.start()
+    deadline = time.monotonic() + 10
+    while rec.armed and time.monotonic() < deadline:  # the disarm has begun
+        time.sleep(0.01)
+    assert not rec.armed and rec.session_open
+    rec.defer(lambda: rec.emit([requests_write(["in-flight"], [[4, 5]], [0])]))
+    rec.stepping = False
+    asked.join(30)
+    t.join(30)
+    assert box["session"].ended == {os.getpid(): "disarm"}
+    step(rec, "after")  # dormant again: not recorded
+    with open_trace(out) as tr:
+        assert tr.rank(0).clean_close
+        assert tr.rank(0).table("requests").num_rows("req") == 1
