@@ -242,10 +242,13 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     env = dict(base, HSTRACE_RECORD=dormant_env("vllm", str(run)))
     port = 18471
     proc = launch(port, env, work / "one-server.log")
-    tps: dict[str, list[float]] = {"armed": [], "dormant": []}
+    tps: dict[str, list[float]] = {"armed": [], "dormant": [], "inline": []}
     ratios: list[float] = []
-    drafts: dict[str, float] = {"armed": 0.0, "dormant": 0.0}
+    inline_ratios: list[float] = []
+    drafts: dict[str, float] = {"armed": 0.0, "dormant": 0.0, "inline": 0.0}
     trace_bytes: list[int] = []
+    arm_s: list[float] = []
+    disarm_s: list[float] = []
     try:
         wait_healthy(port, proc)
         control.wait_sockets(run, 2, 120)
@@ -253,31 +256,47 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             round_tps(port, prompts, args.new_tokens)
         for i in range(args.pairs):
             order = ("armed", "dormant") if i % 2 == 0 else ("dormant", "armed")
+            if args.inline_too:  # the same session with the step's work on the serving thread
+                order = (*order, "inline") if i % 2 == 0 else ("inline", *order)
             got: dict[str, float] = {}
             for arm in order:
                 if arm == "dormant":
+                    round_tps(port, prompts, args.warm_tokens)  # as the armed side: untimed
                     d0 = spec_steps(port)
                     got[arm] = round_tps(port, prompts, args.new_tokens)
                     drafts[arm] += spec_steps(port) - d0
                     continue
-                out = work / f"armed-{i}.zarr"
+                out = work / f"{arm}-{i}.zarr"
                 ready, box = threading.Event(), {}
 
-                def session(out=out, ready=ready, box=box):
+                def session(out=out, ready=ready, box=box, arm=arm):
                     try:
-                        box["s"] = control.arm(str(run), out, STREAMS, armed=lambda s: ready.set())
+                        box["s"] = control.arm(
+                            str(run),
+                            out,
+                            STREAMS,
+                            armed=lambda s: ready.set(),
+                            tap_thread=arm == "armed",
+                        )
                     finally:
                         ready.set()
 
+                t0 = time.perf_counter()
                 t = threading.Thread(target=session, daemon=True)
                 t.start()
                 if not ready.wait(120):
                     raise SystemExit("arming timed out")
+                arm_s.append(time.perf_counter() - t0)
+                # untimed: the session's first steps (each table's first write plans its
+                # columns, the writer creates its arrays) are a per-session cost, not a step's
+                round_tps(port, prompts, args.warm_tokens)
                 d0 = spec_steps(port)
                 got[arm] = round_tps(port, prompts, args.new_tokens)
                 drafts[arm] += spec_steps(port) - d0
+                t1 = time.perf_counter()
                 control.disarm(str(run))
                 t.join(120)
+                disarm_s.append(time.perf_counter() - t1)
                 if "s" not in box or not box["s"].ok:
                     raise SystemExit(f"armed round {i}: session did not end cleanly: {box}")
                 trace_bytes.append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
@@ -285,6 +304,8 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             for arm in got:
                 tps[arm].append(got[arm])
             ratios.append(got["armed"] / got["dormant"])
+            if "inline" in got:
+                inline_ratios.append(got["inline"] / got["dormant"])
     finally:
         proc.terminate()
         try:
@@ -311,6 +332,13 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             2,
         ),
         "trace_bytes_per_armed_round": int(statistics.median(trace_bytes)) if trace_bytes else 0,
+        "tokens_per_s_armed_inline": [round(x, 1) for x in tps["inline"]],
+        "ratio_per_pair_inline": [round(r, 3) for r in inline_ratios],
+        "ratio_per_pair_inline_median": round(statistics.median(inline_ratios), 3)
+        if inline_ratios
+        else None,
+        "arm_s_median": round(statistics.median(arm_s), 3) if arm_s else None,
+        "disarm_s_median": round(statistics.median(disarm_s), 3) if disarm_s else None,
     }
 
 
@@ -352,6 +380,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per server run")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--inline-too",
+        action="store_true",
+        help="a third round per pair: armed with the step's work on the serving thread",
+    )
+    ap.add_argument(
+        "--warm-tokens",
+        type=int,
+        default=16,
+        help="one untimed round of this many tokens before each timed one (both sides)",
+    )
     args = ap.parse_args()
 
     from hstrace.trace import create_trace

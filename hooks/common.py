@@ -87,6 +87,7 @@ class Recorder:
         self.on_limit: Callable[[str], None] | None = None  # the control channel's disarm
         self._finalizers = False
         self._deferred: Any = None  # the tap thread's queue (`defer`), started on first use
+        self.tap_thread = True  # a session may ask for the step's work inline (bench's variant)
 
     # ---- off the serving thread -----------------------------------------------------------------
 
@@ -206,6 +207,7 @@ class Recorder:
             self.closed = False
             self.requests_limit = session.get("requests")
             self.limit_rids = set()
+            self.tap_thread = bool(session.get("tap_thread", True))
             self.on_arm()
             if self.kept_static or self.kept_errors:
                 w = self.writer()

@@ -115,7 +115,7 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
                 result = original(self, *args, **kwargs)
             finally:
                 step, rec.current, rec.collecting = rec.current, None, False
-            if step is not None and _on_cpu(step):  # collected here; the rest off this thread
+            if step is not None and rec.tap_thread and _on_cpu(step):  # the rest off this thread
                 rec.defer(lambda: _emit_step(rec, step))
             elif step is not None:  # CUDA: another thread's stream would not wait for the
                 _emit_step(rec, step)  # copies queued on this one (unverified without a GPU)

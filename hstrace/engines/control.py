@@ -123,6 +123,7 @@ def arm(
     requests: int | None = None,
     duration_s: float | None = None,
     armed: Callable[[Session], None] | None = None,
+    tap_thread: bool = True,
 ) -> Session:
     """Arm every process of SERVER into a new trace at `out`, hold the lease until every
     process says its session ended (limit reached, `hstrace disarm`, or KeyboardInterrupt
@@ -153,6 +154,7 @@ def arm(
             "on_full": on_full,
             "requests": requests,
             "duration": duration_s,
+            "tap_thread": tap_thread,  # False: a step's rows built inline (bench's variant)
         }
         live: list[Connection] = []
         for conn in conns:
