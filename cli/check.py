@@ -145,6 +145,8 @@ def check(
     from hstrace.rules import run_static
     from hstrace.training import open_training
 
+    if dialect is None and _holds_mtp_head(drafter):
+        return _check_mtp(drafter, as_json)
     model, report = load_drafter(drafter, dialect=dialect)
     n_layers = _target_layers(target) if target else None
     td = head = None
@@ -253,6 +255,85 @@ def check(
             click.echo(f"judged for {', '.join(f'{n} {v}' for n, v in targets)}{more}")
         for name, why in failed.items():  # last, one line each: what failed, and how
             click.echo(f"judgement incomplete: {name} failed internally: {why} (exit {code})")
+    return code
+
+
+def _holds_mtp_head(path: str) -> bool:
+    """A target checkpoint with an MTP / NextN head (MiMo, DeepSeek-V3-style), not a drafter."""
+    from hstrace.drafter.checkpoint import read_config
+    from hstrace.errors import CheckpointError
+
+    p = Path(path)
+    ckpt = p.parent if p.is_file() else p
+    if not (ckpt / "config.json").is_file():
+        return False
+    try:
+        raw = read_config(ckpt)
+    except CheckpointError:
+        return False  # the drafter loader says what is wrong with it
+    arch = str((raw.get("architectures") or [""])[0])
+    if "eagle" in arch.lower() or "speculators_model_type" in raw or "draft_vocab_size" in raw:
+        return False  # a drafter whose config copied the target's fields
+    return bool(raw.get("num_nextn_predict_layers")) or arch == "MiMoForCausalLM"
+
+
+def _check_mtp(path: str, as_json: bool) -> int:
+    """`hstrace check TARGET_DIR` on a target with an MTP head: which key fills which MTP
+    parameter, which keys vLLM's loader would skip, scales, embedding / head sources, n_predict,
+    and the MTP rules' findings (`hstrace.rules.mtp`)."""
+    from hstrace.drafter.mtp_checkpoint import load_mtp_head, weight_index
+    from hstrace.errors import error_line, unless_internal_failure
+    from hstrace.rules.mtp import MTP_RULES, MTPFacts
+    from hstrace.rules.table import run_rules
+
+    _, report = load_mtp_head(path)  # CheckpointError (one line) for a bad checkpoint
+    keys = sorted(weight_index(Path(report.path)))
+    failed: dict[str, str] = {}
+    facts = unless_internal_failure(
+        lambda: MTPFacts(report, keys), lambda e: failed.__setitem__("MTP facts", error_line(e))
+    )
+    findings: list[Finding] = []
+    if facts is not None:
+        run = run_rules(MTP_RULES, facts)
+        failed.update(run.failed)
+        findings = in_dataflow_order(run.findings)
+    faults = sum(f.severity == "fault" for f in findings)
+    code = EXIT_FAULT if faults else (EXIT_COULD_NOT_JUDGE if failed else EXIT_CLEAN)
+    vllm = {k: v.fate for k, v in facts.vllm.items()} if facts is not None else {}
+    if as_json:
+        doc = {
+            "kind": "mtp-head",
+            "load_report": report.to_json(),
+            "vllm_key_fates": vllm,
+            "vllm_parameters_not_filled": facts.vllm_unfilled if facts is not None else None,
+            "findings": [f.to_json() for f in findings],
+            "complete": not failed,
+            "failed": failed,
+            "exit_code": code,
+        }
+        click.echo(json.dumps(doc, indent=2, default=str))
+        return code
+    r = report
+    click.echo(
+        f"MTP head ({r.layout} layout) in {r.path}: n_predict {r.n_predict}, layers at "
+        f"{', '.join(p + '*' for p in r.layer_prefixes)}"
+    )
+    click.echo(f"embedding from {r.embed_source}, output head from {r.head_source}")
+    for key, name in r.key_map.items():
+        fate = f"  [vLLM: {vllm[key]}]" if key in vllm and vllm[key] != "loaded" else ""
+        click.echo(f"  {key} -> {name or '(nothing)'}{fate}")
+    for key, fate in vllm.items():
+        if key not in r.key_map and fate != "loaded":
+            click.echo(f"  {key} (outside the MTP prefix)  [vLLM: {fate}]")
+    click.echo(f"quantization scales: {', '.join(r.scales) or 'none'}")
+    if not findings:
+        click.echo("no findings (MTP weights, vLLM's loader, scales, embedding / head)")
+    for f in findings:
+        click.echo(f"{f.severity} {f.code} [{f.stage}] {f.summary}")
+        click.echo(f"    evidence: {json.dumps(f.evidence, default=str)}")
+        click.echo(f"    fix: {f.fix}")
+    for name, why in failed.items():
+        click.echo(f"judgement incomplete: {name} failed internally: {why} (exit {code})")
     return code
 
 

@@ -62,7 +62,9 @@ def parse_streams(value: str | None) -> frozenset[str]:
     "--prompts",
     "prompts_file",
     type=click.Path(path_type=Path),
-    help="JSONL: input_ids or text per line.",
+    help="JSONL, one object a line: prompt | prompt_token_ids | messages [{role, content}], "
+    "optional sampling {temperature, top_p, top_k, min_p, repetition_penalty, "
+    "frequency_penalty, presence_penalty, seed, max_tokens}.",
 )
 @click.option(
     "--prompts-from",
@@ -116,6 +118,39 @@ def parse_streams(value: str | None) -> frozenset[str]:
     help="Seconds to wait for the server to become healthy.",
 )
 @click.option(
+    "--serve",
+    is_flag=True,
+    help="Passive recording: start the server with the hooks, print its address, and record "
+    "what your own clients send (OpenAI or native API, any sampling) until --requests N "
+    "finished, --duration S passed, or Ctrl-C / SIGTERM; then close the trace.",
+)
+@click.option(
+    "--requests",
+    "stop_requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="--serve: stop after N requests finished (the engine's own counter).",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="--serve: stop after S seconds of serving.",
+)
+@click.option(
+    "--sample-every",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="vLLM: record one request in K (the 1st, K+1-th, ...); the others pay only a check.",
+)
+@click.option(
+    "--parity",
+    is_flag=True,
+    help="After recording, run the same greedy prompts on the same server command with "
+    "speculative decoding off and compare outputs token by token (spec-changes-output).",
+)
+@click.option(
     "--json",
     "as_json",
     is_flag=True,
@@ -139,6 +174,11 @@ def record(
     knobs: tuple[str, ...],
     startup_timeout: float,
     concurrency: int,
+    serve: bool,
+    stop_requests: int | None,
+    duration: float | None,
+    sample_every: int,
+    parity: bool,
     as_json: bool,
 ) -> None:
     """Run an engine with hstrace's hooks and record a trace.
@@ -149,10 +189,11 @@ def record(
         engine_name = engine_for_command(server_cmd) if server_cmd else "reference"
     if engine_spec(engine_name).support is not None and not server_cmd:
         raise click.UsageError(f"--engine {engine_name} needs --server-cmd")
-    if (prompts_file is None) == (training_dir is None):
-        raise click.UsageError(
-            "give exactly one of --prompts FILE.jsonl or --prompts-from TRAINING_DIR"
-        )
+    check_mode(serve, prompts_file, training_dir, stop_requests, duration, parity)
+    if (serve or sample_every > 1) and engine_spec(engine_name).support is None:
+        raise click.UsageError(f"--serve / --sample-every need a server engine, not {engine_name}")
+    if sample_every > 1 and (engine_name != "vllm" or runner == "v2"):
+        raise click.UsageError("--sample-every is supported on vLLM's V1 model runner only")
     if out.exists():
         raise HstraceError(f"{out} already exists; hstrace record never overwrites a trace")
     if knobs and engine_name != "reference":
@@ -173,6 +214,7 @@ def record(
         startup_timeout_s=startup_timeout,
         concurrency=concurrency,
         show_progress=sys.stderr.isatty(),
+        sample_every=sample_every,
     )
     engine = get_engine(
         engine_name,
@@ -181,12 +223,26 @@ def record(
         ),
     )
     engine.check_supported()  # refuse before anything starts or any prompt is read twice
-    prompts = (
-        load_prompts_jsonl(prompts_file)
-        if prompts_file is not None
-        else load_prompts_from_training(training_dir, samples)
-    )  # type: ignore[arg-type]
-    result = engine.record(prompts, out, options)
+    parity_report: dict | None = None
+    if serve:
+        from hstrace.engines.server import ServeUntil
+
+        result = engine.serve(out, options, ServeUntil(stop_requests, duration))  # type: ignore[attr-defined]
+    else:
+        prompts = (
+            load_prompts_jsonl(prompts_file)
+            if prompts_file is not None
+            else load_prompts_from_training(training_dir, samples)
+        )  # type: ignore[arg-type]
+        plain_cmd = None
+        if parity:  # refuse before the first server starts
+            plain_cmd = command_without_speculation(engine_name, server_cmd)
+        result = engine.record(prompts, out, options)
+        if parity and result.ok:
+            parity_report = run_parity(
+                engine_name, plain_cmd, extra, prompts, result, options, startup_timeout
+            )
+            keep_parity(out, parity_report)
     if as_json:
         import json
 
@@ -201,7 +257,9 @@ def record(
                     "ok": result.ok,
                     "error": result.error,
                     "send_wall_s": result.send_wall_s,
-                    "exit_code": 0 if result.ok else 1,
+                    "stopped_by": result.stopped_by,
+                    "parity": parity_report,
+                    "exit_code": 0 if result.ok and not parity_failed(parity_report) else 1,
                 },
                 indent=2,
             )
@@ -210,9 +268,112 @@ def record(
         f"recorded {result.prompts_completed}/{result.prompts_sent} prompts with "
         f"{result.engine} {result.engine_version} into {result.out}"
     )
+    if result.stopped_by is not None:
+        summary = (
+            f"recorded {result.prompts_completed} requests of your clients with {result.engine} "
+            f"{result.engine_version} into {result.out} (stopped: {result.stopped_by})"
+        )
     if not result.ok:
         click.echo(f"hstrace: {summary}; the trace keeps what was recorded and says so", err=True)
         click.echo(f"hstrace: error: {result.error}", err=True)
         sys.exit(1)
     if not as_json:
         click.echo(summary)
+        if parity_report is not None:
+            click.echo(parity_line(parity_report))
+    if parity_failed(parity_report):
+        sys.exit(1)
+
+
+def check_mode(
+    serve: bool,
+    prompts_file: Path | None,
+    training_dir: Path | None,
+    stop_requests: int | None,
+    duration: float | None,
+    parity: bool,
+) -> None:
+    """Driven (prompts given) or passive (--serve) recording, with each one's options only."""
+    if serve:
+        if prompts_file is not None or training_dir is not None:
+            raise click.UsageError("--serve records your own clients: no --prompts/--prompts-from")
+        if parity:
+            raise click.UsageError("--parity replays the prompts hstrace sends: not with --serve")
+        return
+    if stop_requests is not None or duration is not None:
+        raise click.UsageError("--requests / --duration apply only to --serve")
+    if (prompts_file is None) == (training_dir is None):
+        raise click.UsageError(
+            "give exactly one of --prompts FILE.jsonl or --prompts-from TRAINING_DIR (or --serve)"
+        )
+
+
+def command_without_speculation(engine_name: str, server_cmd: str | None) -> str:
+    import shlex
+
+    try:
+        return shlex.join(
+            engine_spec(engine_name).without_speculation(shlex.split(server_cmd or ""))
+        )
+    except ValueError as exc:
+        raise click.UsageError(f"--parity: {exc}") from exc
+
+
+def run_parity(
+    engine_name: str,
+    plain_cmd: str | None,
+    extra: dict,
+    prompts: list,
+    result,
+    options: RecordOptions,
+    startup_timeout: float,
+) -> dict:
+    """The same prompts on the same server command with speculation off (no hooks), compared
+    with the recorded run token by token (`hstrace.engines.parity`)."""
+    import dataclasses
+    import shlex
+    import shutil
+    import tempfile
+
+    from hstrace.engines.parity import compare_outputs
+
+    click.echo(f"hstrace: parity: the same prompts without speculation: {plain_cmd}", err=True)
+    plain = get_engine(
+        engine_name, EngineConfig(server_cmd=plain_cmd, extra={**extra, "baseline": True})
+    )
+    scratch = Path(tempfile.mkdtemp(prefix="hstrace-parity-")) / "plain.zarr"
+    plain_result = plain.record(prompts, scratch, dataclasses.replace(options))
+    if not plain_result.ok:
+        raise HstraceError(f"--parity: the run without speculation failed: {plain_result.error}")
+    shutil.rmtree(scratch.parent, ignore_errors=True)  # only its outputs were needed
+    report = compare_outputs(prompts, result.request_metrics, plain_result.request_metrics)
+    report["command_without_speculation"] = shlex.split(plain_cmd or "")
+    return report
+
+
+def keep_parity(out: Path, report: dict) -> None:
+    """The comparison goes in the trace (`static.parity`): replay reports it too."""
+    import zarr
+
+    root = zarr.open_group(str(out), mode="r+")
+    meta = dict(root.attrs.get("hstrace", {}))
+    meta["static"] = {**(meta.get("static") or {}), "parity": report}
+    root.attrs["hstrace"] = meta
+
+
+def parity_failed(report: dict | None) -> bool:
+    return bool(report and report.get("first_difference"))
+
+
+def parity_line(report: dict) -> str:
+    from hstrace.diagnose.parity import parity_findings
+
+    skipped = f", {len(report['skipped'])} not compared" if report["skipped"] else ""
+    found = parity_findings(report)
+    if not found:
+        return (
+            f"parity held ({report['requests']} requests, {report['tokens']} tokens"
+            f"{skipped}): speculation does not change the greedy output"
+        )
+    f = found[0]
+    return f"{f.code}: {f.summary}\n  fix: {f.fix}"

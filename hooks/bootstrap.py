@@ -80,7 +80,10 @@ def _activate_engine(cfg: dict[str, Any], via: str, engine: str) -> bool:
             "there",
         )
     try:
-        version = spec.support.check_supported_version(text)
+        # the launcher vouches for an untested release whose source it checked
+        version = spec.support.check_supported_version(
+            text, source_checked=cfg.get("source_checked") == text
+        )
     except EngineError as exc:
         _refuse(cfg, str(exc))
         return False

@@ -37,6 +37,20 @@ class VLLMRecorder(Recorder):
         self.capture_layers: list[int] | None = None
         self.current: taps.Step | None = None  # the step being collected
         self.collecting = False  # inside the proposer: drafter calls belong to the step
+        # `record --sample-every K`: one request in K is recorded (the K-th seen, counting
+        # from the first); a step with none of them costs only this membership check
+        self.sample_every = max(1, int(cfg.get("sample_every") or 1))
+        self.admitted = 0
+        self.kept: set[str] = set()
+        self.keep_at: list[int] | None = None  # batch indices of kept requests in this step
+
+    def admit(self, rid: str) -> bool:
+        """Whether a request seen for the first time is recorded."""
+        keep = self.admitted % self.sample_every == 0
+        self.admitted += 1
+        if keep:
+            self.kept.add(rid)
+        return keep
 
     def on_arm(self) -> None:
         self.seen_rids = set()  # a new session's trace gets its own requests table
@@ -52,21 +66,36 @@ def _tolist(x: Any) -> list:
 # ---- per step -------------------------------------------------------------------------------
 
 
-def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step:
-    batch = runner.input_batch
-    req_ids = [str(r) for r in list(batch.req_ids)[: batch.num_reqs]]
-    meta = a.get("spec_decode_metadata")
-    ndraft = [int(n) for n in meta.num_draft_tokens] if meta is not None else [0] * len(req_ids)
+def _new_requests(rec: VLLMRecorder, scheduler_output: Any) -> list[taps.NewRequest]:
+    """The requests scheduled for the first time that are recorded (all, unless
+    --sample-every); finished ones leave the kept set."""
     new = []
-    for nr in getattr(a["scheduler_output"], "scheduled_new_reqs", None) or []:
+    for nr in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
         rid = str(nr.req_id)
         if rid in rec.seen_rids:
             continue
         rec.seen_rids.add(rid)
-        new.append(
-            taps.NewRequest(rid, list(nr.prompt_token_ids or []), int(nr.num_computed_tokens))
-        )
+        if rec.admit(rid):
+            new.append(taps.new_request(nr))
+    if rec.sample_every > 1:
+        for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
+            rec.kept.discard(str(rid))
+    return new
+
+
+def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step | None:
+    batch = runner.input_batch
+    req_ids = [str(r) for r in list(batch.req_ids)[: batch.num_reqs]]
+    new = _new_requests(rec, a["scheduler_output"])
+    rec.keep_at = None
+    if rec.sample_every > 1:
+        keep = [i for i, r in enumerate(req_ids) if r in rec.kept]
+        if not keep:
+            return None  # no recorded request in this step: nothing copied
+        rec.keep_at = keep
     rec.step_requests((n.rid for n in new), req_ids)
+    meta = a.get("spec_decode_metadata")
+    ndraft = [int(n) for n in meta.num_draft_tokens] if meta is not None else [0] * len(req_ids)
     sampled = a.get("sampled_token_ids")
     return taps.Step(
         req_ids=req_ids,
@@ -77,10 +106,21 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step:
     )
 
 
-def _emit_step(rec: VLLMRecorder, step: taps.Step) -> None:
+_NOW: Any = object()
+
+
+def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
     """Each table group is its own tap: one that fails is disabled, the others go on. Runs on
-    the recorder's tap thread (`Recorder.defer`): the top-k, the rows and the staging copy."""
+    the recorder's tap thread (`Recorder.defer`): the top-k, the rows and the staging copy.
+    `keep_at`: the batch indices kept by --sample-every, as they were when the step began
+    (the serving thread has moved on by now); default: the recorder's current ones."""
     rec.run_tap("draft", lambda: taps.finish_topk(step))
+    keep = rec.keep_at if keep_at is _NOW else keep_at
+    if keep is not None:
+        cut = rec.run_tap("step", lambda: taps.restrict(step, keep))
+        if cut is None:
+            return
+        step = cut
     new = taps.requests_rows(step.new_requests)
     if new is not None:
         rec.run_tap("requests", lambda: rec.emit([new]))
@@ -116,7 +156,8 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
             finally:
                 step, rec.current, rec.collecting = rec.current, None, False
             if step is not None and rec.tap_thread and _on_cpu(step):  # the rest off this thread
-                rec.defer(lambda: _emit_step(rec, step))
+                keep = rec.keep_at
+                rec.defer(lambda: _emit_step(rec, step, keep))
             elif step is not None:  # CUDA: another thread's stream would not wait for the
                 _emit_step(rec, step)  # copies queued on this one (unverified without a GPU)
         finally:
@@ -316,6 +357,7 @@ def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
             "lm_head_shared_with_target": getattr(model, "lm_head", None) is not None
             and getattr(model, "lm_head", None) is getattr(target_model, "lm_head", None),
         },
+        "tp": _tp_static(model, spec),
         "spec": settings,
         "acceptance": audit.acceptance_setting(
             getattr(spec, "rejection_sample_method", None),
@@ -337,6 +379,23 @@ def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
         if drafter_path.is_dir()
         else {},
     }
+
+
+def _tp_static(model: Any, spec: Any) -> dict[str, Any]:
+    """This rank's place in the tensor-parallel group, its shards of the drafter's embedding
+    and head (`audit.tp_record`), and the draft TP size the speculative config settled on (0.32
+    accepts 1 or the target's; the EAGLE proposer builds the drafter under the target's
+    parallel config whatever it says: the head's `tp_size` is what was served). The rank and
+    group size are the head's own (vLLM's vocab-parallel layers keep them)."""
+    inner = getattr(model, "model", model)
+    embed, head = getattr(inner, "embed_tokens", None), getattr(model, "lm_head", None)
+    layer = head if getattr(head, "tp_size", None) is not None else embed
+    rank = int(getattr(layer, "tp_rank", REC.rank() if REC is not None else 0))
+    record = audit.tp_record(rank, int(getattr(layer, "tp_size", 1)), embed, head)
+    record["draft_tensor_parallel_size_configured"] = getattr(
+        spec, "draft_tensor_parallel_size", None
+    )
+    return record
 
 
 def wrap_proposer_load_model(original: Callable) -> Callable:
@@ -409,15 +468,7 @@ def wrap_v2_add_requests(original: Callable) -> Callable:
         if rec is not None and rec.armed:
 
             def tap():
-                new = []
-                for nr in getattr(scheduler_output, "scheduled_new_reqs", None) or []:
-                    rid = str(nr.req_id)
-                    if rid in rec.seen_rids:
-                        continue
-                    rec.seen_rids.add(rid)
-                    ids = list(nr.prompt_token_ids or [])
-                    new.append(taps.NewRequest(rid, ids, int(nr.num_computed_tokens)))
-                w = taps.requests_rows(new)
+                w = taps.requests_rows(_new_requests(rec, scheduler_output))
                 if w is not None:
                     rec.emit([w])
 

@@ -80,6 +80,7 @@ _DRIFT_FIX = (
 # The what-if search's hypotheses (diagnose.config:whatif_findings maps each to its code).
 _WHATIF = "diagnose.config:whatif_findings"
 _RULES = "rules.checkpoint"
+_MTP_RULES = "rules.mtp"  # the MTP head's table (hstrace.rules.mtp.MTP_RULES)
 
 _ALL: tuple[Code, ...] = (
     Code(
@@ -148,7 +149,12 @@ _ALL: tuple[Code, ...] = (
         "weights-dropped",
         "weights",
         "checkpoint tensors were not loaded (key prefix or name the engine does not map)",
-        ("diagnose.config:static_load_findings", _RULES, "diagnose.weights:weights_dropped"),
+        (
+            "diagnose.config:static_load_findings",
+            _RULES,
+            _MTP_RULES,
+            "diagnose.weights:weights_dropped",
+        ),
         fix={
             "": "rename the checkpoint keys to the names the engine maps (SGLang: fc.*, "
             "midlayer.* or layers.0.*, norm.*, lm_head.*, d2t); unknown keys are dropped "
@@ -161,7 +167,7 @@ _ALL: tuple[Code, ...] = (
         "embed-head-source",
         "weights",
         "embeddings or lm_head come from another source than in training",
-        (_RULES, _WHATIF),
+        (_RULES, _MTP_RULES, _WHATIF),
         fix={
             "what-if": "the engine replaces the drafter's trained embed_tokens with the "
             "target's (SGLang set_embed); serve with an engine that loads the draft embedding, "
@@ -356,6 +362,29 @@ _ALL: tuple[Code, ...] = (
         },
     ),
     Code(
+        "rank-divergence",
+        "draft-logits",
+        "the same request and step gets different draft ids, states or drafters on different "
+        "tensor-parallel ranks",
+        ("diagnose.ranks:rank_divergence",),
+        fix={
+            "": "every rank must build the same drafter and draft the same ids: compare the "
+            "ranks' load audits and serve with the draft tensor-parallel size equal to the "
+            "target's (known: vllm #50158 ranks disagreeing on the shared embedding, vllm PR "
+            "#31886 and vllm-ascend PR #5519 draft TP forced to the target's, ROCm/ATOM PR "
+            "#2049 ranks accepting different counts on 1-ULP ties)",
+            "local-argmax": "rank {rank} takes its draft argmax over its own vocab shard "
+            "[{start}, {end}): gather the drafter's logits across the tensor-parallel group "
+            "(all-gather) before the argmax, as TensorRT-LLM PR #16440 does",
+            "load-audit": "the ranks built different drafters ({items} differ between rank 0 "
+            "and rank {rank}): load the same checkpoint and share the target's embedding and "
+            "head on every rank or on none (vllm #50158; the collapse survives PR #50280)",
+            "states": "the aux hidden states should be replicated after the all-reduce but "
+            "differ on rank {rank}: check the tensor-parallel all-reduce of the captured layers "
+            "and that every rank captures the same layer ids",
+        },
+    ),
+    Code(
         "teacher-norm",
         "acceptance",
         "the training teacher used another final norm than the target applies",
@@ -375,6 +404,19 @@ _ALL: tuple[Code, ...] = (
         fix={
             "": "judge the drafter by accuracy against the full-vocab target argmax; rebuild "
             "d2t/t2d from the serving traffic's token frequencies or raise draft_vocab_size"
+        },
+    ),
+    Code(
+        "spec-changes-output",
+        "acceptance",
+        "speculative decoding changes the engine's greedy output",
+        ("diagnose.parity:spec_changes_output",),
+        fix={
+            "": "the engine's verify or its state rollback differs from plain decoding at "
+            "request {request} position {position}: rerun that request with and without "
+            "speculation and report it to the engine (a hybrid or stateful target whose state "
+            "is not rolled back after a rejected draft, vllm PR #50146, is the known cause); "
+            "serve without speculation until it is fixed"
         },
     ),
     Code(

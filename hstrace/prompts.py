@@ -9,39 +9,94 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hstrace.engines.base import Prompt
+from hstrace.engines.base import SAMPLING_PARAMS, Prompt
 from hstrace.errors import HstraceError, TrainingDataError
 
 
 def load_prompts_jsonl(path: Path) -> list[Prompt]:
-    """One JSON object per line with `input_ids` (list of ints) or `text` (or `prompt`)."""
+    """One JSON object per line (blank lines skipped), exactly one of:
+    `prompt` / `text` (str), `prompt_token_ids` / `input_ids` (non-empty list of non-negative
+    ints, sent as-is), `messages` (non-empty list of `{"role": str, "content": str}`: the chat
+    API); optional `sampling` (an object of `SAMPLING_PARAMS`) and `id`. A bad line raises
+    `HstraceError` naming the file, the line and what is wrong (`record` exits 2)."""
     prompts: list[Prompt] = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise HstraceError(f"cannot read prompts file {path}: {exc.strerror}") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise HstraceError(f"cannot read prompts file {path}: {why}") from exc
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
+        where = f"{path}:{lineno}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise HstraceError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-        source_id = str(obj.get("id", f"{path.name}:{lineno}")) if isinstance(obj, dict) else None
-        if isinstance(obj, dict) and isinstance(obj.get("input_ids"), list):
-            ids = obj["input_ids"]
-            if not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise HstraceError(
-                    f"{path}:{lineno}: input_ids must be non-empty non-negative ints"
-                )
-            prompts.append(Prompt(input_ids=tuple(ids), source_id=source_id))
-        elif isinstance(obj, dict) and isinstance(obj.get("text", obj.get("prompt")), str):
-            prompts.append(Prompt(text=obj.get("text", obj.get("prompt")), source_id=source_id))
-        else:
-            raise HstraceError(f"{path}:{lineno}: expected an object with input_ids or text")
+            raise HstraceError(f"{where}: not valid JSON ({exc.msg})") from exc
+        if not isinstance(obj, dict):
+            raise HstraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        prompts.append(_prompt_of(obj, where, str(obj.get("id", f"{path.name}:{lineno}"))))
     if not prompts:
         raise HstraceError(f"prompts file {path} holds no prompts")
     return prompts
+
+
+_INPUTS = ("prompt", "text", "prompt_token_ids", "input_ids", "messages")
+
+
+def _prompt_of(obj: dict, where: str, source_id: str) -> Prompt:
+    given = [k for k in _INPUTS if k in obj]
+    if len(given) != 1:
+        said = f"got {', '.join(given)}" if given else "got none"
+        raise HstraceError(
+            f"{where}: expected exactly one of prompt, prompt_token_ids or messages ({said})"
+        )
+    key, value = given[0], obj[given[0]]
+    sampling = _sampling_of(obj.get("sampling"), where)
+    if key in ("prompt", "text"):
+        if not isinstance(value, str):
+            raise HstraceError(f"{where}: {key} must be a string")
+        return Prompt(text=value, source_id=source_id, sampling=sampling)
+    if key in ("prompt_token_ids", "input_ids"):
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+        ):
+            raise HstraceError(f"{where}: {key} must be a non-empty list of non-negative ints")
+        return Prompt(input_ids=tuple(value), source_id=source_id, sampling=sampling)
+    if not isinstance(value, list) or not value:
+        raise HstraceError(f"{where}: messages must be a non-empty list of {{role, content}}")
+    turns = []
+    for j, m in enumerate(value):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise HstraceError(
+                f"{where}: messages[{j}] must be an object with string role and content"
+            )
+        turns.append((m["role"], m["content"]))
+    return Prompt(messages=tuple(turns), source_id=source_id, sampling=sampling)
+
+
+def _sampling_of(value: object, where: str) -> tuple[tuple[str, float | int], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise HstraceError(f"{where}: sampling must be an object")
+    out = []
+    for k, v in value.items():
+        if k not in SAMPLING_PARAMS:
+            raise HstraceError(
+                f"{where}: unknown sampling parameter {k!r} (known: {', '.join(SAMPLING_PARAMS)})"
+            )
+        if isinstance(v, bool) or not isinstance(v, SAMPLING_PARAMS[k]):
+            kind = "an integer" if SAMPLING_PARAMS[k] is int else "a number"
+            raise HstraceError(f"{where}: sampling.{k} must be {kind}, got {v!r}")
+        out.append((k, v))
+    return tuple(out)
 
 
 def load_prompts_from_training(directory: Path, samples: int) -> list[Prompt]:

@@ -5,6 +5,7 @@ and `report --against` draws the real fingerprint matrix. Slow: it may build the
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import zipfile
@@ -136,7 +137,24 @@ def test_report_draws_the_real_fingerprints(world, runs, tmp_path):
     )
     assert out.returncode == 1, out.stderr  # a fault was found
     page = (tmp_path / "r.html").read_text()
-    assert "aux-order" in page and page.count('class="cell"') == 9 and "<script" not in page
+    assert "aux-order" in page and "<script" not in page
+    slots = re.search(r'<svg[^>]*class="heatmap slots".*?</svg>', page, re.S).group(0)
+    assert slots.count('class="cell"') == 9
+    # the cells that decided it are outlined: each serving slot on the training slot it holds
+    order = json.loads(
+        run_main(
+            "replay",
+            str(swapped),
+            "--against",
+            str(world / "training-speculators"),
+            "--drafter",
+            str(world / "drafter-speculators"),
+            "--json",
+        ).stdout
+    )["findings"][0]["evidence"]["serving_slot_is_training_slot"]
+    held = re.findall(r'class="mark mark-match" data-row="(\d+)" data-col="(\d+)"', slots)
+    assert sorted((int(i), int(j)) for i, j in held) == list(enumerate(order))
+    assert order != [0, 1, 2]
     with zipfile.ZipFile(tmp_path / "x.zip", "w") as zf:  # an unrelated zip is a clean error
         zf.writestr("a.txt", "x")
     bad = run_main("report", str(tmp_path / "x.zip"), "--html", str(tmp_path / "b.html"))

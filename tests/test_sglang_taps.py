@@ -273,3 +273,28 @@ def test_a_raising_tap_is_disabled_recorded_and_serving_goes_on(world, monkeypat
     assert "tap bug" in rank.errors[0]["message"]
     assert rank.table("verify") is None
     assert rank.table("draft_extend").num_steps == 2  # the other taps kept recording
+
+
+def test_requests_rows_hold_sglangs_resolved_sampling_params() -> None:
+    """The `requests` row's sampling columns read off SGLang's own `SamplingParams` as its
+    `__post_init__` resolved them: temperature 0 becomes SGLang's greedy (1.0 with top_k 1),
+    -1 top_k the whole vocabulary; the seed and max_new_tokens under the trace's names."""
+    from types import SimpleNamespace
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=9, presence_penalty=0.3)
+    sampled = SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=-1, min_p=0.05, repetition_penalty=1.1, sampling_seed=7
+    )
+    reqs = [
+        SimpleNamespace(rid="g", origin_input_ids=[1, 2], sampling_params=greedy),
+        SimpleNamespace(rid="s", origin_input_ids=[3], sampling_params=sampled),
+    ]
+    w = sglang_taps.requests_rows(SimpleNamespace(reqs=reqs, prefix_lens=[0, 0]), set())
+    assert w is not None
+    assert w.req["temperature"].tolist() == [1.0, 0.8] and w.req["top_k"].tolist()[0] == 1
+    assert w.req["top_k"].tolist()[1] == sampled.top_k > 1  # SGLang's "all"
+    assert w.req["max_tokens"].tolist() == [9, sampled.max_new_tokens]
+    assert w.req["seed"].tolist() == [-1, 7]
+    assert w.req["presence_penalty"].tolist() == [0.3, 0.0]
+    assert w.req["min_p"].tolist() == [0.0, 0.05] and w.req["top_p"].tolist() == [1.0, 0.9]
+    assert w.req["repetition_penalty"].tolist() == [1.0, 1.1]

@@ -23,6 +23,7 @@ KEYS = {
     "clean_close",
     "steps",
     "requests",
+    "request_list",
     "tokens",
     "draft_rows",
     "acceptance",
@@ -58,6 +59,10 @@ def test_show_example_json_matches_the_reader():
         }
         assert s["draft_rows"]["draft_step"] == r.table("draft_step").num_rows("tok")
         assert s["requests"] == len(np.unique(r.table("requests").column("req", "req_key")))
+        req = r.table("requests")
+        rid_bytes = bytes(np.asarray(req.column("rid", "bytes"), dtype=np.uint8))
+        assert "".join(e["rid"] for e in s["request_list"]) == rid_bytes.decode()
+        assert [e["n_prompt"] for e in s["request_list"]] == req.column("req", "n_prompt").tolist()
         al = verify.column("req", "accept_len")
         acc = s["acceptance"]
         assert acc["verify_rows"] == al.size

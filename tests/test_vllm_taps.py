@@ -249,3 +249,68 @@ def test_engine_detection_and_prometheus_counters() -> None:
         "vllm:spec_decode_num_drafts_total": 26.0,
         "vllm:spec_decode_num_accepted_tokens_per_pos_total": {"1": 4.0},
     }
+
+
+def test_restrict_keeps_exactly_the_sampled_requests_rows() -> None:
+    """`record --sample-every K`: a step cut to request B alone writes B's rows of the full
+    step, row for row (target verify, verify outcome, draft extend, chain), and nothing of A."""
+    step = mixed_step()
+    full = taps.step_rows(step, [2, 5, 4])
+    cut_step = taps.restrict(step, [1])
+    cut_step.new_requests = []  # the hooks admit only kept requests; A was not kept
+    cut = taps.step_rows(cut_step, [2, 5, 4])
+    assert [w.table for w in cut] == [
+        "target",
+        "verify",
+        "draft_extend",
+        "draft_step",
+        "draft_step",
+    ]
+    t_full, t_cut = full[2], cut[0]
+    assert t_cut.step == {"mode": 1} and t_cut.req["req_key"].tolist() == [request_key("B")]
+    for col in ("input_ids", "positions", "aux_hidden"):
+        assert torch.equal(t_cut.tok[col], t_full.tok[col])
+    assert cut[1].req["accept_len"].tolist() == [2]
+    assert cut[1].other["accepted"]["ids"].tolist() == [21, 22]
+    assert cut[1].other["proposed"]["ids"].tolist() == [21, 22, 23]
+    ext_full, ext_cut = full[4], cut[2]
+    assert ext_cut.req["n_tok"].tolist() == [4]
+    for col, v in ext_cut.tok.items():
+        # B's rows 5..8 of the batch (NaN lse where vLLM computed no logits)
+        assert torch.equal(v.nan_to_num(-7.0), ext_full.tok[col][5:9].nan_to_num(-7.0)), col
+    for s_full, s_cut in zip(full[5:], cut[3:], strict=True):
+        assert s_cut.req["req_key"].tolist() == [request_key("B")]
+        for col, v in s_cut.tok.items():
+            assert torch.equal(v.nan_to_num(-7.0), s_full.tok[col][1:2].nan_to_num(-7.0)), col
+    # keeping every request is the step itself
+    assert taps.restrict(step, [0, 1]) is step
+
+
+def test_new_request_reads_the_resolved_sampling_params() -> None:
+    from types import SimpleNamespace
+
+    sp = SimpleNamespace(
+        temperature=0.8,
+        top_p=0.9,
+        top_k=40,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        frequency_penalty=0.2,
+        presence_penalty=0.3,
+        seed=None,
+        max_tokens=17,
+    )
+    nr = SimpleNamespace(
+        req_id="cmpl-1-0", prompt_token_ids=[1, 2], num_computed_tokens=0, sampling_params=sp
+    )
+    w = taps.requests_rows([taps.new_request(nr)])
+    assert w is not None
+    assert w.req["temperature"].dtype == torch.float64 and w.req["temperature"].tolist() == [0.8]
+    assert w.req["top_k"].tolist() == [40] and w.req["max_tokens"].tolist() == [17]
+    assert w.req["seed"].tolist() == [-1]  # not set
+    assert w.req["presence_penalty"].tolist() == [0.3]
+    pooled = SimpleNamespace(
+        req_id="p", prompt_token_ids=[1], num_computed_tokens=0, sampling_params=None
+    )
+    w = taps.requests_rows([taps.new_request(pooled)])
+    assert w is not None and torch.isnan(w.req["temperature"]).all()

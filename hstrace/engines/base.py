@@ -22,19 +22,48 @@ STREAMS: tuple[str, ...] = ("target", "draft_extend", "draft_step", "verify", "r
 DEFAULT_STREAMS: frozenset[str] = frozenset(STREAMS) - {"logits"}
 
 
+# The sampling parameters a prompt may carry (`record --prompts FILE.jsonl`, "sampling"), with
+# the JSON type each takes; the clients send them under each engine's own names.
+SAMPLING_PARAMS: dict[str, type | tuple[type, ...]] = {
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": int,
+    "min_p": (int, float),
+    "repetition_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "presence_penalty": (int, float),
+    "seed": int,
+    "max_tokens": int,
+}
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One request. Exactly one of `input_ids` (sent as-is, no tokenizer in between: used for
-    training samples so serving and training can be compared token for token) or `text`."""
+    training samples so serving and training can be compared token for token), `text`, or
+    `messages` (chat turns `(role, content)`, sent to the engine's chat API, which applies the
+    model's chat template). `sampling`: the request's sampling parameters (`SAMPLING_PARAMS`;
+    absent ones: greedy, `RecordOptions.max_new_tokens`)."""
 
     input_ids: tuple[int, ...] | None = None
     text: str | None = None
     # The caller's name for it (training sample index, JSONL line); kept in the trace.
     source_id: str | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
+    sampling: tuple[tuple[str, float | int], ...] = ()
 
     def __post_init__(self) -> None:
-        if (self.input_ids is None) == (self.text is None):
-            raise ValueError("a Prompt has exactly one of input_ids or text")
+        given = [x is not None for x in (self.input_ids, self.text, self.messages)]
+        if sum(given) != 1:
+            raise ValueError("a Prompt has exactly one of input_ids, text or messages")
+        unknown = {k for k, _ in self.sampling} - set(SAMPLING_PARAMS)
+        if unknown:
+            raise ValueError(f"unknown sampling parameters {sorted(unknown)}")
+
+    def sampling_for(self, max_new_tokens: int) -> dict[str, float | int]:
+        """What the client sends: greedy and `max_new_tokens` unless the prompt says
+        otherwise, then the prompt's own parameters."""
+        return {"temperature": 0.0, "max_tokens": max_new_tokens, **dict(self.sampling)}
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,9 @@ class RecordOptions:
     # Prompts in flight at once (server engines batch them: sglang, vllm); 1 = one after the
     # other.
     concurrency: int = 1
+    # Record one request in K (the 1st, the K+1-th, ... the engine schedules); the hooks only
+    # check the others (vLLM V1 runner).
+    sample_every: int = 1
 
     def __post_init__(self) -> None:
         unknown = set(self.streams) - set(STREAMS)
@@ -88,6 +120,8 @@ class RecordResult:
     request_metrics: list[dict[str, Any]] = field(default_factory=list)
     # Wall seconds of the prompt-sending phase only (no startup): bench/ compares tokens/s.
     send_wall_s: float | None = None
+    # `record --serve`: why the recording stopped (requests finished, time, a signal)
+    stopped_by: str | None = None
 
 
 class Engine(ABC):

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hstrace.trace.schema import SAMPLING_COLUMNS, SAMPLING_FLOAT, SAMPLING_UNSET
+
 
 @dataclass
 class TableWrite:
@@ -39,9 +41,36 @@ def request_keys(rids: Sequence[str]) -> Any:
     return torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
 
 
-def requests_write(rids: Sequence[str], prompts: Sequence[Any], n_cached: Sequence[int]) -> Any:
-    """One `requests` row per new request: its id (bytes and hash), prompt token ids, and the
-    prompt tokens the engine served from its prefix cache."""
+# The sampling parameters of a request as the engine resolved them: the trace's columns
+# (hstrace.trace.schema.SAMPLING_COLUMNS, docs/trace-format.md "Request metadata").
+UNSET = SAMPLING_UNSET
+
+
+def sampling_row(params: Any, aliases: dict[str, str] | None = None) -> dict[str, float | int]:
+    """One request's sampling parameters read off the engine's own object (vLLM
+    `SamplingParams`, SGLang `SamplingParams`), named as `SAMPLING_COLUMNS`; `aliases` maps a
+    column to the engine's attribute where the names differ (SGLang: max_new_tokens). A
+    request without one (a pooling request) gets NaN / -1."""
+    aliases = aliases or {}
+    row: dict[str, float | int] = {}
+    for name in SAMPLING_COLUMNS:
+        value = None if params is None else getattr(params, aliases.get(name, name), None)
+        if name in SAMPLING_FLOAT:
+            row[name] = float("nan") if value is None else float(value)
+        else:
+            row[name] = UNSET if value is None else int(value)
+    return row
+
+
+def requests_write(
+    rids: Sequence[str],
+    prompts: Sequence[Any],
+    n_cached: Sequence[int],
+    sampling: Sequence[dict[str, float | int]] | None = None,
+) -> Any:
+    """One `requests` row per new request: its id (bytes and hash), prompt token ids, the
+    prompt tokens the engine served from its prefix cache, and (`sampling`, one
+    `sampling_row` per request) the sampling parameters as the engine resolved them."""
     import torch
 
     ids = [torch.as_tensor(list(p), dtype=torch.int64) for p in prompts]
@@ -53,10 +82,25 @@ def requests_write(rids: Sequence[str], prompts: Sequence[Any], n_cached: Sequen
             "n_prompt": torch.tensor([len(p) for p in ids], dtype=torch.int64),
             "rid_len": torch.tensor([len(b) for b in rid_bytes], dtype=torch.int64),
             "n_cached": torch.tensor(list(n_cached), dtype=torch.int64),
+            **_sampling_columns(sampling),
         },
         tok={"prompt_ids": torch.cat(ids)},
         other={"rid": {"bytes": torch.cat(rid_bytes)}},
     )
+
+
+def _sampling_columns(sampling: Sequence[dict[str, float | int]] | None) -> dict[str, Any]:
+    import torch
+
+    if sampling is None:
+        return {}
+    return {
+        name: torch.tensor(
+            [row[name] for row in sampling],
+            dtype=torch.float64 if name in SAMPLING_FLOAT else torch.int64,
+        )
+        for name in SAMPLING_COLUMNS
+    }
 
 
 def aux_hidden_attrs(layer_ids: Sequence[int], width: int) -> dict[str, Any]:

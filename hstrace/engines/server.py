@@ -24,12 +24,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from hstrace.engines.base import Engine, Prompt, RecordOptions, RecordResult
-from hstrace.engines.support import EngineSupport
+from hstrace.engines.support import EngineSupport, UntestedVersion
 from hstrace.errors import EngineError
 
 
@@ -235,6 +236,46 @@ def stop_server(proc: subprocess.Popen, group_at_once: bool = False, wait_s: flo
         proc.wait()
 
 
+def count_metric(text: str, name: str) -> int | None:
+    """A Prometheus counter's value summed over its label sets (`name{...} value` lines; the
+    `_created` timestamps are other names); None when the text has no such line."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        if head.split("{", 1)[0].strip() != name:
+            continue
+        try:
+            total += float(value)
+        except ValueError:
+            continue
+        seen = True
+    return int(total) if seen else None
+
+
+@dataclass(frozen=True)
+class ServeUntil:
+    """When `record --serve` stops: after `requests` finished requests, `duration_s` seconds,
+    or a signal (SIGINT / SIGTERM), whichever comes first. Pure: the loop asks `reason`."""
+
+    requests: int | None = None
+    duration_s: float | None = None
+    poll_s: float = 0.5
+    # after the N-th request finished: seconds left for its reply to reach the client
+    grace_s: float = 1.0
+
+    def reason(self, finished: int | None, elapsed_s: float, signals: Sequence[str]) -> str | None:
+        """Why to stop now, or None to keep recording."""
+        if signals:
+            return f"{signals[0]} received"
+        if self.requests is not None and finished is not None and finished >= self.requests:
+            return f"{finished} requests finished (--requests {self.requests})"
+        if self.duration_s is not None and elapsed_s >= self.duration_s:
+            return f"{self.duration_s:g} s passed (--duration)"
+        return None
+
+
 class ServerEngine(Engine):
     """An engine run as the user's HTTP server command, hooked through HSTRACE_RECORD."""
 
@@ -247,6 +288,8 @@ class ServerEngine(Engine):
     close_on_signal: ClassVar[bool] = False
     # True: stop by SIGINT to the whole process group; False: SIGTERM to the main process only
     stop_group_at_once: ClassVar[bool] = False
+    # the engine's Prometheus counter of finished requests (`record --serve --requests N`)
+    finished_counter: ClassVar[str | None] = None
 
     @property
     def label(self) -> str:
@@ -272,8 +315,38 @@ class ServerEngine(Engine):
                 f"{self.label} is not installed for {python} (needed by --server-cmd)"
             )
         self.version = probe.stdout.strip()
-        self.support.check_supported_version(self.version)
+        try:
+            self.support.check_supported_version(self.version)
+        except UntestedVersion:
+            # the versions policy: an untested release is recorded when its source matches
+            # every patch point and attribute the hooks use (else refused naming the point)
+            root = self._source_root(python, self.version)
+            self.version_check = self.support.check_source(self.version, root)
+            print(self.version_check["warning"], file=sys.stderr, flush=True)
         return self.version
+
+    def _source_root(self, python: str, version: str) -> Path:
+        """The directory holding the engine's package in the server's Python, found without
+        importing it (`importlib.util.find_spec` of a top-level package runs none of its
+        code)."""
+        code = (
+            "import importlib.util, os\n"
+            f"s = importlib.util.find_spec({self.support.package!r})\n"
+            "print(os.path.dirname(os.path.dirname(s.origin)))\n"
+        )
+        try:
+            probe = subprocess.run(
+                [python, "-c", code], capture_output=True, text=True, timeout=120
+            )
+        except OSError as exc:
+            raise EngineError(f"cannot run {python} (from --server-cmd): {exc.strerror}") from exc
+        root = Path(probe.stdout.strip())
+        if probe.returncode != 0 or not (root / self.support.package).is_dir():
+            raise EngineError(
+                f"{self.label} {version} is outside the tested table ({self.support.span}) and "
+                f"its source was not found in {python} to check its patch points"
+            )
+        return root
 
     def _argv(self) -> list[str]:
         if not self.config.server_cmd:
@@ -284,6 +357,31 @@ class ServerEngine(Engine):
         return argv
 
     def record(self, prompts: Sequence[Prompt], out: Path, options: RecordOptions) -> RecordResult:
+        """Start the server with the hooks, send `prompts`, stop it, close the trace."""
+
+        def drive(proc: subprocess.Popen, base: str, result: RecordResult) -> str | None:
+            return self._send(proc, base, prompts, options, result)
+
+        return self._run(out, options, drive)
+
+    def serve(self, out: Path, options: RecordOptions, until: ServeUntil) -> RecordResult:
+        """Passive recording: start the server with the hooks, say where it listens, and record
+        whatever the user's own clients send until `until` says stop (N requests finished, S
+        seconds, SIGINT / SIGTERM to this process); then stop it and close the trace."""
+        if until.requests is not None and self.finished_counter is None:
+            raise EngineError(f"--requests needs {self.label}'s request counter; use --duration")
+
+        def drive(proc: subprocess.Popen, base: str, result: RecordResult) -> str | None:
+            return self._serve_until(proc, base, until, options, result)
+
+        return self._run(out, options, drive)
+
+    def _run(
+        self,
+        out: Path,
+        options: RecordOptions,
+        drive: Callable[[subprocess.Popen, str, RecordResult], str | None],
+    ) -> RecordResult:
         from hstrace.engines.protocol import ENV, write_sitecustomize
         from hstrace.trace import create_trace
 
@@ -314,6 +412,10 @@ class ServerEngine(Engine):
         }
         if self.close_on_signal:  # each recording process closes its trace on CLOSE_SIGNAL
             hook_cfg["close_on_signal"] = True
+        if getattr(self, "version_check", None):  # an untested release whose source matched
+            hook_cfg["source_checked"] = version
+        if options.sample_every > 1:  # one request in K recorded, the others only checked
+            hook_cfg["sample_every"] = options.sample_every
         env[ENV] = "" if baseline else json.dumps(hook_cfg)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(work), env.get("PYTHONPATH", "")) if p)
         log_path = work / "server.log"
@@ -335,7 +437,7 @@ class ServerEngine(Engine):
                 error = self._wait_healthy(proc, base, options.startup_timeout_s)
                 if error is None:
                     started = time.perf_counter()
-                    error = self._send(proc, base, prompts, options, result)
+                    error = drive(proc, base, result)
                     result.send_wall_s = time.perf_counter() - started
             finally:
                 self._shutdown(proc)
@@ -347,6 +449,79 @@ class ServerEngine(Engine):
         result.ok = error is None
         self._finish_trace(out, result, status)
         return result
+
+    def _serve_until(
+        self,
+        proc: subprocess.Popen,
+        base: str,
+        until: ServeUntil,
+        options: RecordOptions,
+        result: RecordResult,
+    ) -> str | None:
+        """Wait while the user's clients use the server; the reason to stop goes in the
+        trace's `record.stopped_by`."""
+        start = self.finished_requests(base) or 0
+        began = time.monotonic()
+        asked: list[str] = []
+
+        def on_signal(signum: int, frame: Any) -> None:
+            asked.append(signal.Signals(signum).name)
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        goal = []
+        if until.requests is not None:
+            goal.append(f"{until.requests} requests finished")
+        if until.duration_s is not None:
+            goal.append(f"{until.duration_s:g} s passed")
+        goal.append("Ctrl-C / SIGTERM")
+        print(
+            f"hstrace: {self.label} is serving at {base} (OpenAI and native API); recording "
+            f"until {' or '.join(goal)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            while True:
+                if proc.poll() is not None:
+                    return f"the server exited (code {proc.returncode}) while recording"
+                finished = None
+                if until.requests is not None:
+                    now = self.finished_requests(base)
+                    finished = None if now is None else now - start
+                reason = until.reason(finished, time.monotonic() - began, asked)
+                if reason is not None:
+                    result.stopped_by = reason
+                    if finished is not None:
+                        result.prompts_completed = finished
+                    print(f"hstrace: stopping: {reason}", file=sys.stderr, flush=True)
+                    if finished is not None and not asked:
+                        # the engine counts a request when its last token is out of the engine
+                        # core: leave the API server the moment to send it to the client
+                        time.sleep(until.grace_s)
+                    break
+                time.sleep(until.poll_s)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if until.requests is None:  # how many the engine finished, said once at the end
+            now = self.finished_requests(base)
+            if now is not None:
+                result.prompts_completed = now - start
+        result.prompts_sent = result.prompts_completed
+        self._after_send(base)
+        return None
+
+    def finished_requests(self, base: str) -> int | None:
+        """Requests the engine has finished so far, from its own Prometheus counter
+        (`finished_counter`, summed over its labels); None when it cannot be read."""
+        if self.finished_counter is None:
+            return None
+        try:
+            with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+                text = r.read().decode("utf-8", "replace")
+        except (urllib.error.URLError, OSError):
+            return None
+        return count_metric(text, self.finished_counter)
 
     def _launch_env(self, version: str) -> dict[str, str]:
         """Environment variables the launcher sets for the server (none by default)."""
@@ -361,6 +536,9 @@ class ServerEngine(Engine):
         # The server inherits this environment: a switch set here (SGLANG_SIMULATE_ACC_LEN /
         # _METHOD makes every accept number fake) must reach replay even when it is not on
         # the command line.
+        check = getattr(self, "version_check", None)
+        if check:  # outside the tested table, recorded because its source matched
+            static["version_check"] = {k: v for k, v in check.items() if k != "warning"}
         env = {k: v for k, v in os.environ.items() if k.startswith(self.env_prefixes)}
         if env and self.env_prefixes:
             static["env"] = env
@@ -446,6 +624,8 @@ class ServerEngine(Engine):
             "prompts_completed": result.prompts_completed,
             "request_metrics": result.request_metrics,
             "send_wall_s": result.send_wall_s,
+            "mode": "serve" if result.stopped_by is not None else "drive",
+            "stopped_by": result.stopped_by,
             "hooks": not self.config.extra.get("baseline"),
             **self._record_extra(status),
         }

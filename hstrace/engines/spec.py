@@ -55,6 +55,9 @@ class EngineSpec(ABC):
     prefix_cache_off_note: ClassVar[str] = ""  # what else to leave off with it, in parentheses
     # Where in the draft config.json it reads the aux layer ids, first hit wins.
     aux_ids_keys: ClassVar[tuple[str, ...]] = ()
+    # The server flags (prefixes) that turn speculative decoding on, each with its value
+    # (`record --parity` runs the same command without them).
+    speculation_flags: ClassVar[tuple[str, ...]] = ()
 
     # ---- versions -------------------------------------------------------------------------
 
@@ -77,6 +80,30 @@ class EngineSpec(ABC):
     def serves(self, argv: Sequence[str]) -> bool:
         """Whether a server command line runs this engine (`hstrace record` without --engine)."""
         return False
+
+    def without_speculation(self, argv: Sequence[str]) -> list[str]:
+        """The server command with speculative decoding off: every `speculation_flags` flag
+        dropped with its value (`--flag value` or `--flag=value`). Raises ValueError when the
+        command has none (it does not speculate)."""
+        out: list[str] = []
+        dropped = False
+        skip_value = False
+        for word in argv:
+            if skip_value:
+                skip_value = False
+                if not word.startswith("--"):
+                    continue
+            if word.startswith(self.speculation_flags):
+                dropped = True
+                skip_value = "=" not in word
+                continue
+            out.append(word)
+        if not dropped:
+            flags = ", ".join(
+                f + ("..." if f.endswith("-") else "") for f in self.speculation_flags
+            )
+            raise ValueError(f"the server command has no speculative-decoding flag ({flags})")
+        return out
 
     # ---- how it reads a drafter -------------------------------------------------------------
 

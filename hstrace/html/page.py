@@ -17,6 +17,7 @@ from hstrace._version import __version__
 from hstrace.findings import STAGES
 from hstrace.html import svg
 from hstrace.html.verify_stats import Acceptance
+from hstrace.replay.compare import SAME_COS, UNRELATED_COS
 from hstrace.report.acceptance import html_table
 from hstrace.trace.acceptance_by_position import CONVENTIONS, OF_REACHED
 
@@ -32,6 +33,7 @@ h1{font-size:24px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 8px;border-bot
 .flow span.hit{background:#c0392b;color:#fff}
 .grid{display:flex;flex-wrap:wrap;gap:18px} figure{margin:0} figcaption{font-size:12px;color:#555;max-width:560px}
 table{border-collapse:collapse;font-size:13px} td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}
+.impact h3{font-size:14px;margin:4px 0;max-width:560px}
 .note{font-size:13px;color:#8a5a00;background:#fff8e6;padding:8px 12px;max-width:540px}
 code{font-family:DejaVu Sans Mono,monospace;font-size:12px}
 """
@@ -59,6 +61,8 @@ def _verdict(replay: dict[str, Any] | None) -> str:
         f'<span class="{"hit" if s == v.get("stage") else ""}">{escape(s)}</span>' for s in STAGES
     )
     fix = f"<p><b>Fix:</b> {escape(v['fix'])}</p>" if v.get("fix") else ""
+    if v.get("impact_line"):  # what fixing the verdict's fault is worth (replay's impact stage)
+        fix += f"<p><b>Impact:</b> {escape(v['impact_line'])}</p>"
     if replay.get("source"):
         fix += f"<p class='meta'>Verdict from {escape(str(replay['source']))}.</p>"
     incomplete = ""
@@ -124,6 +128,98 @@ def _findings(replay: dict[str, Any] | None) -> str:
     return out
 
 
+def _interval(part: dict[str, Any]) -> svg.Interval:
+    lo, hi = part["ci"]
+    return svg.Interval(float(part["accept_length"]), float(lo), float(hi))
+
+
+def _per_position(part: dict[str, Any]) -> str:
+    return ", ".join(f"{x:.2f}" for x in part.get("per_position") or [])
+
+
+def impact_headline(name: str, imp: dict[str, Any]) -> str:
+    """One sentence: what fixing `name` is worth in expected accept length."""
+    s, f = imp["served"]["accept_length"], imp["fixed"]["accept_length"]
+    gain = imp.get("gain", f - s)
+    spread = ""
+    if imp.get("gain_ci"):  # paired spread of the gain, when replay gives it
+        lo, hi = imp["gain_ci"]
+        spread = f" [{lo:+.2f}, {hi:+.2f}]"
+    if not imp.get("measurable"):
+        return (
+            f"{name}: costs nothing measurable on these tokens ({s:.2f} → {f:.2f}, gain "
+            f"{gain:+.2f}{spread} within the spread): still a fault, low priority"
+        )
+    verb = "raises" if gain > 0 else "lowers"
+    return (
+        f"{name}: fixing it {verb} the expected accept length {s:.2f} → {f:.2f} "
+        f"({gain:+.2f}{spread})"
+    )
+
+
+def _impact_figure(name: str, imp: dict[str, Any]) -> str:
+    k = int(imp["num_speculative_tokens"])
+    realized = imp.get("realized")
+    chart = svg.impact_bars(
+        f"Expected accept length: {name}",
+        _interval(imp["served"]),
+        _interval(imp["fixed"]),
+        _interval(realized) if realized else None,
+        float(k + 1),
+        "expected accept length (accepted draft tokens + 1 per verify step)",
+    )
+    agrees = imp.get("estimate_agrees")
+    if realized is None:
+        check = "The trace has no realized acceptance on these tokens to check the estimate with."
+    else:
+        r = realized["accept_length"]
+        check = f"Diamond: realized in the trace, {r:.2f}; " + (
+            "the as-served estimate agrees with it (within its spread)."
+            if agrees
+            else "the as-served estimate does NOT agree with it: read the estimate with care."
+            if agrees is False
+            else "not compared."
+        )
+    caption = (
+        f"The greedy drafter chain (num_speculative_tokens={k}, "
+        f"topk={imp.get('topk')}) on {imp.get('tokens')} aligned tokens ({imp.get('steps')} "
+        "verify steps), run with every part as served, and with the part the fix changes (the "
+        "aux states, the drafter, the vocab map) as trained (fixed); bars from 0, whiskers: "
+        f"{imp.get('ci_method') or 'the spread'}. {check} Per-position acceptance (fraction of "
+        f"steps whose position i was accepted), as served: {_per_position(imp['served'])}; "
+        f"fixed: {_per_position(imp['fixed'])}."
+    )
+    if imp.get("fix"):
+        caption += f" Fix: {imp['fix']}"
+    return (
+        f'<figure class="impact" data-code="{escape(name)}"><h3>{escape(impact_headline(name, imp))}</h3>'
+        f"{chart}<figcaption>{escape(caption)}</figcaption></figure>"
+    )
+
+
+def _impact(replay: dict[str, Any] | None) -> str:
+    """Per fault finding, what its fix is worth (docs/replay-json.md, `impact`); nothing when
+    the replay computed no impact at all."""
+    if not replay:
+        return ""
+    findings = [f for f in replay.get("findings") or [] if "impact" in f]
+    if not findings and not replay.get("impact_all"):
+        return ""
+    parts = []
+    for f in findings:
+        if f["impact"] is None:
+            why = f.get("impact_unavailable") or "no reason given"
+            parts.append(
+                f'<figure class="impact-unavailable" data-code="{escape(f["code"])}"><div class="note">'
+                f"<b>{escape(f['code'])}</b>: impact not computed: {escape(str(why))}</div></figure>"
+            )
+        else:
+            parts.append(_impact_figure(f["code"], f["impact"]))
+    if replay.get("impact_all"):
+        parts.append(_impact_figure("every fault fixed", replay["impact_all"]))
+    return "<h2>What each fault costs</h2><div class='grid'>" + "".join(parts) + "</div>"
+
+
 def _acceptance_plots(acc: Acceptance | None) -> list[str]:
     if acc is None:
         return [
@@ -162,34 +258,190 @@ def _acceptance_plots(acc: Acceptance | None) -> list[str]:
     ]
 
 
-def _fingerprint_plot(replay: dict[str, Any] | None, slot_labels: list[str] | None) -> str:
-    fp = (replay or {}).get("fingerprints", {}).get("serving_x_training")
+# Cosines that matter sit near 1: 0.98 is a neighbouring layer, 0.9999 the same state in bf16.
+# The heatmaps shade the distance 1 - cos on a log scale, from COS_FLOOR_DISTANCE (darkest) to 1.
+COS_FLOOR_DISTANCE = 1e-4
+
+
+def cosine_scale() -> svg.Scale:
+    """Shade of a cosine c: 1 at 1 - c <= 1e-4, 0 at c <= 0, linear in log10(1 - c) between."""
+    span = -math.log10(COS_FLOOR_DISTANCE)
+
+    def shade(c: float) -> float:
+        d = min(1.0, max(COS_FLOOR_DISTANCE, 1.0 - c))
+        return -math.log10(d) / span
+
+    ticks = [
+        (1 - COS_FLOOR_DISTANCE, f"≥ {1 - COS_FLOOR_DISTANCE:g}"),
+        (SAME_COS, f"{SAME_COS:g} same state"),
+        (0.99, "0.99"),
+        (0.9, "0.9"),
+        (0.0, "≤ 0"),
+    ]
+    return svg.Scale(shade, ticks, "mean cosine")
+
+
+def slot_marks(cos: list[list[float]]) -> dict[tuple[int, int], svg.Mark]:
+    """The cells the capture check decides on (`hstrace.diagnose.capture`): each serving
+    slot's diagonal cell, failed when below SAME_COS, and the training slot whose state it
+    holds (its row's best cell at or above SAME_COS)."""
+    marks: dict[tuple[int, int], svg.Mark] = {}
+    for i, row in enumerate(cos):
+        if i < len(row) and row[i] < SAME_COS:
+            marks[(i, i)] = svg.Mark(
+                "miss",
+                f"serving slot {i} does not hold training slot {i}'s state "
+                f"(cos {row[i]:.4f} < {SAME_COS:g})",
+            )
+        j = max(range(len(row)), key=lambda k: row[k]) if row else 0
+        if row and row[j] >= SAME_COS:
+            marks[(i, j)] = svg.Mark(
+                "match",
+                f"serving slot {i} holds training slot {j}'s state (cos {row[j]:.4f})",
+            )
+    return marks
+
+
+def _layer_names(fp: dict[str, Any], side: str) -> list[int] | None:
+    layers = fp.get(f"{side}_layers") or {}
+    return list(layers["layer"]) if layers.get("layer") else None
+
+
+def _fingerprint_plots(replay: dict[str, Any] | None, slot_labels: list[str] | None) -> list[str]:
+    fps = (replay or {}).get("fingerprints") or {}
+    fp = fps.get("serving_x_training")
     if not fp or not fp.get("cos"):
         why = (
             "no replay was run"
             if replay is None
             else "the replay produced no slot matrix (see the skipped checks)"
         )
-        return _note("Serving slot x training slot fingerprints", f"Not available: {why}.")
+        return [_note("Serving slot x training slot fingerprints", f"Not available: {why}.")]
     cos = fp["cos"]
-    rows = [
-        f"serve {i}" + (f" (L{slot_labels[i]})" if slot_labels and i < len(slot_labels) else "")
-        for i in range(len(cos))
-    ]
-    cols = [f"train {j}" for j in range(len(cos[0]))]
+    ks, kt = len(cos), len(cos[0])
+    s_layers, t_layers = _layer_names(fps, "serving"), _layer_names(fps, "training")
+    if (s_layers and len(s_layers) != ks) or (t_layers and len(t_layers) != kt):
+        s_layers = t_layers = None  # not the same slots: name none rather than the wrong ones
+    if s_layers:
+        rows = [f"serving {i} · HF {s_layers[i]}" for i in range(ks)]
+    elif slot_labels and len(slot_labels) == ks:  # the engine's own ids, not checked
+        rows = [f"serving {i} · id {slot_labels[i]}" for i in range(ks)]
+    else:
+        rows = [f"serving {i}" for i in range(ks)]
+    cols = [f"training {j}" + (f"\nHF {t_layers[j]}" if t_layers else "") for j in range(kt)]
+    marks = slot_marks(cos)
+    scale = cosine_scale()
     chart = svg.heatmap(
-        "Slot fingerprints: serving x training (mean cosine)",
+        "Which training slot each serving slot holds",
         cos,
         rows,
         cols,
-        "training slot",
-        "serving slot",
-        lo=0.0,
-        hi=1.0,
+        "training slot" + (" · HF layer it holds" if t_layers else ""),
+        "serving slot" + (" · HF layer it holds" if s_layers else ""),
+        scale=scale,
+        marks=marks,
+        mark_key={
+            "match": f"holds that slot's state (≥ {SAME_COS:g})",
+            "miss": f"diagonal below {SAME_COS:g}",
+        },
+        cls="heatmap slots",
+    )
+    out = [_figure(chart, _slot_caption(replay or {}, cos, marks, s_layers, t_layers))]
+    if s_layers and t_layers:
+        out.append(_layer_plot(fps))
+    return out
+
+
+def _slot_caption(
+    replay: dict[str, Any],
+    cos: list[list[float]],
+    marks: dict[tuple[int, int], svg.Mark],
+    s_layers: list[int] | None,
+    t_layers: list[int] | None,
+) -> str:
+    n = (replay.get("coverage") or {}).get("aligned_tokens")
+    on = f"the {n} aligned tokens" if n else "the aligned tokens"
+    diag = [cos[i][i] for i in range(min(len(cos), len(cos[0])))]
+    text = (
+        f"Cell (i, j): mean per-token cosine of serving slot i with training slot j on {on}. "
+        "The diagonal asks the one question that matters: does serving slot i hold the state "
+        "training stored in slot i? When serving is wired as training was, every diagonal cell "
+        f"is at least {SAME_COS:g} (the same state, up to bf16 rounding) and is the darkest of "
+        "its row; a dark cell off the diagonal means serving put a state in another slot "
+        "(order), a lighter diagonal that serving captured other layers. "
+        f"Here the diagonal reads {', '.join(f'{c:.4f}' for c in diag)}"
+    )
+    failed = [i for i, c in enumerate(diag) if c < SAME_COS]
+    text += (
+        f": slot(s) {failed} below {SAME_COS:g} (dashed red)."
+        if failed
+        else f": every slot at or above {SAME_COS:g}."
+    )
+    moved = [(i, j) for (i, j), m in sorted(marks.items()) if m.kind == "match" and i != j]
+    if moved:
+        text += (
+            " Solid orange: "
+            + "; ".join(
+                f"serving slot {i} holds training slot {j}'s state ({cos[i][j]:.4f})"
+                for i, j in moved
+            )
+            + "."
+        )
+    if s_layers and t_layers:
+        text += f" Serving slots hold HF layers {s_layers}, training slots {t_layers}."
+    v = replay.get("verdict") or {}
+    capture = [
+        f["code"] for f in replay.get("findings") or [] if f.get("stage") == "target-capture"
+    ]
+    if capture:
+        text += f" The marked cells decided {', '.join(capture)} (stage target-capture)."
+    elif not failed:
+        text += f" The capture is not the fault; the verdict {v.get('code')} comes from elsewhere."
+    return text
+
+
+def _layer_plot(fps: dict[str, Any]) -> str:
+    srv, trn = fps["serving_layers"], fps["training_layers"]
+    matrix = [*srv["cos_all"], *trn["cos_all"]]
+    ks = len(srv["cos_all"])
+    n = len(matrix[0])
+    rows = [f"serving {i}" for i in range(ks)] + [
+        f"training {j}" for j in range(len(trn["cos_all"]))
+    ]
+    marks: dict[tuple[int, int], svg.Mark] = {}
+    for off, side, fp in ((0, "serving", srv), (ks, "training", trn)):
+        for i, (layer, c) in enumerate(zip(fp["layer"], fp["cos"], strict=True)):
+            kind = "match" if c >= UNRELATED_COS else "miss"
+            marks[(off + i, layer)] = svg.Mark(
+                kind, f"{side} slot {i} matches HF layer {layer} best (cos {c:.4f})"
+            )
+    cols = ["0\nemb" if j == 0 else str(j) for j in range(n)]
+    chart = svg.heatmap(
+        "Which target layer each slot holds",
+        matrix,
+        rows,
+        cols,
+        "target layer (HF hidden_states index: 0 = embeddings, L = after L layers)",
+        "slot",
+        scale=cosine_scale(),
+        marks=marks,
+        mark_key={
+            "match": "the layer the slot holds best",
+            "miss": f"best, but below {UNRELATED_COS:g}",
+        },
+        row_groups=((0, "serving slots"), (ks, "training slots")),
+        cls="heatmap layers",
+    )
+    pairs = ", ".join(
+        f"slot {i}: serving HF {a}, training HF {b}"
+        for i, (a, b) in enumerate(zip(srv["layer"], trn["layer"], strict=False))
     )
     return _figure(
         chart,
-        "Mean per-token cosine of each serving aux slot with each training slot on aligned tokens; the diagonal should be ~1 (>0.999 for the same state in bf16).",
+        "Cell (slot, L): mean cosine of the slot with the reference target forward's "
+        "hidden_states[L] on the same tokens. Outlined: the layer each slot holds. When serving "
+        "captures what training stored, serving slot i and training slot i are outlined in the "
+        f"same column. Here {pairs}.",
     )
 
 
@@ -212,7 +464,10 @@ def _agreement_plot(replay: dict[str, Any] | None) -> str:
         )
         return _figure(
             chart,
-            "Draft-space top-1 agreement and top-k overlap of the engine's draft top-k with the fp32 reference drafter on the same recorded inputs, per step.",
+            "Draft-space top-1 agreement and top-k overlap of the engine's draft top-k with the "
+            "fp32 reference drafter on the same recorded inputs, per step. The lines are told "
+            "apart by dash pattern, hollow marker shape and the name at each line's end; where "
+            "they coincide, both markers show.",
         )
     if "engine_vs_reference_top1" in metrics:
         top1 = float(metrics["engine_vs_reference_top1"])
@@ -271,9 +526,10 @@ def render_page(
         f"<b>{escape(str(eng.get('name')))}</b> {escape(str(eng.get('version')))} &middot; ranks {escape(str(ranks))} "
         f"&middot; events: {escape(steps)} &middot; recorded {escape(str(meta.get('created', '?')))}</div>",
         _verdict(replay),
+        _impact(replay),
         "<h2>Plots</h2><div class='grid'>",
         *_acceptance_plots(acceptance),
-        _fingerprint_plot(replay, slot_labels),
+        *_fingerprint_plots(replay, slot_labels),
         _agreement_plot(replay),
         "</div>",
         _findings(replay),

@@ -33,6 +33,7 @@ from hstrace.replay.fed import (
     build_draft_inputs,
     build_vocab_readings,
 )
+from hstrace.replay.ranks import RankComparison, build_ranks
 from hstrace.replay.read import ServingData
 from hstrace.replay.runner import CaptureScan, DrafterRunner
 from hstrace.replay.slots import Slots, build_slots
@@ -54,6 +55,8 @@ class Evidence:
     batch: BatchCoupling
     # Accept lengths per DP rank beside rank 0's replay (only with more than one rank).
     accept_len_by_rank: dict[str, Any] = field(default_factory=dict)
+    # Every rank next to rank 0 (None: one rank, or the comparison could not be built).
+    ranks: RankComparison | None = None
     # Everything that could not be checked, and why: the replay's `skipped`.
     unavailable: dict[str, str] = field(default_factory=dict)
 
@@ -107,6 +110,8 @@ class Evidence:
         out: dict[str, Any] = {}
         if self.accept_len_by_rank:
             out["accept_len_by_rank"] = self.accept_len_by_rank
+        if self.ranks is not None:
+            out["ranks"] = self.ranks.to_json()
         out.update(self.draft_inputs.to_json())
         out.update(self.vocab.to_json())
         out.update(self.batch.to_json())
@@ -151,9 +156,13 @@ def build_evidence(
     no_forward: str | None = None,
     notes: dict[str, str] | None = None,
     accept_len_by_rank: dict[str, Any] | None = None,
+    other_ranks: dict[int, ServingData] | None = None,
+    views: dict[int, Any] | None = None,
 ) -> Evidence:
     """Every piece of evidence, in dataflow order. `notes`: what the caller already knows
-    cannot be checked (a stream missing from the trace, a target that failed to load)."""
+    cannot be checked (a stream missing from the trace, a target that failed to load).
+    `views`: every rank's trace view (rank -> view) and `other_ranks` the other ranks' serving
+    data (rank -> data), for the comparison of the ranks (`replay.ranks`)."""
     cfg = drafter.cfg if drafter is not None else None
     alignment = Alignment.build(serving, samples, matches, coverage, cfg, training_kind)
     runner = DrafterRunner(drafter, alignment, load_report, no_forward, progress)
@@ -177,6 +186,13 @@ def build_evidence(
         draft_inputs = build_draft_inputs(serving, agreement.rows, agreement.requests, target)
         vocab = build_vocab_readings(drafter, agreement.rows)
         batch = build_batch_coupling(alignment)
+    ranks = None
+    if views and len(views) > 1:
+        by_rank = {0: serving, **(other_ranks or {})}
+        draft_vocab = int(getattr(cfg, "draft_vocab_size", 0) or 0) or None
+        ranks = searched.guarded(
+            "rank comparison", lambda: build_ranks(by_rank, views, draft_vocab)
+        )
     if serving.wide is not None:
         serving.wide.window.clear()  # the last window read: not needed by any check
     first = {"drafter forward": no_forward} if no_forward else {}
@@ -192,6 +208,7 @@ def build_evidence(
         vocab=vocab,
         batch=batch,
         accept_len_by_rank=dict(accept_len_by_rank or {}),
+        ranks=ranks,
         unavailable=merged(
             first,
             notes or {},
@@ -202,5 +219,6 @@ def build_evidence(
             draft_inputs,
             vocab,
             batch,
+            ranks.unavailable if ranks is not None else {},
         ),
     )

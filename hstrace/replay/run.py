@@ -290,6 +290,8 @@ def _evidence_of(
 
     serving: ServingData = read_serving(trace, lazy=True)
     by_rank = accept_len_by_rank(trace) if len(trace.ranks) > 1 else {}
+    views = {r: trace.rank(r) for r in trace.ranks}
+    others = _other_ranks(trace) if len(trace.ranks) > 1 else {}
     modes = redaction_modes(serving.meta)
     redaction: dict[str, Any] = {"modes": list(modes)} if modes else {}
     salt = None
@@ -362,8 +364,10 @@ def _evidence_of(
             progress=progress,
             no_forward=no_forward,
             notes=notes,
-            # replay compares rank 0's rows; the others' acceptance beside it
+            # the reference replays rank 0's rows; every other rank is compared with rank 0
             accept_len_by_rank=by_rank if len(by_rank) > 1 else None,
+            other_ranks=others,
+            views=views,
         )
     if "hidden" in modes:
         redaction["hidden"] = (
@@ -387,6 +391,22 @@ def _evidence_of(
         **({"redaction": redaction} if redaction else {}),
     }
     return ev, inputs
+
+
+def _other_ranks(trace: Any) -> dict[int, ServingData]:
+    """Every rank but 0, read like rank 0 (lazily: wide tensors stay on disk). A rank with no
+    target steps (a rank that never served) is left out: its coverage still says so."""
+    out: dict[int, ServingData] = {}
+    for r in trace.ranks:
+        if r == 0:
+            continue
+        view = trace.rank(r)
+        target = view.table("target")
+        if target is None or target.num_steps == 0:
+            out[r] = ServingData(requests=[], meta=dict(trace.meta))
+            continue
+        out[r] = read_serving(trace, r, lazy=True)
+    return out
 
 
 def judge(ev: Evidence, inputs: dict[str, Any], checks: Checks) -> ReplayResult:

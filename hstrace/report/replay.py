@@ -31,6 +31,60 @@ METRIC_LABELS: dict[str, str] = {
 }
 
 
+RANK_COLUMNS = (
+    "rank",
+    "steps (target / draft_extend / verify)",
+    "requests",
+    "aux rows",
+    "draft rows",
+    "aux vs rank 0",
+    "draft vs rank 0",
+    "acceptance vs rank 0",
+    "load audit vs rank 0",
+)
+
+
+def rank_rows(result: ReplayResult) -> list[tuple[str, ...]]:
+    """One row per rank of a multi-rank trace (`metrics.ranks`): what it covered and what was
+    compared with rank 0. Empty for a one-rank trace."""
+    ranks = result.metrics.get("ranks") or {}
+    cov, cmp = ranks.get("coverage") or {}, ranks.get("compared") or {}
+    differ: dict[str, list[str]] = {}
+    for d in ranks.get("divergences") or []:
+        differ.setdefault(str(d.get("rank")), []).append(d.get("what", ""))
+    out = []
+    for r in ranks.get("ranks") or []:
+        c, m = cov.get(str(r), {}), cmp.get(str(r))
+        steps = c.get("steps", {})
+        head = (
+            f"rank {r}",
+            " / ".join(str(steps.get(t, 0)) for t in ("target", "draft_extend", "verify")),
+            str(c.get("requests", 0)),
+            str(c.get("aux_rows", 0)),
+            f"{c.get('draft_rows', 0)} (+{c.get('chain_rows', 0)} chain)",
+        )
+        if m is None:
+            out.append((*head, "reference", "reference", "reference", "reference"))
+            continue
+        aux, dr, acc = m.get("aux", {}), m.get("draft", {}), m.get("acceptance", {})
+        items = (m.get("load_audit") or {}).get("load_audit_items") or []
+        bad = differ.get(str(r), [])
+        out.append(
+            (
+                *head,
+                f"{aux.get('rows', 0)} rows, "
+                + ("within bf16" if aux.get("within_bf16") else "DIFFER")
+                + f" (max |diff| {aux.get('max_abs_diff', 0)})",
+                f"top-1 equal {dr.get('top1_equal', 0)}/{dr.get('rows', 0)}, chain "
+                f"{dr.get('chain_top1_equal', 0)}/{dr.get('chain_rows', 0)}",
+                f"{acc.get('verify_rounds', 0)} rounds, {acc.get('committed_tokens', 0)} tokens"
+                + (", DIFFER" if {"accepted tokens", "committed tokens"} & set(bad) else ", equal"),
+                f"{len(items)} items, " + ("DIFFER" if "load audit" in bad else "equal"),
+            )
+        )
+    return out
+
+
 def _evidence_line(evidence: dict[str, Any], limit: int = 6) -> str:
     parts = []
     for k, v in list(evidence.items())[:limit]:
@@ -111,6 +165,14 @@ def render_terminal(result: ReplayResult, console: Console | None = None) -> Non
         if key in result.metrics and result.metrics[key] is not None:
             metrics.add_row(label, _fmt(result.metrics[key]))
     console.print(metrics)
+    ranks = rank_rows(result)
+    if ranks:  # one line per rank (a nine-column table does not fit 80 columns)
+        console.print("[bold]ranks[/] (each compared with rank 0 on the requests both served)")
+        for r in ranks:
+            line = "; ".join(
+                f"{name}: {value}" for name, value in zip(RANK_COLUMNS[1:], r[1:], strict=True)
+            )
+            console.print(f"  {r[0]}: {line}", markup=False, soft_wrap=True)
     cov = result.coverage
     if cov:
         console.print(
@@ -164,6 +226,18 @@ def render_markdown(result: ReplayResult) -> str:
         if key in result.metrics and result.metrics[key] is not None:
             lines.append(row(label, _fmt(result.metrics[key])))
     lines.append("")
+    ranks = rank_rows(result)
+    if ranks:
+        lines += [
+            "## Ranks",
+            "",
+            "Each rank compared with rank 0 on the requests both served.",
+            "",
+            row(*RANK_COLUMNS),
+            "| " + " | ".join("---" for _ in RANK_COLUMNS) + " |",
+        ]
+        lines += [row(*r) for r in ranks]
+        lines.append("")
     if result.coverage:
         lines += ["## Coverage", ""]
         lines += [f"- {_md(k)}: {_md(v)}" for k, v in result.coverage.items()]

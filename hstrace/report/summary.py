@@ -75,5 +75,40 @@ def render_summary_terminal(s: dict[str, Any], console: Any = None) -> None:
         console.print(terminal_table(acc["by_position"]))
     else:
         console.print("acceptance: no verify rows recorded")
+    _requests_table(s.get("request_list") or [], console)
     for e in s["tap_errors"]:
         console.print(f"[yellow]tap error[/yellow] rank {e['rank']} {e['tap']}: {e['message']}")
+
+
+# The columns `hstrace show` prints per request (all are in --json's `request_list`).
+_SHOWN = (
+    ("temperature", "temp"),
+    ("top_p", "top_p"),
+    ("top_k", "top_k"),
+    ("min_p", "min_p"),
+    ("repetition_penalty", "rep"),
+    ("frequency_penalty", "freq"),
+    ("presence_penalty", "pres"),
+    ("seed", "seed"),
+    ("max_tokens", "max"),
+)
+
+
+def _requests_table(requests: list[dict[str, Any]], console: Any) -> None:
+    """The recorded requests: engine request id, prompt length, cache hit, sampling."""
+    from rich.table import Table
+
+    if not requests:
+        return
+    t = Table(title=f"requests ({len(requests)}, sampling as the engine resolved it)")
+    for col in ("rid", "prompt", "cached", *(short for _, short in _SHOWN)):
+        t.add_column(col, justify="left" if col == "rid" else "right")
+    for r in requests:
+        sp = r.get("sampling") or {}
+        t.add_row(
+            r["rid"],
+            str(r["n_prompt"]),
+            "-" if r["n_cached"] is None else str(r["n_cached"]),
+            *("-" if sp.get(name) is None else f"{sp[name]:g}" for name, _ in _SHOWN),
+        )
+    console.print(t)

@@ -56,6 +56,21 @@ REQUEST_ROW_COUNTS: dict[tuple[str, str], str] = {
     ("requests", "rid"): "rid_len",
 }
 
+# The `requests` table's optional per-request metadata (docs/trace-format.md, "Request
+# metadata"): the sampling parameters as the engine resolved them. Real-valued ones are NaN
+# when unknown, the others -1 (not set); float64 and int64.
+SAMPLING_FLOAT = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
+SAMPLING_INT = ("top_k", "seed", "max_tokens")
+SAMPLING_COLUMNS = (*SAMPLING_FLOAT, *SAMPLING_INT)
+SAMPLING_UNSET = -1
+
 # Step-axis columns the writer fills in when the producer does not give them.
 AUTO_STEP_COLUMNS = ("seq", "t_ns")
 # Step-axis columns of schema v1 that hold one scalar per step (a 1-element list is accepted

@@ -13,7 +13,7 @@ import numpy as np
 from hstrace.errors import TraceError
 from hstrace.trace import acceptance_by_position as acc
 from hstrace.trace.reader import TableView, Trace
-from hstrace.trace.schema import MODE_PREFILL
+from hstrace.trace.schema import MODE_PREFILL, SAMPLING_COLUMNS, SAMPLING_FLOAT
 from hstrace.trace.validate import DRAFT_ID_COLUMNS, TARGET_ID_COLUMNS
 
 ACCEPT_CONVENTION = "accept_len counts accepted draft tokens, excluding the bonus token"
@@ -39,6 +39,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
     steps_total: dict[str, int] = {}
     dropped_total: dict[str, int] = {}
     errors: list[dict[str, Any]] = []
+    request_list: list[dict[str, Any]] = []
     for r in trace.ranks:
         rv = trace.rank(r)
         steps = {name: rv.table(name).num_steps for name in rv.tables}
@@ -76,6 +77,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
             )
         for name, n in rv.dropped_steps.items():
             dropped_total[name] = dropped_total.get(name, 0) + int(n)
+        request_list += _request_metadata(rv.table("requests"), r)
         errors += [{"rank": r, "tap": e.get("tap"), "message": e.get("message")} for e in rv.errors]
         per_rank.append(
             {
@@ -104,6 +106,7 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "clean_close": all(p["clean_close"] for p in per_rank) if per_rank else False,
         "steps": steps_total,
         "requests": len(req_keys),
+        "request_list": request_list,
         "tokens": tokens_total,
         "draft_rows": draft_total,
         "acceptance": _acceptance(accept_lens, proposed_counts),
@@ -111,6 +114,39 @@ def summarize(trace: Trace) -> dict[str, Any]:
         "tap_errors": errors,
         "per_rank": per_rank,
     }
+
+
+def _request_metadata(t: TableView | None, rank: int) -> list[dict[str, Any]]:
+    """One entry per `requests` row: the engine's request id, prompt length, prefix-cache hit
+    and, where the engine recorded them, its resolved sampling parameters."""
+    if t is None or not t.num_steps:
+        return []
+    req_cols = t.columns.get("req", [])
+    rid_bytes = np.asarray(t.column("rid", "bytes")).astype(np.uint8).tobytes()
+    rid_len = np.asarray(t.column("req", "rid_len")).astype(np.int64)
+    n_prompt = np.asarray(t.column("req", "n_prompt")).astype(np.int64)
+    cached = _col(t, "req", "n_cached")
+    sampling = {c: np.asarray(t.column("req", c)) for c in SAMPLING_COLUMNS if c in req_cols}
+    out: list[dict[str, Any]] = []
+    at = 0
+    for i, n in enumerate(rid_len.tolist()):
+        entry: dict[str, Any] = {
+            "rank": rank,
+            "rid": rid_bytes[at : at + n].decode("utf-8", "replace"),
+            "n_prompt": int(n_prompt[i]),
+            "n_cached": None if cached is None else int(cached[i]),
+        }
+        at += n
+        if sampling:
+            entry["sampling"] = {c: _sampling_value(c, v[i]) for c, v in sampling.items()}
+        out.append(entry)
+    return out
+
+
+def _sampling_value(name: str, value: Any) -> float | int | None:
+    if name in SAMPLING_FLOAT:
+        return None if np.isnan(value) else float(value)
+    return None if int(value) < 0 else int(value)
 
 
 def _acceptance(accept_lens: list[np.ndarray], proposed: list[np.ndarray]) -> dict[str, Any]:

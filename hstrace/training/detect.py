@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hstrace.errors import TrainingDataError
-from hstrace.training import specforge, speculators, speculators_legacy
+from hstrace.training import mtp, specforge, speculators, speculators_legacy
 from hstrace.training.safe_load import load_torch
 from hstrace.training.sample import TrainingData
 
@@ -19,7 +19,8 @@ def _describe(root: Path, limit: int = 8) -> str:
 
 
 def open_training(path: str | Path, vocab_size: int | None = None) -> TrainingData:
-    """Open speculators v0.5+, speculators v0.2-v0.4 or SpecForge offline data, by layout.
+    """Open speculators v0.5+, speculators v0.2-v0.4, SpecForge offline data or an MTP dump
+    (`hstrace.training.mtp`), by layout.
 
     Raises `TrainingDataError` naming what was found when the layout is none of these, or
     when it holds no sample. `vocab_size` (the drafter's): samples with token ids past it are
@@ -38,6 +39,8 @@ def _open(root: Path) -> TrainingData:
     if not root.is_dir():
         raise TrainingDataError(f"{root}: expected a training-data directory, found a file")
 
+    if (root / mtp.META).is_file():
+        return mtp.MTPData(root, mtp.find_files(root))
     if speculators.hs_files(root):
         return speculators.SpeculatorsData(root)
     sf_files = specforge.find_files(root)
@@ -49,7 +52,7 @@ def _open(root: Path) -> TrainingData:
     raise TrainingDataError(
         f"{root}: unknown training-data layout (found {_describe(root)}); expected "
         "hidden_states/hs_*.safetensors (speculators >= 0.5), data_*.pt (speculators 0.2-0.4) "
-        "or rows_*/data_*.ckpt[.gz] (SpecForge)"
+        "rows_*/data_*.ckpt[.gz] (SpecForge) or mtp_training.json + samples/ (hstrace MTP dump)"
     )
 
 

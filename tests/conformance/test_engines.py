@@ -186,7 +186,8 @@ class TestSGLangEngine(EngineContract):
 
     @pytest.fixture()
     def refused_config(self, tmp_path, monkeypatch) -> tuple[EngineConfig, str]:
-        fake_release_on_path(tmp_path, monkeypatch, "sglang", "0.5.24")  # past the table
+        # past the table, and its source lacks the patch points: refused naming the first
+        fake_release_on_path(tmp_path, monkeypatch, "sglang", "0.5.24", package="sglang")
         cmd = f"{sys.executable} -m sglang.launch_server --model-path x"
         return EngineConfig(server_cmd=cmd), "0.5.24"
 
@@ -221,7 +222,8 @@ class TestVLLMEngine(EngineContract):
 
     @pytest.fixture()
     def refused_config(self, tmp_path, monkeypatch) -> tuple[EngineConfig, str]:
-        fake_release_on_path(tmp_path, monkeypatch, "vllm", "0.34.0")  # past the table
+        # past the table, and its source lacks the patch points: refused naming the first
+        fake_release_on_path(tmp_path, monkeypatch, "vllm", "0.34.0", package="vllm")
         cmd = f"{sys.executable} -m vllm.entrypoints.openai.api_server --model x"
         return EngineConfig(server_cmd=cmd), "0.34.0"
 

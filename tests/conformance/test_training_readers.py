@@ -98,11 +98,29 @@ def write_specforge(root: Path, samples, suffix: str = ".ckpt") -> list[Path]:
     return files
 
 
+def write_mtp(root: Path, samples) -> list[Path]:
+    """hstrace's MTP dump (`hstrace.training.mtp`): one fed state per token, no aux slots."""
+    (root / "samples").mkdir(parents=True)
+    meta = {"format": "hstrace-mtp", "version": 1, "hidden_source": "pre_final_norm"}
+    (root / "mtp_training.json").write_text(json.dumps(meta))
+    files = []
+    for i, s in enumerate(samples):
+        f = root / "samples" / f"sample_{i:05d}.safetensors"
+        tensors = {"input_ids": s["ids"], "loss_mask": s["mask"].to(torch.uint8)}
+        save_file(tensors | {"hidden_states": s["last"].contiguous()}, str(f))
+        files.append(f)
+    return files
+
+
+# the aux slots each format hands out for a written sample (the MTP dump: its one fed state)
+AUX_OF = {"hstrace-mtp": lambda s: s["last"][:, None]}
+
 FORMATS = {
     # name: (writer, expected td.format, last_norm, slot_layer_ids)
     "speculators": (write_speculators, "speculators", "pre", None),
     "speculators-legacy": (write_legacy, "speculators-legacy", "pre", [2, 4, 5]),
     "specforge": (write_specforge, "specforge", "post", None),
+    "hstrace-mtp": (write_mtp, "hstrace-mtp", "pre", None),
     "specforge-gz": (
         lambda r, s: write_specforge(r, s, ".ckpt.gz"),
         "specforge",
@@ -135,10 +153,11 @@ class TestTrainingReaderConformance:
             assert s.input_ids.dtype == torch.int64 and torch.equal(s.input_ids, want["ids"])
             assert s.loss_mask.dtype == torch.bool
             assert torch.equal(s.loss_mask, want["mask"].bool())
+            aux = AUX_OF.get(td.format, lambda w: w["aux"])(want)
             assert s.aux.dtype == torch.bfloat16  # dtype as stored
-            assert s.aux.shape == (len(want["ids"]), N_AUX, H)
-            assert torch.equal(s.aux, want["aux"])  # slots in stored order, bit-for-bit
-            assert torch.equal(s.aux_concat, want["aux"].flatten(1))
+            assert s.aux.shape == (len(want["ids"]), aux.shape[1], H)
+            assert torch.equal(s.aux, aux)  # slots in stored order, bit-for-bit
+            assert torch.equal(s.aux_concat, aux.flatten(1))
             assert torch.equal(s.last, want["last"])
             assert s.last_norm == last_norm
             assert s.slot_layer_ids == layer_ids

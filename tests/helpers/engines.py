@@ -24,10 +24,17 @@ def signature_mismatches(points: Iterable[Any]) -> list[str]:
     return bad
 
 
-def fake_release_on_path(tmp_path: Path, monkeypatch: Any, dist: str, version: str) -> None:
+def fake_release_on_path(
+    tmp_path: Path, monkeypatch: Any, dist: str, version: str, package: str | None = None
+) -> None:
     """A real dist-info of `dist` at `version`, first on the server's PYTHONPATH (so its
-    `importlib.metadata.version` answers `version`)."""
+    `importlib.metadata.version` answers `version`); with `package`, also an empty package of
+    that name (a release whose source has none of the patch points: the versions policy
+    refuses it naming the first one)."""
     info = tmp_path / f"{dist}-{version}.dist-info"
     info.mkdir()
+    if package is not None:
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))

@@ -86,17 +86,24 @@ def read(path: Path) -> Trace:
     return Trace(meta, [e for _s, e in stamped], attrs)
 
 
-def write(trace: Trace, path: Path) -> Path:
-    """Every event through the public writer, in order (a new seq is stamped on each)."""
+def write(
+    trace: Trace, path: Path, rank: int = 0, rank_static: dict[str, Any] | None = None
+) -> Path:
+    """Every event through the public writer, in order (a new seq is stamped on each), as
+    rank `rank` (a rank > 0 joins the trace rank 0 created, as each tensor-parallel rank of
+    a server opens its own writer); `rank_static`: this rank's own static audit items."""
     meta = trace.meta
-    create_trace(
-        path,
-        engine=meta.get("engine") or {"name": "third-party", "version": "0"},
-        command_line=meta.get("command_line") or [],
-        static=meta.get("static") or {},
-    )
+    if rank == 0:
+        create_trace(
+            path,
+            engine=meta.get("engine") or {"name": "third-party", "version": "0"},
+            command_line=meta.get("command_line") or [],
+            static=meta.get("static") or {},
+        )
     seen: set[str] = set()
-    with TraceWriter(path, rank=0, process=False) as w:
+    with TraceWriter(path, rank=rank, process=False) as w:
+        if rank_static:
+            w.update_static(rank_static)
         for e in trace.events:
             kwargs: dict[str, Any] = dict(e.axes)
             if e.table not in seen and e.table in trace.column_attrs:
@@ -120,11 +127,14 @@ def topk_columns(model: torch.nn.Module, logits: torch.Tensor) -> dict[str, Any]
 
 
 @torch.inference_mode()
-def redraft(trace: Trace, key: int, model: torch.nn.Module) -> None:
+def redraft(
+    trace: Trace, key: int, model: torch.nn.Module, shard: tuple[int, int] | None = None
+) -> None:
     """Recompute one request's draft-extend top-k from its recorded (possibly corrupted) draft
     inputs: the request's rows in position order form one sequence (the reference engine
     records each committed position once), the drafter runs over it, each row gets its own
-    logits back."""
+    logits back. `shard` = (start, end): the top-k is taken over those draft ids only, as a
+    tensor-parallel rank that skips the gather takes it over its own vocab shard."""
     rows = []  # (event, first, stop)
     for e in trace.of("draft_extend"):
         for k, a, b in e.blocks():
@@ -144,6 +154,10 @@ def redraft(trace: Trace, key: int, model: torch.nn.Module) -> None:
     )
     logits = torch.empty_like(out.logits[0])
     logits[torch.as_tensor(order)] = out.logits[0]
+    if shard is not None:  # a local argmax: the other ranks' rows never gathered
+        outside = torch.ones(logits.shape[-1], dtype=torch.bool)
+        outside[shard[0] : shard[1]] = False
+        logits[:, outside] = float("-inf")
     cols = topk_columns(model, logits)
     start = 0
     for e, a, b in rows:

@@ -22,6 +22,8 @@ class SGLangSpec(EngineSpec):
     taps = "hstrace.engines.sglang.taps"
     patches = "hstrace.hooks.sglang_patches"
     prefix_cache_off = "--disable-radix-cache"
+    # --speculative-algorithm, --speculative-draft-model-path, --speculative-num-steps, ...
+    speculation_flags: ClassVar[tuple[str, ...]] = ("--speculative-", "--speculative_")
     prefix_cache_off_note: ClassVar[str] = " (and without --enable-hierarchical-cache)"
     # the target reads only the nested key; a top-level one is ignored (`audit.aux_layer_source`)
     aux_ids_keys: ClassVar[tuple[str, ...]] = ("eagle_config.eagle_aux_hidden_state_layer_ids",)

@@ -9,11 +9,13 @@ This process never imports SGLang.
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 from typing import Any, ClassVar
 
-from hstrace.engines.base import Prompt, RecordOptions
-from hstrace.engines.server import ServerEngine, post_json
+from hstrace.engines.base import Prompt, RecordOptions, RecordResult
+from hstrace.engines.server import ServerEngine, ServeUntil, post_json
 from hstrace.engines.sglang.versions import SUPPORT
+from hstrace.errors import EngineError
 
 SPEC_METRIC_KEYS = (
     "completion_tokens",
@@ -27,6 +29,10 @@ SPEC_METRIC_KEYS = (
 )
 
 
+# `Prompt.sampling_for` names -> SGLang's native `sampling_params` names where they differ
+NATIVE_NAMES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
+
+
 class SGLangEngine(ServerEngine):
     name = "sglang"
     support = SUPPORT
@@ -38,15 +44,36 @@ class SGLangEngine(ServerEngine):
     # trace writers close cleanly (atexit). A signal to the whole group instead kills the
     # schedulers mid-loop (their parent-death SIGKILL): the trace keeps only committed steps.
     stop_group_at_once: ClassVar[bool] = False
+    # finished requests (`record --serve --requests N`): exported only with --enable-metrics
+    finished_counter: ClassVar[str | None] = "sglang:num_requests_total"
+
+    def serve(self, out: Path, options: RecordOptions, until: ServeUntil) -> RecordResult:
+        if until.requests is not None and "--enable-metrics" not in self._argv():
+            raise EngineError(
+                "--requests counts SGLang's finished requests from its /metrics: add "
+                "--enable-metrics to --server-cmd, or use --duration"
+            )
+        return super().serve(out, options, until)
 
     def _send_one(
         self, proc: subprocess.Popen, base: str, i: int, prompt: Prompt, options: RecordOptions
     ) -> dict[str, Any] | str:
         rid = f"hstrace-{i}"
-        body: dict[str, Any] = {
-            "rid": rid,
-            "sampling_params": {"max_new_tokens": options.max_new_tokens, "temperature": 0.0},
-        }
+        sampling = prompt.sampling_for(options.max_new_tokens)
+        if prompt.messages is not None:  # the OpenAI chat API: SGLang applies the template
+            body = {
+                "model": "default",
+                "messages": [{"role": r, "content": c} for r, c in prompt.messages],
+                "rid": rid,
+                **sampling,
+            }
+            reply = post_json(proc, base + "/v1/chat/completions", body, i, {})
+            if isinstance(reply, str):
+                return reply
+            return {"rid": rid, "source_id": prompt.source_id, "usage": reply.get("usage")}
+        # the native API's names (SGLang SamplingParams)
+        native = {NATIVE_NAMES.get(k, k): v for k, v in sampling.items()}
+        body = {"rid": rid, "sampling_params": native}
         if prompt.input_ids is not None:
             body["input_ids"] = list(prompt.input_ids)
         else:
@@ -58,5 +85,6 @@ class SGLangEngine(ServerEngine):
         return {
             "rid": rid,
             "source_id": prompt.source_id,
+            "output_ids": reply.get("output_ids"),  # greedy parity (`record --parity`)
             **{k: meta[k] for k in SPEC_METRIC_KEYS if k in meta},
         }

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 # The row type and the rows built the same way for every engine (hstrace.engines.rows).
-from hstrace.engines.rows import TableWrite, request_keys, requests_write
+from hstrace.engines.rows import TableWrite, request_keys, requests_write, sampling_row
 
 
 def _rids(batch: Any) -> list[str]:
@@ -66,6 +66,10 @@ def draft_topk(
     }
 
 
+# SGLang's `SamplingParams` names for the trace's sampling columns where they differ
+SAMPLING_ALIASES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
+
+
 def requests_rows(batch: Any, seen: set[str]) -> TableWrite | None:
     """One `requests` row per request not seen before (its id and prompt token ids), in the
     extend batch that first schedules it. `n_cached`: the prompt tokens SGLang served from its
@@ -81,6 +85,7 @@ def requests_rows(batch: Any, seen: set[str]) -> TableWrite | None:
         [str(r.rid) for r in new],
         [r.origin_input_ids for r in new],
         [prefix[i] for i in new_at],
+        [sampling_row(getattr(r, "sampling_params", None), SAMPLING_ALIASES) for r in new],
     )
 
 

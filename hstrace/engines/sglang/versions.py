@@ -178,6 +178,22 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
 )
 
 
+# The attributes the hooks read on the patched instances (hooks/sglang_patches.py), per class:
+# checked from the source of a release outside the tested table (`EngineSupport.check_source`).
+# Not listed: `ServerArgs` (its fields come from argument-group classes, and the hook reads them
+# with getattr inside a guarded audit that records its own failure).
+ATTRS_READ: dict[str, tuple[str, ...]] = {
+    f"{_W2}:EAGLEWorkerV2": (
+        "server_args",
+        "speculative_num_steps",
+        "topk",
+        "speculative_num_draft_tokens",
+    ),
+    f"{_W2}:EagleDraftWorker": ("hot_token_id", "topk", "speculative_num_draft_tokens"),
+    "sglang.srt.model_executor.model_runner:ModelRunner": ("is_draft_worker",),
+}
+
+
 SUPPORT = support.EngineSupport(
     label="SGLang",
     distributions=("sglang",),
@@ -189,4 +205,6 @@ SUPPORT = support.EngineSupport(
     plugins_env="SGLANG_PLUGINS",
     plugins_since=PLUGIN_ENTRY_POINTS_SINCE,
     empty_env_allows_all=True,  # SGLang: an empty SGLANG_PLUGINS restricts nothing
+    package="sglang",
+    attrs_read=ATTRS_READ,
 )

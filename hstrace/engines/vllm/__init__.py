@@ -22,6 +22,7 @@ class VLLMSpec(EngineSpec):
     taps = "hstrace.engines.vllm.taps"
     patches = "hstrace.hooks.vllm_patches"
     prefix_cache_off = "--no-enable-prefix-caching"
+    speculation_flags: ClassVar[tuple[str, ...]] = ("--speculative-config", "--speculative_config")
     # `GPUModelRunner._get_eagle3_aux_layers_from_config`: the top level first
     aux_ids_keys: ClassVar[tuple[str, ...]] = (
         "eagle_aux_hidden_state_layer_ids",

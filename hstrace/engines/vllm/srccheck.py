@@ -2,186 +2,48 @@
 
 `scripts/vllm-wheel-src.sh VERSION` unpacks a wheel's `vllm/**/*.py` (the CUDA wheel reads
 fine without a GPU); `snapshot` parses the files each patch point names and records what the
-hooks rely on: the function defined in the class's own body (what `apply_point` patches), its
-parameters in `inspect.signature` order, and the attributes the hooks read on the instance
-(assigned as `self.X` in the class or a base class it imports, or a class-level name /
-property). `mismatches` compares a snapshot with the patch table, so the check runs on a
-committed snapshot in CI (`tests/fixtures/vllm_src_points.json`) and on the real wheel when
-it is cached.
+hooks rely on (the general check: `hstrace.engines.srccheck`), with vLLM's `ATTRS_READ` (the
+attributes the hooks read on the instance, `hstrace.engines.vllm.versions`). `mismatches`
+compares a snapshot with the patch table, so the check runs on a committed snapshot in CI
+(`tests/fixtures/vllm_src_points.json`) and on the real wheel when it is cached.
 
     python -m hstrace.engines.vllm.srccheck SOURCE_ROOT VERSION   # JSON snapshot + mismatches
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hstrace.engines import srccheck as _general
+from hstrace.engines.srccheck import class_attrs, module_file, read_point
 from hstrace.engines.support import PatchPoint
+from hstrace.engines.vllm.versions import ATTRS_READ
 
-# The attributes the hooks read on the patched instance, per class (hooks/vllm_patches.py).
-ATTRS_READ: dict[str, tuple[str, ...]] = {
-    "vllm.v1.worker.gpu_model_runner:GPUModelRunner": (
-        "input_batch",
-        "use_aux_hidden_state_outputs",
-        "speculative_config",
-        "model_config",
-    ),
-    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer": ("method", "vllm_config"),
-    # V2: the speculator's config and draft model; the sampler's request states
-    "vllm.v1.worker.gpu.model_runner:GPUModelRunner": (
-        "use_aux_hidden_state_outputs",
-        "speculative_config",
-        "model_config",
-    ),
-    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator:TargetDependentARSpeculator": (
-        "method",
-        "vllm_config",
-        "speculative_config",
-        "num_speculative_steps",
-        "model",
-    ),
-    "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler": ("sampler",),
-}
-
-
-def module_file(root: Path, module: str) -> Path | None:
-    base = root.joinpath(*module.split("."))
-    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def _parse(path: Path) -> ast.Module:
-    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-
-
-def _class(tree: ast.Module, name: str) -> ast.ClassDef | None:
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name == name:
-            return node
-    return None
-
-
-def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
-    """Parameter names in `inspect.signature` order."""
-    a = fn.args
-    names = [p.arg for p in (*a.posonlyargs, *a.args)]
-    if a.vararg is not None:
-        names.append(a.vararg.arg)
-    names.extend(p.arg for p in a.kwonlyargs)
-    if a.kwarg is not None:
-        names.append(a.kwarg.arg)
-    return names
-
-
-def _own_attrs(cls: ast.ClassDef) -> set[str]:
-    found: set[str] = set()
-    for node in cls.body:
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            found.add(node.target.id)
-        elif isinstance(node, ast.Assign):
-            found.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            decorators = {d.id for d in node.decorator_list if isinstance(d, ast.Name)}
-            if decorators & {"property", "cached_property"}:
-                found.add(node.name)
-    for node in ast.walk(cls):
-        targets: list[ast.expr] = []
-        if isinstance(node, ast.Assign):
-            targets = list(node.targets)
-        elif isinstance(node, ast.AnnAssign | ast.AugAssign):
-            targets = [node.target]
-        for t in targets:
-            for sub in ast.walk(t):
-                if (
-                    isinstance(sub, ast.Attribute)
-                    and isinstance(sub.value, ast.Name)
-                    and sub.value.id == "self"
-                ):
-                    found.add(sub.attr)
-    return found
-
-
-def _imported(tree: ast.Module, name: str, module: str) -> str | None:
-    """The module a base-class name comes from (`from X import name`), or this module."""
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if any((a.asname or a.name) == name for a in node.names):
-                return node.module
-    return module if _class(tree, name) is not None else None
-
-
-def class_attrs(root: Path, module: str, name: str, depth: int = 8) -> set[str]:
-    """Attributes of `module:name` and the bases it imports by name (within the source tree)."""
-    path = module_file(root, module)
-    if path is None or depth == 0:
-        return set()
-    tree = _parse(path)
-    cls = _class(tree, name)
-    if cls is None:
-        return set()
-    attrs = _own_attrs(cls)
-    for base in cls.bases:
-        if isinstance(base, ast.Name):
-            origin = _imported(tree, base.id, module)
-            if origin is not None:
-                attrs |= class_attrs(root, origin, base.id, depth - 1)
-    return attrs
-
-
-def read_point(root: Path, target: str) -> dict[str, Any]:
-    """What one `module:Class.method` is in a source tree: its file, whether the class
-    exists, and the method's parameters when the class body defines it (None otherwise)."""
-    module, qualname = target.split(":")
-    cls_name, attr = qualname.split(".")
-    path = module_file(root, module)
-    out: dict[str, Any] = {"file": None, "class": False, "params": None}
-    if path is None:
-        return out
-    out["file"] = path.relative_to(root).as_posix()
-    cls = _class(_parse(path), cls_name)
-    if cls is None:
-        return out
-    out["class"] = True
-    for node in cls.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == attr:
-            out["params"] = _params(node)
-    return out
+__all__ = [
+    "ATTRS_READ",
+    "class_attrs",
+    "find_class",
+    "main",
+    "mismatches",
+    "module_file",
+    "read_point",
+    "snapshot",
+]
 
 
 def find_class(root: Path, name: str) -> list[str]:
     """Modules under `root/vllm` whose top level defines class `name` (where a class moved)."""
-    hits = []
-    for path in sorted((root / "vllm").rglob("*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
-        if f"class {name}" not in text:
-            continue
-        if _class(_parse(path), name) is not None:
-            rel = path.relative_to(root).with_suffix("")
-            parts = rel.parts[:-1] if rel.name == "__init__" else rel.parts
-            hits.append(".".join(parts))
-    return hits
+    return _general.find_class(root, name, "vllm")
 
 
 def snapshot(
     root: Path, points: Iterable[PatchPoint], attrs: Mapping[str, tuple[str, ...]] = ATTRS_READ
 ) -> dict[str, Any]:
-    """The JSON-able facts the check needs from one source tree (no source text)."""
-    points = list(points)
-    return {
-        "points": {p.target: read_point(root, p.target) for p in points},
-        "attrs": {
-            cls: sorted(set(names) & class_attrs(root, *cls.split(":")))
-            for cls, names in attrs.items()
-            if any(p.target.startswith(cls + ".") for p in points)
-        },
-    }
+    return _general.snapshot(root, points, attrs)
 
 
 def mismatches(
@@ -189,26 +51,7 @@ def mismatches(
     points: Iterable[PatchPoint],
     attrs: Mapping[str, tuple[str, ...]] = ATTRS_READ,
 ) -> list[str]:
-    """One line per patch point the hooks could not patch as written, or attribute they read
-    that the class (and its imported bases) never sets."""
-    bad = []
-    for p in points:
-        got = snap["points"].get(p.target)
-        if got is None or got["file"] is None:
-            bad.append(f"{p.target}: module {p.module} not found")
-        elif not got["class"]:
-            bad.append(f"{p.target}: class {p.qualname.split('.')[0]} not in {got['file']}")
-        elif got["params"] is None:
-            bad.append(f"{p.target}: not defined in the class body")
-        elif tuple(got["params"][: len(p.params)]) != p.params:
-            bad.append(f"{p.target}: expected {p.params}, found {tuple(got['params'])}")
-    for cls, names in attrs.items():
-        if cls not in snap["attrs"]:
-            continue
-        missing = sorted(set(names) - set(snap["attrs"][cls]))
-        if missing:
-            bad.append(f"{cls}: never sets {missing}")
-    return bad
+    return _general.mismatches(snap, points, attrs)
 
 
 def main(argv: list[str] | None = None) -> int:

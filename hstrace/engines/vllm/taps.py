@@ -12,10 +12,17 @@ Nothing here imports vLLM: the inputs are tensors and plain lists (duck-typed in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from hstrace.engines.rows import TableWrite, aux_hidden_attrs, request_keys, requests_write
+from hstrace.engines.rows import (
+    TableWrite,
+    aux_hidden_attrs,
+    request_keys,
+    requests_write,
+    sampling_row,
+)
 
 TOPK = 8  # draft top-k recorded per sampled row (vLLM computes the full draft logits anyway)
 PLACEHOLDER = -1  # vLLM's rejected / padding slot in sampled_token_ids
@@ -26,6 +33,8 @@ class NewRequest:
     rid: str
     prompt_ids: list[int]
     n_cached: int  # prompt tokens served from the prefix cache (scheduled num_computed_tokens)
+    # vLLM's resolved SamplingParams as `rows.sampling_row` reads them (None: not tapped)
+    sampling: dict[str, float | int] | None = None
 
 
 @dataclass
@@ -117,11 +126,88 @@ def _expand_topk(
     return {"topk_draft_ids": ids, "topk_target_ids": tids, "topk_logprobs": lps, "lse": lse}
 
 
+def new_request(nr: Any) -> NewRequest:
+    """A `NewRequest` from vLLM's `NewRequestData` (V1 and V2 schedulers): its id, prompt,
+    prefix-cache hit and the `SamplingParams` the engine resolved for it (the API server has
+    merged the request's fields with the model's generation-config defaults by then)."""
+    return NewRequest(
+        str(nr.req_id),
+        list(nr.prompt_token_ids or []),
+        int(nr.num_computed_tokens),
+        sampling_row(getattr(nr, "sampling_params", None)),
+    )
+
+
+def restrict(step: Step, keep: list[int]) -> Step:
+    """The step as if only the requests at batch indices `keep` had run (`record
+    --sample-every K`: the others are not recorded). Every per-request piece is cut the same
+    way: ids, drafts, sampled rows, the target rows and aux concat, the drafter's first pass
+    (all target rows) and its chain passes (one row per request), and their top-k."""
+    qs = step.query_start
+    n_req = len(step.req_ids)
+    if keep == list(range(n_req)):
+        return step
+    starts = [0]
+    for n in step.num_draft_tokens:
+        starts.append(starts[-1] + n)
+    drafts = None
+    if step.draft_token_ids is not None:
+        drafts = torch.cat(
+            [step.draft_token_ids[starts[i] : starts[i + 1]] for i in keep]
+            or [step.draft_token_ids[:0]]
+        )
+    out = Step(
+        req_ids=[step.req_ids[i] for i in keep],
+        num_draft_tokens=[step.num_draft_tokens[i] for i in keep],
+        new_requests=step.new_requests,  # already only the kept ones (the hooks choose)
+        draft_token_ids=drafts,
+        sampled=[step.sampled[i] for i in keep] if step.sampled is not None else None,
+    )
+    if qs is None or step.target_ids is None:
+        return out
+    rows = _rows_of(step, keep)
+    new_qs = [0]
+    for i in keep:
+        new_qs.append(new_qs[-1] + qs[i + 1] - qs[i])
+    out.query_start = new_qs
+    out.target_ids = step.target_ids.index_select(0, rows.to(step.target_ids.device))
+    if step.target_positions is not None:
+        out.target_positions = step.target_positions.index_select(
+            -1, rows.to(step.target_positions.device)
+        )
+    if step.target_aux is not None:
+        out.target_aux = step.target_aux.index_select(0, rows.to(step.target_aux.device))
+    if step.sample_rows is not None:
+        out.sample_rows = [step.sample_rows[i] - qs[i] + new_qs[j] for j, i in enumerate(keep)]
+    at = torch.tensor(keep, dtype=torch.int64)
+    for k, call in enumerate(step.calls):
+        # the first pass holds every target row; a chain pass one row per request
+        sel = rows if k == 0 else at
+        n_first = int(step.target_ids.shape[0])
+        ids = call.input_ids[:n_first] if k == 0 else call.input_ids
+        pos = call.positions[..., :n_first] if k == 0 else call.positions
+        topk = None
+        if call.topk is not None:  # one row per request in both passes
+            topk = {c: v.index_select(0, at.to(v.device)) for c, v in call.topk.items()}
+        out.calls.append(
+            DraftCall(
+                input_ids=ids.index_select(0, sel.to(ids.device)),
+                positions=pos.index_select(-1, sel.to(pos.device)),
+                hidden_in=None
+                if call.hidden_in is None
+                else call.hidden_in.index_select(0, at.to(call.hidden_in.device)),
+                topk=topk,
+            )
+        )
+    return out
+
+
 def requests_rows(new: list[NewRequest]) -> TableWrite | None:
     if not new:
         return None
+    sampling = [r.sampling or sampling_row(None) for r in new]
     return requests_write(
-        [r.rid for r in new], [r.prompt_ids for r in new], [r.n_cached for r in new]
+        [r.rid for r in new], [r.prompt_ids for r in new], [r.n_cached for r in new], sampling
     )
 
 

@@ -153,6 +153,32 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
 )
 
 
+# The attributes the hooks read on the patched instance, per class (hooks/vllm_patches.py).
+ATTRS_READ: dict[str, tuple[str, ...]] = {
+    "vllm.v1.worker.gpu_model_runner:GPUModelRunner": (
+        "input_batch",
+        "use_aux_hidden_state_outputs",
+        "speculative_config",
+        "model_config",
+    ),
+    "vllm.v1.spec_decode.llm_base_proposer:SpecDecodeBaseProposer": ("method", "vllm_config"),
+    # V2: the speculator's config and draft model; the sampler's request states
+    "vllm.v1.worker.gpu.model_runner:GPUModelRunner": (
+        "use_aux_hidden_state_outputs",
+        "speculative_config",
+        "model_config",
+    ),
+    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator:TargetDependentARSpeculator": (
+        "method",
+        "vllm_config",
+        "speculative_config",
+        "num_speculative_steps",
+        "model",
+    ),
+    "vllm.v1.worker.gpu.spec_decode.rejection_sampler:RejectionSampler": ("sampler",),
+}
+
+
 def runner_of(point: PatchPoint) -> str:
     """ "v2" for a Model Runner V2 row (`vllm.v1.worker.gpu.*`), "v1" otherwise (the drafter
     model's rows serve both runners; they count as V1's, which the CPU tests run)."""
@@ -170,4 +196,6 @@ SUPPORT = EngineSupport(
     plugin_group=PLUGIN_GROUP,
     plugins_env="VLLM_PLUGINS",
     empty_env_allows_all=False,  # vLLM: VLLM_PLUGINS="" loads no plugin
+    package="vllm",
+    attrs_read=ATTRS_READ,
 )
