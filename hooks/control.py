@@ -103,7 +103,8 @@ class Channel:
                 "pid": self.pid,
                 "engine": self.engine,
                 "version": ".".join(map(str, rec.version)),
-                "armed": rec.armed,
+                # a session still closing counts: its trace is not finished yet
+                "armed": rec.armed or rec.session_open,
             }
         if cmd == "disarm":
             return {"pid": self.pid, "disarmed": self.end("disarm")}
