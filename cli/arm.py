@@ -39,6 +39,13 @@ from hstrace.cli.record import parse_streams
     show_default=True,
     help="When the writer falls behind: stall serving, or drop steps (counted).",
 )
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the session as JSON: out, engine, engine_version, processes, ended, wall_s, ok, "
+    "exit_code.",
+)
 def arm(
     server: str,
     out: Path,
@@ -46,6 +53,7 @@ def arm(
     duration: float | None,
     streams: str | None,
     on_full: str,
+    as_json: bool,
 ) -> None:
     """Arm the hooks of a running server started dormant, and record until the limit, until
     `hstrace disarm SERVER`, or until this command stops (Ctrl-C): its connection is the
@@ -72,6 +80,21 @@ def arm(
         armed=started,
     )
     reasons = ", ".join(sorted(set(session.ended.values())))
-    click.echo(f"recorded {session.wall_s:.1f} s from {session.engine} into {out} ({reasons})")
+    if as_json:
+        import json
+
+        doc = {
+            "out": str(out),
+            "engine": session.engine,
+            "engine_version": session.version,
+            "processes": [r.get("pid") for r in session.armed],
+            "ended": {str(pid): why for pid, why in session.ended.items()},
+            "wall_s": round(session.wall_s, 3),
+            "ok": session.ok,
+            "exit_code": 0 if session.ok else 1,
+        }
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(f"recorded {session.wall_s:.1f} s from {session.engine} into {out} ({reasons})")
     if not session.ok:
         sys.exit(1)
