@@ -77,6 +77,7 @@ class Recorder:
         self.armed = not self.dormant  # new steps are recorded
         self.session_open = self.armed  # rows may still be written (until the close)
         self.stepping = False  # an engine's step wrapper is collecting (see `disarm`)
+        self.closing = False  # a disarm is closing the session's trace
         # the session: held by the serving thread while it writes, by `disarm` while it closes
         self.session_lock = threading.Lock()
         self.kept_static: dict[str, Any] = {}  # every static item, for traces armed later
@@ -233,11 +234,15 @@ class Recorder:
         while self.stepping and time.monotonic() < deadline:
             time.sleep(0.001)
         self.drain()
-        with self.session_lock:
-            self.session_open = False
-            writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
+        self.closing = True  # `hello` says armed until the trace is closed on disk
+        try:
+            with self.session_lock:
+                self.session_open = False
+                writer, self._writer = self._writer, None
+            if writer is not None:
+                writer.close()
+        finally:
+            self.closing = False
         return True
 
     def on_arm(self) -> None:

@@ -104,7 +104,7 @@ class Channel:
                 "engine": self.engine,
                 "version": ".".join(map(str, rec.version)),
                 # a session still closing counts: its trace is not finished yet
-                "armed": rec.armed or rec.session_open,
+                "armed": rec.armed or rec.session_open or rec.closing,
             }
         if cmd == "disarm":
             return {"pid": self.pid, "disarmed": self.end("disarm")}

@@ -222,14 +222,6 @@ def test_a_killed_arming_client_leaves_no_hooks_armed(served) -> None:
     assert all(h["armed"] for h in served["armed_c"])
     assert served["after_kill"] and all(not h["armed"] for h in served["after_kill"])
     assert served["serving_after_kill"] == served["dormant"][:1]
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect (run 01:26 UTC): after the arming client is killed every process "
-    "disarms (asserted above), but the session's trace has no clean rank close on disk; "
-    "not yet diagnosed",
-)
-def test_a_killed_clients_trace_is_closed_cleanly(served) -> None:
+    # `hello` says armed until the close is on disk (the 01:26 run stopped the server mid-close)
     with open_trace(served["tmp"] / "c.zarr") as tr:
         assert tr.rank(0).clean_close  # the process closed what it recorded
