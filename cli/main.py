@@ -25,6 +25,8 @@ from hstrace.errors import HstraceError
 # name -> one-line help; the module hstrace.cli.<name> defines the command object `<name>`.
 COMMANDS: dict[str, str] = {
     "record": "Run a server (or the reference engine) with hstrace's hooks and record a trace.",
+    "arm": "Arm the hooks of a running server started dormant, and record a session.",
+    "disarm": "End the recording session of a running server.",
     "show": "Summarise a trace: engine, ranks, steps, requests, acceptance.",
     "check": "Load a drafter checkpoint and report static wiring problems.",
     "replay": "Replay a trace against training tensors and name the first divergence.",

@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from hstrace.engines.protocol import CLOSE_SIGNAL
@@ -56,7 +56,13 @@ def refuse(cfg: Mapping[str, Any], message: str) -> None:
 
 class Recorder:
     """Per-process state: the config, the lazily opened writer (only processes that record a
-    row or an audit item open one), disabled taps."""
+    row or an audit item open one), disabled taps.
+
+    Armed or dormant: `armed` is the one flag every per-step patch point checks first. A
+    recorder started with `dormant` in its config (`hstrace.engines.protocol.dormant_env`)
+    records nothing until `arm` (from the control channel, `hstrace.hooks.control`) opens a
+    trace, and `disarm` closes it; the static audit, taken at load time, is kept in memory
+    (`kept_static`) and written into every trace armed later."""
 
     def __init__(self, cfg: dict[str, Any], version: Version) -> None:
         self.cfg = cfg
@@ -67,6 +73,61 @@ class Recorder:
         self._writer: Any = None
         self.closed = False  # the launcher asked this process to close its trace
         self.writer_factory: Callable[[int], Any] | None = None  # tests may inject the real writer
+        self.dormant = bool(cfg.get("dormant"))
+        self.armed = not self.dormant  # new steps are recorded
+        self.session_open = self.armed  # rows may still be written (until the close)
+        self.stepping = False  # an engine's step wrapper is collecting (see `disarm`)
+        self.closing = False  # a disarm is closing the session's trace
+        # the session: held by the serving thread while it writes, by `disarm` while it closes
+        self.session_lock = threading.Lock()
+        self.kept_static: dict[str, Any] = {}  # every static item, for traces armed later
+        self.kept_main_static: dict[str, Any] = {}  # main_process_static while dormant
+        self.kept_errors: list[tuple[str, str]] = []  # taps disabled while dormant
+        self.requests_limit: int | None = None  # the session ends after this many requests
+        self.limit_rids: set[str] = set()  # the first `requests_limit` requests of the session
+        self.on_limit: Callable[[str], None] | None = None  # the control channel's disarm
+        self._finalizers = False
+        self._deferred: Any = None  # the tap thread's queue (`defer`), started on first use
+        self.tap_thread = True  # a session may ask for the step's work inline (bench's variant)
+
+    # ---- off the serving thread -----------------------------------------------------------------
+
+    DEFER_DEPTH = 8  # steps handed over and not yet written; a full queue stalls serving (block)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (a step's top-k, row building and staging) on this process's tap thread,
+        in order, so the serving thread only collects. `fn` must own what it reads (copies, or
+        tensors the engine never writes again). A full queue blocks: nothing is dropped."""
+        q = self._deferred
+        if q is None:
+            import queue
+
+            with self.lock:
+                if self._deferred is None:
+                    self._deferred = queue.Queue(self.DEFER_DEPTH)
+                    threading.Thread(
+                        target=self._tap_loop, name="hstrace-taps", daemon=True
+                    ).start()
+            q = self._deferred
+        q.put(fn)
+
+    def _tap_loop(self) -> None:
+        q = self._deferred
+        while True:
+            fn = q.get()
+            try:
+                fn()  # its taps run under run_tap: a failure disables one and is recorded
+            except Exception as exc:  # never let the tap thread die
+                print(f"hstrace: deferred tap: {type(exc).__name__}: {exc}", file=sys.stderr)
+            finally:
+                q.task_done()
+
+    def drain(self) -> None:
+        """Wait until every step handed over is written (before a close; never on the serving
+        thread, which is the only one that hands over)."""
+        q = self._deferred
+        if q is not None and threading.current_thread().name != "hstrace-taps":
+            q.join()
 
     def rank(self) -> int:
         import torch.distributed as dist
@@ -88,10 +149,13 @@ class Recorder:
                     import multiprocessing.util
 
                     _unpin(self._writer.writer_pid)
-                    atexit.register(self.close)
-                    # engine workers started by multiprocessing end with os._exit, which skips
-                    # atexit; its own exit finalizers still run (before daemonic children die)
-                    multiprocessing.util.Finalize(self, self.close, exitpriority=100)
+                    if not self._finalizers:  # once per process, whatever the sessions
+                        self._finalizers = True
+                        atexit.register(self.close)
+                        # engine workers started by multiprocessing end with os._exit, which
+                        # skips atexit; its own exit finalizers still run (before daemonic
+                        # children die)
+                        multiprocessing.util.Finalize(self, self.close, exitpriority=100)
                     from hstrace.hooks.bootstrap import _state
 
                     # how the hooks got into this process: "plugin" (the engine's entry point)
@@ -119,35 +183,123 @@ class Recorder:
         write_status(self.cfg, {"close_on": int(CLOSE_SIGNAL), "rank": self.rank()})
 
     def close(self) -> None:
+        self.drain()  # steps handed over to the tap thread are written first
         self.closed = True
         if self._writer is not None:
             self._writer.close()  # idempotent: a second call (atexit after Finalize) is a no-op
 
-    def static(self, items: dict[str, Any]) -> None:
-        if self.closed:
+    # ---- a session armed in a running server (hstrace.hooks.control) --------------------------
+
+    def arm(self, session: Mapping[str, Any]) -> dict[str, Any]:
+        """Open a trace session: `out` (a trace root the client created), `streams`,
+        `on_full`, optional `requests` (the limit). Writes the kept static audit at once (the
+        audit of a model loaded long before), then lets the patch points record. Returns what
+        the client merges into the trace: this process's rank and its front-end facts."""
+        with self.session_lock:
+            if self.armed or self.session_open:
+                raise RuntimeError("already armed")
+            self.cfg = {
+                **self.cfg,
+                "out": session["out"],
+                "streams": list(session["streams"]),
+                "on_full": session.get("on_full", "block"),
+            }
+            self.streams = set(self.cfg["streams"])
+            self.closed = False
+            self.requests_limit = session.get("requests")
+            self.limit_rids = set()
+            self.tap_thread = bool(session.get("tap_thread", True))
+            self.on_arm()
+            if self.kept_static or self.kept_errors:
+                w = self.writer()
+                if self.kept_static:
+                    w.update_static(dict(self.kept_static))
+                for name, message in self.kept_errors:
+                    w.note_error(name, message)
+                w.flush()
+            self.session_open = self.armed = True
+        return {"rank": self.rank(), "main_static": dict(self.kept_main_static)}
+
+    def disarm(self) -> bool:
+        """End the session: the patch points go dormant, then the trace is closed (outside the
+        lock: the serving thread never waits on a flush). False when nothing was armed."""
+        with self.session_lock:
+            if not self.armed:
+                return False
+            self.armed = False  # no new step starts recording
+        # a step that began armed is finished and written into this session's trace
+        import time
+
+        deadline = time.monotonic() + 30.0
+        while self.stepping and time.monotonic() < deadline:
+            time.sleep(0.001)
+        self.drain()
+        self.closing = True  # `hello` says armed until the trace is closed on disk
+        try:
+            with self.session_lock:
+                self.session_open = False
+                writer, self._writer = self._writer, None
+            if writer is not None:
+                writer.close()
+        finally:
+            self.closing = False
+        return True
+
+    def on_arm(self) -> None:
+        """An engine's per-session state, reset when a session starts (held: session_lock)."""
+
+    def step_requests(self, new: Iterable[str], batch: Iterable[str]) -> None:
+        """The `requests` limit, told by an engine's step tap (armed only): the first N requests
+        recorded in this session are waited for to the end; the session ends at the first step
+        whose batch holds none of them (requests that arrived meanwhile are recorded too, cut
+        where the session ends). The close runs off the serving thread (it flushes)."""
+        limit = self.requests_limit
+        if limit is None:
             return
-        w = self.writer()
-        w.update_static(items)
-        w.flush()  # the audit must be on disk even if the server dies right after loading
+        for rid in new:
+            if len(self.limit_rids) < limit:
+                self.limit_rids.add(str(rid))
+        if len(self.limit_rids) >= limit and not self.limit_rids.intersection(map(str, batch)):
+            self.requests_limit = None
+            if self.on_limit is not None:
+                threading.Thread(target=self.on_limit, args=("requests",), daemon=True).start()
+
+    def static(self, items: dict[str, Any]) -> None:
+        self.kept_static.update(items)  # a later session's trace gets the load-time audit too
+        if self.closed or not self.session_open:
+            return
+        with self.session_lock:
+            if not self.session_open:
+                return
+            w = self.writer()
+            w.update_static(items)
+            w.flush()  # the audit must be on disk even if the server dies right after loading
 
     def main_process_static(self, items: dict[str, Any]) -> None:
         """Static facts found in a process without a trace writer (the engine's front end): a
-        status line, merged into the trace's `static` by the launcher when the run ends."""
+        status line, merged into the trace's `static` by the launcher when the run ends (a
+        dormant server: kept, and handed to the arming client)."""
+        self.kept_main_static.update(items)
+        if self.dormant:
+            return
         write_status(self.cfg, {"static": items})
 
     def emit(self, writes: list[TableWrite]) -> None:
         if self.closed:  # closed on the launcher's request: the run is over
             return
-        w = self.writer()
-        for tw in writes:
-            if tw.table not in self.streams:
-                continue
-            # only the axes this table has (verify has no `tok`, requests no per-step columns)
-            axes = {"step": tw.step, "req": tw.req, "tok": tw.tok, **tw.other}
-            kwargs: dict[str, Any] = {axis: cols for axis, cols in axes.items() if cols}
-            if tw.column_attrs:
-                kwargs["column_attrs"] = tw.column_attrs
-            w.write(tw.table, **kwargs)
+        with self.session_lock:
+            if not self.session_open:  # the session is closed: nothing more to write
+                return
+            w = self.writer()
+            for tw in writes:
+                if tw.table not in self.streams:
+                    continue
+                # only the axes this table has (verify has no `tok`, requests no per-step cols)
+                axes = {"step": tw.step, "req": tw.req, "tok": tw.tok, **tw.other}
+                kwargs: dict[str, Any] = {axis: cols for axis, cols in axes.items() if cols}
+                if tw.column_attrs:
+                    kwargs["column_attrs"] = tw.column_attrs
+                w.write(tw.table, **kwargs)
 
     def run_tap(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one tap; an exception disables it (recorded in the trace) and never reaches the
@@ -162,6 +314,9 @@ class Recorder:
                 "\n", " "
             )
             try:
+                if not self.session_open:  # dormant: written into the next session's trace
+                    self.kept_errors.append((name, message))
+                    return None
                 self.writer().note_error(name, message)
                 self.writer().flush()
             except Exception:

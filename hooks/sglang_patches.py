@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from hstrace.hooks import common as hooks_common
-from hstrace.hooks import load_weights
+from hstrace.hooks import control, load_weights
 
 from hstrace.engines import load_audit, rows
 from hstrace.engines.sglang import audit, taps
@@ -40,6 +40,10 @@ class Recorder(hooks_common.Recorder):
         # SGLang's `layers_to_capture` (= HF hidden_states indices), from the target's
         # `set_eagle3_layers_to_capture`: written as the `aux_hidden` column's `layer_ids`.
         self.capture_layers: list[int] | None = None
+
+    def on_arm(self) -> None:
+        self.seen_rids = set()  # a new session's trace gets its own requests table
+        self.skipped_internal = 0
 
     def close(self) -> None:
         if self._writer is not None and self.skipped_internal and not self.closed:
@@ -236,13 +240,15 @@ def wrap_prefill(original: Callable) -> Callable:
         # shifted ids (a new tensor, so this reference keeps the target's ids).
         target_ids = getattr(batch, "input_ids", None)
         result = original(self, *args, **kwargs)
-        if rec is not None:
+        if rec is not None and rec.armed:
 
             def tap():
                 a = hooks_common.bind_args(original, (self, *args), kwargs)
                 if batch.forward_mode.is_idle() or rec.internal(r.rid for r in batch.reqs):
                     return
                 writes: list[taps.TableWrite] = []
+                rids = [str(r.rid) for r in batch.reqs]
+                rec.step_requests((r for r in rids if r not in rec.seen_rids), rids)
                 req = taps.requests_rows(batch, rec.seen_rids)
                 if req is not None:
                     writes.append(req)
@@ -269,10 +275,11 @@ def wrap_verify(original: Callable) -> Callable:
         rec = REC
         verify_input = batch.spec_info  # read before the call: verify replaces it
         result = original(self, batch, *args, **kwargs)
-        if rec is not None:
+        if rec is not None and rec.armed:
 
             def tap():
                 if not batch.forward_mode.is_idle() and not rec.internal(r.rid for r in batch.reqs):
+                    rec.step_requests((), [r.rid for r in batch.reqs])
                     rec.emit(taps.verify_rows(batch, verify_input, result))
 
             rec.run_tap("verify", tap)
@@ -288,7 +295,7 @@ def wrap_decode_extend(original: Callable) -> Callable:
         rec = REC
         seq_lens = getattr(batch, "seq_lens", None)  # before the call: the extend's prefix lengths
         result = original(self, batch, batch_result, *args, **kwargs)
-        if rec is not None:
+        if rec is not None and rec.armed:
             # The original returns None: it fills `batch_result.next_draft_input` in place, and
             # leaves its exact inputs on the batch (`input_ids`, `spec_info.hidden_states`).
             def tap():
@@ -320,6 +327,7 @@ def wrap_runner_forward(original: Callable) -> Callable:
         rec = REC
         if (
             rec is not None
+            and rec.armed
             and getattr(self, "is_draft_worker", False)
             and forward_batch.forward_mode.is_decode()
         ):
@@ -383,4 +391,5 @@ def install(version: Version, cfg: dict[str, Any]) -> Recorder:
     global REC
     REC = Recorder(cfg, version)
     hooks_common.install_points(SUPPORT.patch_points_for(version), WRAPPERS, REC)
+    control.serve(REC, "sglang")  # a dormant server's control channel (none otherwise)
     return REC

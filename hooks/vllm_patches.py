@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hstrace.hooks import load_weights
+from hstrace.hooks import control, load_weights
 from hstrace.hooks.common import Recorder, bind_args, install_points
 
 from hstrace.engines import load_audit
@@ -57,6 +57,9 @@ class VLLMRecorder(Recorder):
         if keep:
             self.kept.add(rid)
         return keep
+
+    def on_arm(self) -> None:
+        self.seen_rids = set()  # a new session's trace gets its own requests table
 
 
 REC: VLLMRecorder | None = None
@@ -96,6 +99,7 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step 
         if not keep:
             return None  # no recorded request in this step: nothing copied
         rec.keep_at = keep
+    rec.step_requests((n.rid for n in new), req_ids)
     meta = a.get("spec_decode_metadata")
     ndraft = [int(n) for n in meta.num_draft_tokens] if meta is not None else [0] * len(req_ids)
     sampled = a.get("sampled_token_ids")
@@ -113,10 +117,17 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step 
     )
 
 
-def _emit_step(rec: VLLMRecorder, step: taps.Step) -> None:
-    """Each table group is its own tap: one that fails is disabled, the others go on."""
-    if rec.keep_at is not None:
-        keep = rec.keep_at
+_NOW: Any = object()
+
+
+def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
+    """Each table group is its own tap: one that fails is disabled, the others go on. Runs on
+    the recorder's tap thread (`Recorder.defer`): the top-k, the rows and the staging copy.
+    `keep_at`: the batch indices kept by --sample-every, as they were when the step began
+    (the serving thread has moved on by now); default: the recorder's current ones."""
+    rec.run_tap("draft", lambda: taps.finish_topk(step))
+    keep = rec.keep_at if keep_at is _NOW else keep_at
+    if keep is not None:
         cut = rec.run_tap("step", lambda: taps.restrict(step, keep))
         if cut is None:
             return
@@ -138,21 +149,33 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step) -> None:
     rec.run_tap("draft", lambda: rec.emit(taps.draft_rows(step, lens)))
 
 
+def _on_cpu(step: taps.Step) -> bool:
+    t = step.target_ids if step.target_ids is not None else step.draft_token_ids
+    return t is None or not t.is_cuda
+
+
 def wrap_propose_draft_token_ids(original: Callable) -> Callable:
     @functools.wraps(original)
     def propose_draft_token_ids(self, *args, **kwargs):
         rec = REC
-        if rec is None or "step" in rec.disabled:
+        if rec is None or not rec.armed or "step" in rec.disabled:  # dormant: this check only
             return original(self, *args, **kwargs)
-        rec.current = rec.run_tap(
-            "step", lambda: _begin_step(rec, self, bind_args(original, (self, *args), kwargs))
-        )
+        rec.stepping = True  # a disarm waits for this step to be handed over
         try:
-            result = original(self, *args, **kwargs)
+            rec.current = rec.run_tap(
+                "step", lambda: _begin_step(rec, self, bind_args(original, (self, *args), kwargs))
+            )
+            try:
+                result = original(self, *args, **kwargs)
+            finally:
+                step, rec.current, rec.collecting = rec.current, None, False
+            if step is not None and rec.tap_thread and _on_cpu(step):  # the rest off this thread
+                keep = rec.keep_at
+                rec.defer(lambda: _emit_step(rec, step, keep))
+            elif step is not None:  # CUDA: another thread's stream would not wait for the
+                _emit_step(rec, step)  # copies queued on this one (unverified without a GPU)
         finally:
-            step, rec.current, rec.collecting = rec.current, None, False
-        if step is not None:
-            _emit_step(rec, step)
+            rec.stepping = False
         return result
 
     return propose_draft_token_ids
@@ -231,10 +254,14 @@ def wrap_compute_logits(original: Callable) -> Callable:
             step = rec.current
 
             def tap():
-                if step.calls and step.calls[-1].topk is None:
-                    step.calls[-1].topk = taps.draft_topk(
-                        logits.detach(), getattr(self, "draft_id_to_target_id", None)
-                    )
+                last = step.calls[-1] if step.calls else None
+                if last is None or last.topk is not None or last.logits is not None:
+                    return
+                d2t = getattr(self, "draft_id_to_target_id", None)
+                if logits.is_cuda:  # an async kernel here (see propose_draft_token_ids)
+                    last.topk = taps.draft_topk(logits.detach(), d2t)
+                else:  # top-k off the serving thread
+                    last.logits, last.d2t = logits.detach(), d2t
 
             rec.run_tap("draft", tap)
         return logits
@@ -308,7 +335,7 @@ def wrap_rejection_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         rec = REC
-        if rec is None or "verify_probs" in rec.disabled:
+        if rec is None or not rec.armed or "verify_probs" in rec.disabled:
             return original(self, *args, **kwargs)
         a = bind_args(original, (self, *args), kwargs)
         seen: dict[str, Any] = {}
@@ -626,7 +653,7 @@ def wrap_v2_propose(original: Callable) -> Callable:
     def propose(self, *args, **kwargs):
         rec = REC
         method = getattr(self, "method", None)
-        if rec is None or "step" in rec.disabled or method not in SPEC_METHODS:
+        if rec is None or not rec.armed or "step" in rec.disabled or method not in SPEC_METHODS:
             return original(self, *args, **kwargs)
         a = bind_args(original, (self, *args), kwargs)
         if a.get("dummy_run") or a.get("is_profile"):
@@ -642,6 +669,7 @@ def wrap_v2_propose(original: Callable) -> Callable:
         finally:
             rec.current, rec.collecting = None, False
             if step is not None:
+                taps.finish_topk(step)
                 qs = step.query_start or [0]
                 lens = [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
                 rec.run_tap(
@@ -675,7 +703,7 @@ def wrap_v2_add_requests(original: Callable) -> Callable:
     @functools.wraps(original)
     def add_requests(self, scheduler_output, *args, **kwargs):
         rec = REC
-        if rec is not None:
+        if rec is not None and rec.armed:
 
             def tap():
                 w = taps.requests_rows(_new_requests(rec, scheduler_output))
@@ -695,7 +723,7 @@ def wrap_v2_rejection_sampler(original: Callable) -> Callable:
     def __call__(self, logits, input_batch, *args, **kwargs):
         out = original(self, logits, input_batch, *args, **kwargs)
         rec = REC
-        if rec is not None:
+        if rec is not None and rec.armed:
 
             def tap():
                 w = taps_v2.verify_rows(input_batch, out.sampled_token_ids, out.num_sampled)
@@ -735,4 +763,5 @@ def install(version: Version, cfg: dict[str, Any]) -> VLLMRecorder:
     global REC
     REC = VLLMRecorder(cfg, version)
     install_points(SUPPORT.patch_points_for(version), WRAPPERS, REC)
+    control.serve(REC, "vllm")  # a dormant server's control channel (none otherwise)
     return REC

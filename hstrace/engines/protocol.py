@@ -47,3 +47,29 @@ def write_sitecustomize(directory: str) -> str:
     with open(path, "w", encoding="utf-8") as fh:
         fh.write(SITECUSTOMIZE)
     return path
+
+
+# ---- the control channel of a dormant server (hstrace.hooks.control; client:
+# hstrace.engines.control) -------------------------------------------------------------------
+# A server started with `dormant_env(...)` in HSTRACE_RECORD installs its hooks dormant; every
+# hooked process listens on `<run dir>/<pid>.sock` (a unix socket: no network port; the run
+# dir 0700 and the socket 0600, and the peer's uid checked: only the server's user, or root,
+# may arm it). One JSON object a line each way:
+#   {"cmd": "hello"}  -> {"pid", "engine", "version", "armed"}
+#   {"cmd": "arm", "out", "streams", "on_full", "requests"?, "duration"?}
+#        -> {"armed": true, "pid", "rank", "main_static"} | {"error"}; the connection is then the
+#           session's lease: closed by the client (or its death) = disarm; when the session
+#           ends for any reason the process sends {"event": "disarmed", "reason"} on it.
+#   {"cmd": "disarm"} -> {"disarmed": true | false}
+SOCKET_SUFFIX = ".sock"
+
+
+def dormant_env(engine: str, run_dir: str, status: str | None = None) -> str:
+    """The HSTRACE_RECORD value that starts a server's hooks dormant, armed later through the
+    control sockets under `run_dir` (`hstrace arm RUN_DIR`)."""
+    import json
+
+    cfg: dict[str, object] = {"engine": engine, "dormant": True, "control": str(run_dir)}
+    if status:
+        cfg["status"] = status
+    return json.dumps(cfg)

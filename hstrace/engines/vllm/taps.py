@@ -45,6 +45,18 @@ class DraftCall:
     positions: torch.Tensor
     hidden_in: torch.Tensor | None
     topk: dict[str, torch.Tensor] | None = None
+    # the logits `compute_logits` returned (a fresh tensor vLLM never writes again) and its
+    # draft->target map: `topk` is taken from them off the serving thread (`finish_topk`)
+    logits: torch.Tensor | None = None
+    d2t: torch.Tensor | None = None
+
+
+def finish_topk(step: Step) -> None:
+    """The draft top-k of every call whose logits were kept, then the logits dropped."""
+    for call in step.calls:
+        if call.topk is None and call.logits is not None:
+            call.topk = draft_topk(call.logits, call.d2t)
+        call.logits = call.d2t = None
 
 
 @dataclass

