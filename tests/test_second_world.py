@@ -91,7 +91,14 @@ def test_the_libraries_artifacts_load_and_agree():
                 # which SGLang never reads: the one fault, named with its source
                 assert rc == 1 and codes(doc) == ["norm-flag-mismatch"]
                 ev = doc["findings"][0]["evidence"]
+                on_training = ev.pop("on_training")
                 assert ev == {"norm_before_residual": True, "source": "config:norm_before_residual"}
+                # the fix is checked on the training tensors: True fits them better (lower loss)
+                assert on_training["flag"] == "norm_before_residual"
+                assert on_training["value_that_fits_training"] is True
+                fixed = on_training["with the fix (norm_before_residual=True)"]
+                served = on_training["as the engine reads it (norm_before_residual=False)"]
+                assert fixed["loss"] < served["loss"] and fixed["rows"] == served["rows"] > 0
                 # its top-level ids [2, 3, 4] are SGLang's defaults for N = 7: not flagged
                 assert "aux-layers-default" not in codes(doc)
             else:  # exported by SpecForge's save_pretrained: nothing to report
