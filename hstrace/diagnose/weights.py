@@ -10,7 +10,6 @@ from __future__ import annotations
 from hstrace.findings import Finding, finding
 from hstrace.replay.evidence import Evidence
 
-
 # The engine's vocab-map buffer (vLLM `draft_id_to_target_id`, SGLang `hot_token_id`): a
 # checkpoint without `d2t` leaves it unfilled, and that is `vocab-map-missing` (the fix is to
 # ship d2t, not to rename keys), not a dropped weight.
