@@ -4,10 +4,13 @@
 #   bash scripts/demo.sh [--engine vllm|sglang] [--drafter eagle3|mtp]
 #
 # vllm (default): builds (once, cached) the vLLM CPU venv (scripts/vllm-venv.sh), serves the
-# tiny world on vLLM with the SpecForge-format drafter as it is (its aux ids are written for
-# SGLang's +1 convention, so vLLM feeds it layers one lower: wrong wiring), records it with
-# `hstrace record --server-cmd ...`, replays the trace against the training dumps and prints
-# the verdict and the fix. Exit code = replay's: 1 (a fault was found).
+# tiny world on vLLM with the speculators drafter exported the way a parameters-only export
+# writes it: `d2t` and `t2d` are buffers, not parameters, so the export drops them. vLLM's
+# Eagle3LlamaForCausalLM.load_weights then skips `draft_id_to_target_id` without a word and
+# keeps it all zeros: draft id i is proposed as target id i (no vocab map). The demo records
+# it with `hstrace record --server-cmd ...`, replays the trace against the training dumps and
+# prints the verdict, the fix and what the fix is worth (expected accept length as served vs
+# fixed). Exit code = replay's: 1 (a fault was found).
 # Where vLLM CPU cannot run (not x86-64 Linux) it says so in one line and replays the bundled
 # trace traces/examples/aux-layer-shift.zarr instead.
 #
@@ -52,14 +55,19 @@ demo_vllm() {
     bundled python3
     return
   fi
-  local py out port
+  local py work out port drafter spec
   py="$(bash scripts/vllm-venv.sh | tail -1)"
-  out="$(mktemp -d "${TMPDIR:-/tmp}/hstrace-demo.XXXXXX")/demo.zarr"
+  work="$(mktemp -d "${TMPDIR:-/tmp}/hstrace-demo.XXXXXX")"
+  out="$work/demo.zarr" drafter="$work/drafter-speculators-params-only"
   port="${HSTRACE_DEMO_PORT:-18400}"
   export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-1}" HF_HUB_OFFLINE=1
   export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$HOME/.cache/hstrace/vllm-cache}"
-  local spec='{"method": "eagle3", "model": "traces/tiny-world/drafter-specforge", "num_speculative_tokens": 3}'
-  echo "serving the tiny world on vLLM (CPU) with the SpecForge-format drafter, recording $SAMPLES training samples into $out" >&2
+  # The user's export: the same config, the weights without the buffers d2t / t2d.
+  cp -r traces/tiny-world/drafter-speculators "$drafter"
+  "$py" -c "import sys; from safetensors.torch import load_file, save_file; f = sys.argv[1]; save_file({k: v for k, v in load_file(f).items() if k not in ('d2t', 't2d')}, f, metadata={'format': 'pt'})" \
+    "$drafter/model.safetensors"
+  spec="{\"method\": \"eagle3\", \"model\": \"$drafter\", \"num_speculative_tokens\": 3}"
+  echo "serving the tiny world on vLLM (CPU) with the speculators drafter exported without d2t/t2d, recording $SAMPLES training samples into $out" >&2
   "$py" -m hstrace record \
     --server-cmd "$py -m vllm.entrypoints.openai.api_server --model traces/tiny-world/target --speculative-config '$spec' --host 127.0.0.1 --port $port --max-model-len 512 --dtype float32" \
     --prompts-from "$TRAINING" --samples "$SAMPLES" --out "$out"

@@ -8,6 +8,8 @@ against the tiny world's training data. Nothing is injected into hstrace.
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +207,40 @@ def test_check_against_tries_the_norm_flag_fix_on_the_training_tensors(tmp_path)
     assert fixed["loss"] < served["loss"] and fixed["rows"] == served["rows"] > 0
     assert fixed["acc0_data"] > served["acc0_data"]
     assert "True for drafters trained" not in f["fix"]  # the rule no longer guesses the value
+
+
+def test_checkpoint_exported_without_d2t_is_vocab_map_missing_with_its_price(traces, tmp_path):
+    """The README demo's fault, on the reference engine: a parameters-only export drops the
+    buffers d2t / t2d; an engine loading it keeps a zero map (draft id i -> target id i, as
+    vLLM's Eagle3LlamaForCausalLM.load_weights does). Replay takes training's d2t for the
+    drafter as trained, names vocab-map-missing (not weights-dropped) and prices its fix."""
+    from safetensors.torch import load_file, save_file
+    from test_diagnose_scenarios import HELDOUT, PROMPT_TOKENS, record
+
+    from hstrace.engines import Prompt
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(WORLD / "drafter-speculators", drafter)
+    weights = drafter / "model.safetensors"
+    sd = load_file(weights)
+    save_file({k: v for k, v in sd.items() if k not in ("d2t", "t2d")}, weights)
+    td = open_training(TRAINING)
+    prompts = [
+        Prompt(input_ids=tuple(td[i].input_ids[:PROMPT_TOKENS].tolist()), source_id=f"h:{i}")
+        for i in HELDOUT
+    ]
+    result = replayed(record(tmp_path / "no-d2t.zarr", prompts, drafter=drafter))
+    j = result.to_json()
+    codes = [f["code"] for f in j["findings"] if f["severity"] == "fault"]
+    assert codes == ["vocab-map-missing"], codes
+    f = j["findings"][0]
+    # the numbers: the engine's target ids are its draft ids, training's map explains few
+    readings = f["evidence"]["agreement_by_reading"]
+    assert readings["no mapping"] >= 0.99 > 0.5 > readings["offsets"]
+    assert "d2t" in f["fix"]
+    imp = f["impact"]
+    assert imp["fixed"]["accept_length"] >= imp["served"]["accept_length"] + 1
+    assert imp["measurable"] and imp["gain_ci"][0] > 0
+    # the trace realized the served side: next to nothing accepted beyond the bonus token
+    assert imp["realized"]["accept_length"] < imp["fixed"]["accept_length"] - 1
+    assert "the reference drafter uses the training data's" in json.dumps(j)

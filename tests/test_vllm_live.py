@@ -12,6 +12,8 @@ hstrace's hooks get into every vLLM process through the `vllm.general_plugins` e
   vLLM feeds HF hidden_states[1, 3, 4], a real aux-layer shift;
 - `no_nbr`: the speculators drafter with `norm_before_residual` deleted from its config.json:
   vLLM serves it as True, the drafter was trained with False;
+- `no_d2t`: the speculators drafter exported without its buffers d2t / t2d (the README
+  demo's checkpoint): vLLM keeps draft_id_to_target_id zero, no vocab map;
 - `faulty`: the clean launch with the verify tap's row builder made to raise
   (tests/vllm_fault_site): the tap is disabled and recorded, vLLM keeps serving.
 
@@ -304,6 +306,46 @@ def test_absent_norm_before_residual_is_served_true(no_nbr) -> None:
     f = res.to_json()["findings"][0]
     assert f["code"] == "norm-flag-mismatch" and f["impact"]["fix"] == res.verdict.fix
     assert f["impact"]["num_speculative_tokens"] == 3 and f["impact"]["realized"] is not None
+
+
+@pytest.fixture(scope="module")
+def no_d2t(tmp_path_factory):
+    """The README demo's checkpoint: a parameters-only export, d2t / t2d (buffers) dropped."""
+    from safetensors.torch import load_file, save_file
+
+    tmp = tmp_path_factory.mktemp("no_d2t")
+    drafter = tmp / "drafter"
+    shutil.copytree(TINY / "drafter-speculators", drafter)
+    weights = drafter / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if k not in ("d2t", "t2d")}, weights)
+    out = tmp / "no_d2t.zarr"
+    res = record(out, drafter, 18437, eager=True)
+    assert res.ok, res.error
+    return {"out": out, "replay": replay_trace(out, TRAINING)}
+
+
+def test_checkpoint_without_d2t_is_served_unmapped_and_its_fix_is_priced(no_d2t) -> None:
+    """vLLM's Eagle3LlamaForCausalLM.load_weights skips draft_id_to_target_id without d2t and
+    keeps it zero: the engine proposes draft id i as target id i. Replay names
+    vocab-map-missing (not weights-dropped) with the fix's worth, >= 1 accepted token."""
+    with open_trace(no_d2t["out"]) as tr:
+        static = tr.meta["static"]
+    # the engine's map as it served: all zeros, never filled from the checkpoint
+    assert static["d2t"]["is_zero"] is True
+    assert static["weights"]["unloaded_parameters"] == ["draft_id_to_target_id"]
+    res = no_d2t["replay"]
+    j = res.to_json()
+    codes = [f["code"] for f in j["findings"] if f["severity"] == "fault"]
+    assert codes == ["vocab-map-missing"], codes
+    assert res.exit_code == 1
+    f = j["findings"][0]
+    readings = f["evidence"]["agreement_by_reading"]  # the engine's own ids decide it
+    assert readings["no mapping"] >= 0.99 > 0.5 > readings["offsets"]
+    imp = f["impact"]
+    assert imp["num_speculative_tokens"] == 3
+    assert imp["fixed"]["accept_length"] >= imp["served"]["accept_length"] + 1
+    assert imp["measurable"] and imp["gain_ci"][0] > 0
+    assert imp["realized"]["accept_length"] < imp["fixed"]["accept_length"] - 1
 
 
 @pytest.fixture(scope="module")

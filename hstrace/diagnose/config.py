@@ -39,6 +39,8 @@ def static_load_findings(ev: Evidence) -> list[Finding]:
     for key in ("findings_load", "findings_spec"):
         for f in ev.static.get(key) or []:
             if isinstance(f, dict) and f.get("code") in REGISTRY:
+                if f["code"] == "weights-dropped" and _only_vocab_map(ev, f):
+                    continue  # a checkpoint without d2t: vocab-map-missing says it
                 out.append(
                     finding(
                         f["code"],
@@ -52,6 +54,18 @@ def static_load_findings(ev: Evidence) -> list[Finding]:
                     )
                 )
     return out
+
+
+def _only_vocab_map(ev: Evidence, fact: dict) -> bool:
+    """A recorded weights-dropped fact whose only unloaded parameter is the vocab-map buffer
+    of a checkpoint without d2t (`diagnose.weights.unloaded_weights`)."""
+    from hstrace.diagnose.weights import unloaded_weights
+
+    evidence = fact.get("evidence") or {}
+    unloaded = list(evidence.get("unloaded_parameters") or [])
+    return (
+        not evidence.get("dropped_keys") and bool(unloaded) and not unloaded_weights(ev, unloaded)
+    )
 
 
 def checkpoint_findings(ev: Evidence) -> list[Finding]:

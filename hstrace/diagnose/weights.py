@@ -10,11 +10,25 @@ from __future__ import annotations
 from hstrace.findings import Finding, finding
 from hstrace.replay.evidence import Evidence
 
+# The engine's vocab-map buffer (vLLM `draft_id_to_target_id`, SGLang `hot_token_id`): a
+# checkpoint without `d2t` leaves it unfilled, and that is `vocab-map-missing` (the fix is to
+# ship d2t, not to rename keys), not a dropped weight.
+VOCAB_MAP_PARAMETERS = frozenset({"draft_id_to_target_id", "hot_token_id"})
+
+
+def unloaded_weights(ev: Evidence, unloaded: list[str]) -> list[str]:
+    """The unloaded parameters that are weights-dropped: all of them, less the vocab-map
+    buffer when the checkpoint has no d2t to fill it with."""
+    report = ev.load_report
+    if report is None or "d2t" not in report.missing:
+        return unloaded
+    return [p for p in unloaded if p.rsplit(".", 1)[-1] not in VOCAB_MAP_PARAMETERS]
+
 
 def weights_dropped(ev: Evidence) -> list[Finding]:
     audit = ev.static.get("weights") or {}
     dropped = list(audit.get("dropped_keys") or [])
-    unloaded = list(audit.get("unloaded_parameters") or [])
+    unloaded = unloaded_weights(ev, list(audit.get("unloaded_parameters") or []))
     agreement = ev.agreement.engine_vs_reference
     runtime = {}
     if agreement is not None:

@@ -277,6 +277,27 @@ def open_evidence(
         )
 
 
+def _training_vocab_map(drafter: Any, report: Any, against: Path) -> str | None:
+    """A checkpoint saved without `d2t` (a parameters-only export drops the buffer) leaves the
+    reference drafter's map all zeros: draft id i read as target id i. The drafter as trained
+    used the map its training data was built with; take it from there (`training_d2t`), so the
+    replay compares serving with training's map and not with the missing one."""
+    from hstrace.training import training_d2t
+
+    cfg = drafter.cfg
+    if "d2t" not in report.missing or cfg.draft_vocab_size >= cfg.vocab_size:
+        return None
+    d2t = training_d2t(against) if Path(against).is_dir() else None
+    if d2t is None or len(d2t) != len(drafter.d2t):
+        return None
+    with torch.no_grad():
+        drafter.d2t.copy_(d2t)
+    return (
+        f"the checkpoint has no d2t; the reference drafter uses the training data's "
+        f"({against}, {len(d2t)} offsets)"
+    )
+
+
 def _evidence_of(
     trace: Any,
     trace_path: Path,
@@ -319,6 +340,7 @@ def _evidence_of(
     )
     if not samples:
         raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")
+    d2t_note = _training_vocab_map(drafter, report, against)
 
     explicit_target = target_path is not None
     if explicit_target and not Path(target_path).is_dir():
@@ -346,6 +368,8 @@ def _evidence_of(
         [r.tokens for r in serving.requests], [s.input_ids.numpy() for s in samples]
     )
     notes = dict(serving.missing)
+    if d2t_note:
+        notes.setdefault("vocab map", d2t_note)
     if target_note:
         notes.setdefault("target model", target_note)
     if not matches:

@@ -2,7 +2,7 @@
 auto-detected, read lazily and safely (`weights_only=True`). See docs/internal-api.md."""
 
 from hstrace.training.conventions import BEFORE_LAYER, OUTPUT_OF_LAYER, hf_index
-from hstrace.training.detect import open_training
+from hstrace.training.detect import open_training, training_d2t
 from hstrace.training.sample import TrainingData, TrainingSample
 
 __all__ = [
@@ -12,4 +12,5 @@ __all__ = [
     "TrainingSample",
     "hf_index",
     "open_training",
+    "training_d2t",
 ]

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import torch
+
 from hstrace.errors import TrainingDataError
 from hstrace.training import mtp, specforge, speculators, speculators_legacy
-from hstrace.training.safe_load import load_torch
+from hstrace.training.safe_load import load_torch, require_dict, require_tensor
 from hstrace.training.sample import TrainingData
 
 
@@ -66,3 +69,25 @@ def _specforge_or_ge_data(root: Path, files: list[Path]) -> TrainingData:
             "it cannot train or replay an EAGLE-3 drafter"
         )
     return specforge.SpecForgeData(root, files)
+
+
+def training_d2t(path: str | Path) -> torch.Tensor | None:
+    """The draft->target map (offsets, int64 [Vd]) the training data was built with: speculators
+    `d2t.npy`, SpecForge `vocab_mapping/vocab_mapping.pt` ({"d2t", "t2d"}); None when the
+    directory carries none. Read without pickle (numpy `allow_pickle=False`, torch
+    `weights_only=True`)."""
+    root = Path(path)
+    npy, pt = root / "d2t.npy", root / "vocab_mapping" / "vocab_mapping.pt"
+    if npy.is_file():
+        try:
+            values = np.load(npy, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            raise TrainingDataError(f"{npy}: not a numpy int array ({exc})") from None
+        d2t = torch.from_numpy(np.asarray(values))
+    elif pt.is_file():
+        d2t = require_tensor(require_dict(load_torch(pt), pt, ("d2t",))["d2t"], pt, "d2t", 1)
+    else:
+        return None
+    if d2t.dim() != 1 or d2t.is_floating_point() or d2t.dtype == torch.bool:
+        raise TrainingDataError(f"{root}: d2t is {d2t.dtype} {list(d2t.shape)}, not 1-d integer")
+    return d2t.to(torch.int64)
