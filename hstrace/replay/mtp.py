@@ -296,7 +296,7 @@ def _serving_side(head: Any, data: ServingData, target: Any) -> dict[str, Any]:
         "errors": {k: sum(v) / len(v) for k, v in errors.items()},
         "rows": rows,
         "requests": compared,
-        "pairing": {s: (sum(v) / len(v) if v else None) for s, v in shares.items()},
+        "pairing": {str(s): (sum(v) / len(v) if v else None) for s, v in shares.items()},
         "agreement": Agreement(n_rows, agree / n_rows, max_diff) if n_rows else None,
         "acc0": round(hits / scored, 4) if scored else None,
     }

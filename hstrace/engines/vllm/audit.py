@@ -294,7 +294,8 @@ def unread_weight_files(directory: Path) -> dict[str, list[str]]:
     """Safetensors files of a checkpoint that vLLM never opens, with their keys: when
     `model.safetensors.index.json` exists, vLLM loads only the files its `weight_map` names
     (`filter_duplicate_safetensors_files`) and says nothing of the others (an MTP layer saved
-    to its own file and not added to the index is never loaded)."""
+    to its own file and not added to the index is never loaded; vLLM 0.32 then refuses to start,
+    "Following weights were not initialized from checkpoint", so this names the cause)."""
     index = directory / INDEX_FILE
     if not index.is_file():
         return {}
