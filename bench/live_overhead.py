@@ -47,6 +47,7 @@ STREAMS = ["draft_extend", "draft_step", "requests", "target", "verify"]
 
 
 TP = 1  # --tensor-parallel-size (main sets it)
+SERVER_CPUS = ""  # --server-cpus (main sets it)
 
 
 def launch(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -65,6 +66,9 @@ def launch(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
     ]  # fmt: skip
     if TP > 1:
         argv += ["--tensor-parallel-size", str(TP)]
+    if SERVER_CPUS:  # the whole server on these cores; recording where HSTRACE_RECORD_CPUS says
+        argv = ["taskset", "-c", SERVER_CPUS, *argv]
+        env = dict(env, VLLM_CPU_OMP_THREADS_BIND=SERVER_CPUS)
     with log.open("wb") as fh:
         return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
@@ -417,9 +421,22 @@ def main() -> None:
         help="one untimed round of this many tokens before each timed one (both sides)",
     )
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument(
+        "--server-cpus",
+        default="",
+        help="pin the server (every process) to these CPUs, e.g. 0 (taskset)",
+    )
+    ap.add_argument(
+        "--record-cpus",
+        default="",
+        help="HSTRACE_RECORD_CPUS for the server: where the writer and the tap thread run",
+    )
     args = ap.parse_args()
-    global TP
+    global TP, SERVER_CPUS
     TP = args.tensor_parallel_size
+    SERVER_CPUS = args.server_cpus
+    if args.record_cpus:
+        os.environ["HSTRACE_RECORD_CPUS"] = args.record_cpus
 
     from hstrace.trace import create_trace
     from hstrace.training import open_training
