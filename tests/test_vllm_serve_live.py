@@ -111,53 +111,26 @@ REQUESTS: list[tuple[str, str, dict]] = [
     ),
     ("skipped-4", "/v1/completions", {"prompt": [11, 12], "max_tokens": 5, "temperature": 0}),
 ]
-# What vLLM's SamplingParams hold for each recorded request (top_k 0 and min_p 0 are vLLM's
-# "off"; seed -1 = none; max_tokens None for the last one: checked against the prompt below).
+# What vLLM's SamplingParams hold for each recorded request: its defaults (top_k 0 and min_p 0
+# are vLLM's "off"; seed -1 = none) but for what the request set; max_tokens None for the last
+# one (checked against the prompt below).
+VLLM_DEFAULTS = dict(
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    frequency_penalty=0.0,
+    presence_penalty=0.0,
+    seed=None,
+)
 RESOLVED = {
     "passive-completion": dict(
-        temperature=0.8,
-        top_p=0.9,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        frequency_penalty=0.2,
-        presence_penalty=0.0,
-        seed=7,
-        max_tokens=12,
+        VLLM_DEFAULTS, temperature=0.8, top_p=0.9, frequency_penalty=0.2, seed=7, max_tokens=12
     ),
-    "passive-stream": dict(
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        frequency_penalty=0.0,
-        presence_penalty=0.3,
-        seed=None,
-        max_tokens=10,
-    ),
-    "passive-chat": dict(
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.1,
-        frequency_penalty=0.0,
-        presence_penalty=0.0,
-        seed=None,
-        max_tokens=8,
-    ),
-    "passive-chat-stream": dict(
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        frequency_penalty=0.0,
-        presence_penalty=0.0,
-        seed=None,
-        max_tokens=None,
-    ),
+    "passive-stream": dict(VLLM_DEFAULTS, temperature=0.0, presence_penalty=0.3, max_tokens=10),
+    "passive-chat": dict(VLLM_DEFAULTS, repetition_penalty=1.1, max_tokens=8),
+    "passive-chat-stream": dict(VLLM_DEFAULTS, max_tokens=None),
 }
 
 
