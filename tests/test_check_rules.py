@@ -115,3 +115,20 @@ def test_advisory_rules_only_when_asked(tmp_path):
     assert rep.config["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29]
     asked, _ = run_static(rep, model, advisory=True)
     assert not {"aux-ids-top-level", "aux-ids-top-level-vs-default"} & set(asked.rules)
+
+
+def test_norm_before_fc_absent_from_config_is_named_from_its_weight(tmp_path):
+    """The key lost from config.json: the rule says what the engines do with the tensor (skip
+    it), names the key, and the fix is the flag (not a rename)."""
+    ck = tmp_path / "ck"
+    save_drafter(tiny_model(norm_before_fc=True), ck, dialect="speculators")
+    edit_config(ck, lambda c: c.pop("norm_before_fc"))
+    run = _run(ck, engine="vllm", version="0.32.0+cpu")
+    assert "norm-before-fc-absent" in run.rules and "unmapped-keys" not in run.rules
+    (found,) = [f for r, f in run.found if r.name == "norm-before-fc-absent"]
+    assert found.code == "norm-flag-mismatch"
+    assert found.evidence["skipped_key"] == "input_norm.weight"
+    assert '"norm_before_fc": true' in found.fix and "rename" not in found.fix.lower()
+    # written explicitly (either value), the rule has nothing to say
+    edit_config(ck, lambda c: c.update(norm_before_fc=True))
+    assert "norm-before-fc-absent" not in _run(ck, engine="vllm", version="0.32.0+cpu").rules

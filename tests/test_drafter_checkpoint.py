@@ -11,6 +11,7 @@ from helpers.drafters import tiny_model
 from safetensors.torch import load_file, save_file
 
 from hstrace.drafter import Eagle3Drafter, load_drafter, save_drafter
+from hstrace.drafter.checkpoint import INPUT_NORM_SOURCE
 from hstrace.errors import CheckpointError
 
 
@@ -93,6 +94,29 @@ def test_speculators_missing_flag_reports_library_default(tmp_path):
     m, rep = load_drafter(tmp_path / "s")
     assert m.cfg.norm_before_residual is False
     assert rep.flags["norm_before_residual"][1].startswith("default:speculators class default")
+
+
+def test_absent_norm_before_fc_is_read_from_input_norm_weight(tmp_path):
+    """A drafter built with norm_before_fc whose config lost the key: its input_norm.weight
+    says it has the norm, and the reference runs it so (same logits as with the key)."""
+    m = tiny_model(norm_before_fc=True)
+    save_drafter(m, tmp_path / "s", dialect="speculators")
+    p = tmp_path / "s" / "config.json"
+    cfg = json.loads(p.read_text())
+    assert cfg.pop("norm_before_fc") is True
+    p.write_text(json.dumps(cfg))
+    m2, rep = load_drafter(tmp_path / "s")
+    assert m2.cfg.norm_before_fc is True and rep.unmapped == []
+    assert rep.key_map["input_norm.weight"] == "input_norm.weight"
+    assert rep.flags["norm_before_fc"] == (True, INPUT_NORM_SOURCE)
+    assert rep.notes == []  # (notes are fc-width disagreements: the flag's source says it)
+    for a, b in zip(_logits(m), _logits(m2), strict=True):
+        assert torch.equal(a, b)
+    # said explicitly, the config wins: False keeps input_norm.weight unmapped
+    cfg["norm_before_fc"] = False
+    p.write_text(json.dumps(cfg))
+    m3, rep3 = load_drafter(tmp_path / "s")
+    assert m3.cfg.norm_before_fc is False and rep3.unmapped == ["input_norm.weight"]
 
 
 def test_eagle_ignores_config_rope_theta(tmp_path):

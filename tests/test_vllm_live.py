@@ -12,6 +12,8 @@ hstrace's hooks get into every vLLM process through the `vllm.general_plugins` e
   vLLM feeds HF hidden_states[1, 3, 4], a real aux-layer shift;
 - `no_nbr`: the speculators drafter with `norm_before_residual` deleted from its config.json:
   vLLM serves it as True, the drafter was trained with False;
+- `no_nbf`: the tiny world's drafter trained again with `norm_before_fc`, the key deleted from
+  its config.json: vLLM reads False and skips `input_norm.weight`;
 - `no_d2t`: the speculators drafter exported without its buffers d2t / t2d (the README
   demo's checkpoint): vLLM keeps draft_id_to_target_id zero, no vocab map;
 - `faulty`: the clean launch with the verify tap's row builder made to raise
@@ -249,6 +251,84 @@ def test_absent_norm_before_residual_is_served_true(no_nbr) -> None:
     f = res.to_json()["findings"][0]
     assert f["code"] == "norm-flag-mismatch" and f["impact"]["fix"] == res.verdict.fix
     assert f["impact"]["num_speculative_tokens"] == 3 and f["impact"]["realized"] is not None
+
+
+@pytest.fixture(scope="module")
+def no_nbf(tmp_path_factory):
+    """The tiny world's drafter trained again with norm_before_fc (as build.py trains it), its
+    config.json then stripped of the key: vLLM's update_eagle3 reads it as False and
+    Eagle3LlamaForCausalLM.load_weights skips input_norm.weight (maps `input_norm.` to None)."""
+    from helpers.drafters import train_world_drafter
+
+    tmp = tmp_path_factory.mktemp("no_nbf")
+    drafter = train_world_drafter(tmp / "drafter", norm_before_fc=True)
+    config = json.loads((drafter / "config.json").read_text())
+    assert config.pop("norm_before_fc") is True  # trained with it
+    (drafter / "config.json").write_text(json.dumps(config, indent=2))
+    out = tmp / "no_nbf.zarr"
+    res = record(out, drafter, 18438, eager=True)
+    assert res.ok, res.error
+    return {"out": out, "drafter": drafter, "replay": replay_trace(out, TRAINING)}
+
+
+def test_absent_norm_before_fc_skips_input_norm_and_the_fix_is_the_flag(no_nbf) -> None:
+    """Issue 28 item 2: the key has the right name, the fix is the flag. vLLM serves the
+    drafter without its input norm; replay's what-if reproduces the engine with
+    norm_before_fc=False, and the fix `"norm_before_fc": true` is printed because the drafter
+    with it fits the training tensors better (lower next-token loss). On the tiny world the
+    norm matters little, so the impact must say whether it is measurable, as measured."""
+    with open_trace(no_nbf["out"]) as tr:
+        static = tr.meta["static"]
+    flag = static["norm_flags"]["norm_before_fc"]
+    assert flag["value"] is False and flag["source"].startswith("default:vllm")
+    assert static["weights"]["dropped_keys"] == ["input_norm.weight"]  # the skipped key
+    res = no_nbf["replay"]
+    assert res.exit_code == 1
+    v = res.verdict
+    assert v.code == "norm-flag-mismatch", v.summary
+    assert v.evidence["what_if"] == "norm_before_fc=False"
+    assert v.evidence["engine_skipped_keys"] == ["input_norm.weight"]
+    assert "skipped input_norm.weight" in v.summary
+    assert '"norm_before_fc": true' in v.fix, v.fix
+    check = v.evidence["fix_checked_on_training"]
+    assert check["nll_as_trained"] < check["nll_as_served"] and check["rows"] > 0
+    j = res.to_json()
+    faults = [f["code"] for f in j["findings"] if f["severity"] == "fault"]
+    assert faults == ["norm-flag-mismatch"], faults  # not weights-dropped "rename the keys"
+    assert "rename" not in json.dumps(j["findings"])
+    imp = j["findings"][0]["impact"]
+    assert imp["fix"] == v.fix and imp["num_speculative_tokens"] == 3 and imp["steps"] > 0
+    assert imp["realized"] is not None and imp["estimate_agrees"] is not None
+    lo, hi = imp["gain_ci"]
+    assert imp["measurable"] == (lo > 0 or hi < 0)
+    s, x = imp["served"]["accept_length"], imp["fixed"]["accept_length"]
+    line = j["verdict"]["impact_line"]
+    if imp["measurable"]:
+        verb = "raises" if x > s else "lowers"
+        assert line == f"fixing this {verb} the expected accept length {s:.2f} → {x:.2f}"
+    else:
+        assert line.startswith("fixing this changes nothing measurable") and "low priority" in line
+
+
+def test_check_against_names_the_absent_norm_before_fc_and_scores_it(no_nbf) -> None:
+    """`hstrace check --against` on the same checkpoint (no server): the rule names the flag
+    from input_norm.weight, and the flag is scored on the training tensors both ways."""
+    cli = subprocess.run(
+        [sys.executable, "-m", "hstrace", "check", str(no_nbf["drafter"]), "--against",
+         str(TRAINING), "--engine", "vllm", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    doc = json.loads(cli.stdout)
+    f = next(f for f in doc["findings"] if "skipped_key" in f["evidence"])
+    assert f["code"] == "norm-flag-mismatch"
+    assert f["evidence"]["skipped_key"] == "input_norm.weight"
+    assert '"norm_before_fc": true' in f["fix"]
+    got = f["evidence"]["on_training"]
+    assert got["flag"] == "norm_before_fc" and got["value_that_fits_training"] is True
+    fixed = got["with the fix (norm_before_fc=True)"]
+    served = got["as the engine reads it (norm_before_fc=False)"]
+    assert fixed["loss"] < served["loss"] and fixed["rows"] == served["rows"] > 0
+    assert not [g for g in doc["findings"] if g["code"] == "weights-dropped"]
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,8 @@ def static_load_findings(ev: Evidence) -> list[Finding]:
             if isinstance(f, dict) and f.get("code") in REGISTRY:
                 if f["code"] == "weights-dropped" and _only_vocab_map(ev, f):
                     continue  # a checkpoint without d2t: vocab-map-missing says it
+                if f["code"] == "weights-dropped" and _only_flag_weights(ev, f):
+                    continue  # a norm flag served off skipped them: norm-flag-mismatch says it
                 out.append(
                     finding(
                         f["code"],
@@ -65,6 +67,20 @@ def _only_vocab_map(ev: Evidence, fact: dict) -> bool:
     unloaded = list(evidence.get("unloaded_parameters") or [])
     return (
         not evidence.get("dropped_keys") and bool(unloaded) and not unloaded_weights(ev, unloaded)
+    )
+
+
+def _only_flag_weights(ev: Evidence, fact: dict) -> bool:
+    """A recorded weights-dropped fact whose every dropped key a norm flag the engine served
+    off explains (`diagnose.weights.flag_skipped_keys`), with no parameter left unloaded."""
+    from hstrace.diagnose.weights import unexplained_dropped
+
+    evidence = fact.get("evidence") or {}
+    dropped = list(evidence.get("dropped_keys") or [])
+    return (
+        bool(dropped)
+        and not evidence.get("unloaded_parameters")
+        and not unexplained_dropped(ev, dropped)
     )
 
 
@@ -110,10 +126,14 @@ def whatif_findings(ev: Evidence) -> list[Finding]:
     if code == "attention-window" and base is not None:
         evidence.update(_agreement_by_distance(ev))
     variant, summary = "what-if", ""
+    skipped = _skipped_by_flag(ev, best.params)
+    if skipped:
+        evidence["engine_skipped_keys"] = skipped
+        summary = f"; the engine skipped {', '.join(skipped)} (loaded without the flag)"
     check = search.training_check
     if check is not None:
         evidence["fix_checked_on_training"] = check
-        summary = (
+        summary += (
             f"; on the training tensors step-0 accuracy {check['as_trained']:.2f} as trained vs "
             f"{check['as_served']:.2f} as served, loss {check['nll_as_trained']:.3f} vs "
             f"{check['nll_as_served']:.3f}"
@@ -133,6 +153,17 @@ def whatif_findings(ev: Evidence) -> list[Finding]:
             **(check or {}),
         )
     ]
+
+
+def _skipped_by_flag(ev: Evidence, params: Any) -> list[str]:
+    """The checkpoint keys the engine skipped because it served the what-if's flag off (the
+    static audit's load record), e.g. `input_norm.weight` without norm_before_fc."""
+    from hstrace.diagnose.weights import flag_skipped_keys
+
+    flag = params.get("flag") if isinstance(params, dict) else None
+    if flag is None or params.get("served") is not False:
+        return []
+    return flag_skipped_keys(ev).get(str(flag), [])
 
 
 def _agreement_by_distance(ev: Evidence) -> dict[str, Any]:

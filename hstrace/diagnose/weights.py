@@ -16,6 +16,42 @@ from hstrace.replay.evidence import Evidence
 VOCAB_MAP_PARAMETERS = frozenset({"draft_id_to_target_id", "hot_token_id"})
 
 
+# Checkpoint key prefixes an engine skips on purpose while a norm flag is off: vLLM 0.32's
+# `Eagle3LlamaForCausalLM.load_weights` maps `input_norm.` to None without norm_before_fc
+# (SGLang builds no input_norm then). Such a key has the right name: it is the norm-flag
+# finding's evidence (`diagnose.config.whatif_findings`), never a key to rename.
+FLAG_WEIGHTS: dict[str, tuple[str, ...]] = {"norm_before_fc": ("input_norm.",)}
+
+
+def flag_skipped_keys(ev: Evidence) -> dict[str, list[str]]:
+    """{flag: the dropped checkpoint keys it explains}, for each norm flag the engine served
+    off (the static audit's `norm_flags`) while the drafter, as the reference loads it, has
+    it on."""
+    from hstrace.drafter.checkpoint import canonical_name
+
+    dropped = list((ev.static.get("weights") or {}).get("dropped_keys") or [])
+    served = ev.static.get("norm_flags") or {}
+    if not dropped or not isinstance(served, dict) or ev.drafter is None:
+        return {}
+    out: dict[str, list[str]] = {}
+    for flag, prefixes in FLAG_WEIGHTS.items():
+        as_served = served.get(flag)
+        if not isinstance(as_served, dict) or as_served.get("value") is not False:
+            continue
+        if not getattr(ev.cfg, flag, False):
+            continue
+        keys = [k for k in dropped if canonical_name(k).startswith(prefixes)]
+        if keys:
+            out[flag] = keys
+    return out
+
+
+def unexplained_dropped(ev: Evidence, dropped: list[str]) -> list[str]:
+    """The dropped keys less those a norm flag served off explains (`flag_skipped_keys`)."""
+    explained = {k for keys in flag_skipped_keys(ev).values() for k in keys}
+    return [k for k in dropped if k not in explained]
+
+
 def unloaded_weights(ev: Evidence, unloaded: list[str]) -> list[str]:
     """The unloaded parameters that are weights-dropped: all of them, less the vocab-map
     buffer when the checkpoint has no d2t to fill it with."""
@@ -27,7 +63,7 @@ def unloaded_weights(ev: Evidence, unloaded: list[str]) -> list[str]:
 
 def weights_dropped(ev: Evidence) -> list[Finding]:
     audit = ev.static.get("weights") or {}
-    dropped = list(audit.get("dropped_keys") or [])
+    dropped = unexplained_dropped(ev, list(audit.get("dropped_keys") or []))
     unloaded = unloaded_weights(ev, list(audit.get("unloaded_parameters") or []))
     agreement = ev.agreement.engine_vs_reference
     runtime = {}

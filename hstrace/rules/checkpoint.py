@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from hstrace.drafter.checkpoint import LoadReport
+from hstrace.drafter.checkpoint import INPUT_NORM_SOURCE, LoadReport
 from hstrace.drafter.config import DrafterConfig
 from hstrace.drafter.dialects import DIALECT_CONVENTION
 from hstrace.drafter.model import Eagle3Drafter
@@ -217,6 +217,24 @@ FLAG_RULES: list[Rule[CheckpointFacts]] = [
         evidence=lambda f, m: {"norm_before_fc": True, "source": f.src("norm_before_fc")},
         fix="Serve with SGLang >= 0.5.17 (PR #32334) or vLLM with PR #38111.",
         applies_to=engines(sglang="<0.5.17"),
+    ),
+    Rule(
+        "norm-before-fc-absent",
+        "norm-flag-mismatch",
+        when=lambda f: f.src("norm_before_fc") == INPUT_NORM_SOURCE,
+        summary="the checkpoint holds input_norm.weight (a drafter built with norm_before_fc) "
+        "but config.json has no norm_before_fc: vLLM and SGLang read the absent key as False "
+        "and skip input_norm.weight without a word",
+        evidence=lambda f, m: {
+            "norm_before_fc": None,
+            "inferred_from": "input_norm.weight",
+            "engines_read_absent_as": False,
+            "skipped_key": "input_norm.weight",
+        },
+        fix='Set "norm_before_fc": true in the draft config.json if the drafter was trained '
+        "with it, as its input_norm.weight says (`hstrace check DRAFTER --against "
+        "TRAINING_DIR` scores both values on the training tensors).",
+        severity="warning",
     ),
     Rule(
         "fc-norm-old-sglang",

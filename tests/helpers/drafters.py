@@ -4,6 +4,7 @@ skipped or misplaced norm changes the logits) and a d2t/t2d built as the librari
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -58,3 +59,41 @@ def load_module(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def train_world_drafter(out: Path, **flags) -> Path:
+    """The tiny world's EAGLE-3 drafter trained again as `traces/tiny-world/build.py` trains
+    it (its seeds, steps, learning rate, training samples and `drafter.py`), with `flags`
+    changed (e.g. `norm_before_fc=True`), saved by `save_drafter` in the speculators dialect
+    (bf16, aux ids [2, 4, 5]) at `out`. One CPU thread while it trains (the builder's setting;
+    restored after). The d2t / t2d and the frozen embedding are the world's own."""
+    from dataclasses import replace
+
+    from hstrace.drafter import load_drafter, save_drafter
+    from hstrace.metrics import TargetHead
+    from hstrace.training import open_training
+
+    world = Path(__file__).resolve().parents[2] / "traces" / "tiny-world"
+    saved_path = list(sys.path)
+    build = load_module(world / "build.py")  # (it puts its own directory on sys.path)
+    sys.path[:] = saved_path
+    trainer = load_module(world / "drafter.py")
+    shipped, _ = load_drafter(world / "drafter-speculators")
+    samples = list(open_training(world / "training-speculators").samples())
+    head = TargetHead.from_pretrained(world / "target")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(build.SEED + 3)
+        model = Eagle3Drafter(replace(shipped.cfg, **flags)).float()
+        with torch.no_grad():
+            model.embed_tokens.weight.copy_(shipped.embed_tokens.weight)
+            model.d2t.copy_(shipped.d2t)
+            model.t2d.copy_(shipped.t2d)
+        train = slice(0, build.N_SAMPLES - build.N_HELDOUT)
+        trainer.train(model, samples[train], head, shipped.t2d, build.DRAFTER_STEPS,
+                      build.SEED + 4, build.DRAFTER_LR)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    save_drafter(model.eval(), out, dialect="speculators", dtype=torch.bfloat16)
+    return out
