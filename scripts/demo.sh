@@ -12,7 +12,8 @@
 # prints the verdict, the fix and what the fix is worth (expected accept length as served vs
 # fixed). Exit code = replay's: 1 (a fault was found).
 # Where vLLM CPU cannot run (not x86-64 Linux) it says so in one line and replays the bundled
-# trace traces/examples/aux-layer-shift.zarr instead.
+# trace traces/examples/vocab-map-missing.zarr (the same fault, recorded on the reference
+# engine) instead.
 #
 # sglang: the real SGLang 0.5.23 server on CPU (scripts/sglang-venv.sh, HSTRACE_SGLANG_CPU=1)
 # with the speculators drafter converted to SGLang's layout: aux-layer-shift (demo_sglang).
@@ -43,16 +44,16 @@ esac
 TRAINING=traces/tiny-world/training-speculators
 SAMPLES="${HSTRACE_DEMO_SAMPLES:-8}"
 
-bundled() {  # replay the committed example trace with whatever Python has hstrace
-  local py="$1"
-  "$py" -m hstrace replay traces/examples/aux-layer-shift.zarr --against "$TRAINING"
+bundled() {  # replay a committed example trace with whatever Python has hstrace
+  local py="$1" example="$2"
+  "$py" -m hstrace replay "traces/examples/$example" --against "$TRAINING"
 }
 
 demo_vllm() {
   if [[ "$(uname -s)-$(uname -m)" != "Linux-x86_64" ]]; then
-    echo "vLLM's CPU build runs on x86-64 Linux only (this is $(uname -s) $(uname -m)): replaying the bundled trace traces/examples/aux-layer-shift.zarr instead" >&2
+    echo "vLLM's CPU build runs on x86-64 Linux only (this is $(uname -s) $(uname -m)): replaying the bundled trace traces/examples/vocab-map-missing.zarr instead" >&2
     python3 -m pip install -q -c scripts/constraints-cpu.txt -e '.[reference,training]' >&2
-    bundled python3
+    bundled python3 vocab-map-missing.zarr
     return
   fi
   local py work out port drafter spec
@@ -83,7 +84,7 @@ demo_sglang() {
   if [[ "$(uname -s)-$(uname -m)" != "Linux-x86_64" ]]; then
     echo "the SGLang CPU demo runs on x86-64 Linux only (this is $(uname -s) $(uname -m)): replaying the bundled trace traces/examples/aux-layer-shift.zarr instead" >&2
     python3 -m pip install -q -c scripts/constraints-cpu.txt -e '.[reference,training]' >&2
-    bundled python3
+    bundled python3 aux-layer-shift.zarr
     return
   fi
   local py work out port drafter

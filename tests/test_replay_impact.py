@@ -244,3 +244,31 @@ def test_checkpoint_exported_without_d2t_is_vocab_map_missing_with_its_price(tra
     # the trace realized the served side: next to nothing accepted beyond the bonus token
     assert imp["realized"]["accept_length"] < imp["fixed"]["accept_length"] - 1
     assert "the reference drafter uses the training data's" in json.dumps(j)
+
+
+# -- the bundled examples (issue 28 item 3) --------------------------------------------------
+EXAMPLES = WORLD.parent / "examples"
+
+
+def test_bundled_fault_example_shows_a_fix_worth_a_token_with_both_numbers():
+    """`traces/examples/vocab-map-missing.zarr` (the README's fault example, made by
+    make_examples.py from the drafter exported without d2t / t2d): the fix is worth at least
+    one accepted token per verify step, and the verdict prints both numbers."""
+    from hstrace.report import render_terminal
+
+    result = replayed(EXAMPLES / "vocab-map-missing.zarr")
+    j = result.to_json()
+    assert result.exit_code == 1
+    assert [f["code"] for f in j["findings"] if f["severity"] == "fault"] == ["vocab-map-missing"]
+    imp = j["findings"][0]["impact"]
+    s, x = imp["served"]["accept_length"], imp["fixed"]["accept_length"]
+    assert x >= s + 1 and imp["measurable"] and imp["gain_ci"][0] >= 1
+    assert imp["estimate_agrees"] is True  # the trace's own acceptance next to the estimate
+    line = f"fixing this raises the expected accept length {s:.2f} → {x:.2f}"
+    assert j["verdict"]["impact_line"] == line
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    render_terminal(result, console)
+    printed = console.export_text()
+    assert line in printed and "d2t" in printed
