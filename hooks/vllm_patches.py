@@ -16,6 +16,7 @@ written when it returns.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ class VLLMRecorder(Recorder):
         self.collecting = False  # inside the proposer: drafter calls belong to the step
         # the rejection sampler's rule inputs of this step's verify (it runs before the
         # proposer; `_begin_step` takes them)
-        self.pending_verify: tuple[Any, list[taps.VerifyProbs | None]] | None = None
+        self.pending_verify: tuple[Any, Any] | None = None  # (metadata, _Later)
         # `record --sample-every K`: one request in K is recorded (the K-th seen, counting
         # from the first); a step with none of them costs only this membership check
         self.sample_every = max(1, int(cfg.get("sample_every") or 1))
@@ -125,6 +126,8 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
     the recorder's tap thread (`Recorder.defer`): the top-k, the rows and the staging copy.
     `keep_at`: the batch indices kept by --sample-every, as they were when the step began
     (the serving thread has moved on by now); default: the recorder's current ones."""
+    if isinstance(step.verify_probs, _Later):  # computed ahead of this on the tap thread
+        step.verify_probs = step.verify_probs.get()
     rec.run_tap("draft", lambda: taps.finish_topk(step))
     keep = rec.keep_at if keep_at is _NOW else keep_at
     if keep is not None:
@@ -279,18 +282,30 @@ def _rule(sampler: Any, draft_probs: Any, sm: Any) -> int:
 
 def _verify_tap(
     sampler: Any, a: dict[str, Any], raw: Any, proc: Any
-) -> list[taps.VerifyProbs | None]:
-    """What the rule compared: the target's rows at the drafted positions raw (read before
-    vLLM ran), after its penalties (its own `apply_logits_processors`, rerun on a copy: a pure
-    function of the batch), and the processed rows vLLM itself handed `rejection_sample`
-    (`proc`, never recomputed: its temperature expansion reads fresh memory on CPU); the
-    draft's probabilities; the sampling parameters."""
+) -> Callable[[], list[taps.VerifyProbs | None]]:
+    """What the rule compared, snapshotted on the serving thread; returns the work that turns
+    it into per-request rows (`taps.verify_probs`: softmax, gathers, history counts), which
+    runs on the tap thread on CPU. Snapshotted here: the target's rows at the drafted
+    positions raw (`raw`, a copy read before vLLM ran); after its penalties (its own
+    `apply_logits_processors`, rerun on a copy now because it reads the batch's history and
+    stateful processors, and only when the batch has penalties, bad words or allowed-token
+    masks: otherwise it returns its input); the processed rows vLLM itself handed
+    `rejection_sample` (`proc`, a per-step tensor vLLM drops after `forward`; never
+    recomputed: its temperature expansion reads fresh memory on CPU); the draft's
+    probabilities; the sampling parameters and the histories the penalties count, copied
+    (vLLM updates its persistent batch in place)."""
     import torch
 
     meta, sm, draft_probs = a["metadata"], a["sampling_metadata"], a["draft_probs"]
-    pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
     ids = meta.draft_token_ids.to(torch.int64).clamp(0, raw.shape[-1] - 1).reshape(-1, 1)
-    pen_logit = pen.gather(1, ids.to(pen.device)).reshape(-1)
+    transforms = (
+        not sm.no_penalties or bool(sm.bad_words_token_ids) or sm.allowed_token_ids_mask is not None
+    )
+    if transforms:
+        pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
+        pen_logit = pen.gather(1, ids.to(pen.device)).reshape(-1)
+    else:
+        pen_logit = None  # the identity: gathered from `raw` off this thread
     greedy = sm.all_greedy
     temperature = None if greedy or sm.temperature is None else sm.temperature
     params = {
@@ -301,20 +316,40 @@ def _verify_tap(
         "frequency_penalty": sm.frequency_penalties,
         "presence_penalty": sm.presence_penalties,
     }
-    params = {k: None if v is None else v.detach().float().cpu() for k, v in params.items()}
+    params = {k: None if v is None else v.detach().float().cpu().clone() for k, v in params.items()}
     penalties = not sm.no_penalties and sm.prompt_token_ids is not None
-    return taps.verify_probs(
-        meta.draft_token_ids,
-        list(meta.num_draft_tokens),
-        raw,
-        pen_logit,
-        proc,
-        draft_probs,
-        params,
-        _rule(sampler, draft_probs, sm),
-        prompt_ids=sm.prompt_token_ids.cpu() if penalties else None,
-        output_ids=sm.output_token_ids if penalties else None,
-    )
+    prompt_ids = sm.prompt_token_ids.cpu().clone() if penalties else None
+    output_ids = [list(h) for h in sm.output_token_ids] if penalties else None
+    draft_ids = meta.draft_token_ids.detach().clone()
+    num_draft = list(meta.num_draft_tokens)
+    draft_probs = draft_probs.detach().clone() if draft_probs is not None else None
+    rule = _rule(sampler, draft_probs, sm)
+
+    def rows() -> list[taps.VerifyProbs | None]:
+        pen = pen_logit
+        if pen is None:
+            pen = raw.gather(1, ids.to(raw.device)).reshape(-1)
+        return taps.verify_probs(
+            draft_ids, num_draft, raw, pen, proc, draft_probs, params, rule,
+            prompt_ids=prompt_ids, output_ids=output_ids,
+        )  # fmt: skip
+
+    return rows
+
+
+class _Later:
+    """A verify's rows computed once, on whichever thread asks first: the tap thread (queued
+    ahead of the step that carries them) or `_emit_step` when the step is emitted inline."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn, self._lock, self._done, self._value = fn, threading.Lock(), False, None
+
+    def get(self) -> Any:
+        with self._lock:
+            if not self._done:
+                self._value, self._done = self._fn(), True
+                self._fn = None  # drop the snapshot's tensors
+        return self._value
 
 
 # `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
@@ -361,11 +396,18 @@ def wrap_rejection_forward(original: Callable) -> Callable:
         finally:
             if "inner" in seen:
                 module.rejection_sample = seen["inner"]
+            rec.pending_verify = None
             if seen.get("proc") is not None:
-                probs = rec.run_tap(
+                rows = rec.run_tap(
                     "verify_probs", lambda: _verify_tap(self, a, seen["raw"], seen["proc"])
                 )
-                rec.pending_verify = (a["metadata"], probs) if probs is not None else None
+                if rows is not None:
+                    later = _Later(lambda: rec.run_tap("verify_probs", rows))
+                    if rec.tap_thread and not seen["proc"].is_cuda:  # off this thread
+                        rec.defer(later.get)
+                    else:
+                        later.get()
+                    rec.pending_verify = (a["metadata"], later)
 
     return forward
 
