@@ -363,6 +363,23 @@ def rank_summary(out: Path) -> dict[str, dict[str, int]]:
     return res
 
 
+def verify_rules(out: Path) -> dict[str, int]:
+    """How many of a trace's verify rows (rank 0) each rule judged: with sampled traffic they
+    are one-hot (the draft taken as one-hot, accepted with p_target), not greedy, which says the
+    verify tap's sampled path is what the armed rounds ran."""
+    from hstrace.engines.vllm.taps import RULES
+    from hstrace.trace import open_trace
+
+    with open_trace(out) as tr:
+        table = tr.rank(min(tr.ranks)).table("verify")
+        column = table.column("req", "rule") if table is not None else []
+    counts: dict[str, int] = {}
+    for code in [int(x) for x in column]:
+        name = RULES.get(code, "not recorded")
+        counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
 def serve_and_measure(
     arm: str, port: int, env: dict[str, str], work: Path, prompts, args
 ) -> tuple[list[float], float]:
@@ -405,6 +422,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     inline_ratios: list[float] = []
     drafts: dict[str, float] = {"armed": 0.0, "dormant": 0.0, "inline": 0.0}
     trace_bytes: list[int] = []
+    rules: dict[str, int] = {}  # the verify rule of every armed round's verify rows
     arm_s: list[float] = []
     disarm_s: list[float] = []
     try:
@@ -458,6 +476,8 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 if "s" not in box or not box["s"].ok:
                     raise SystemExit(f"armed round {i}: session did not end cleanly: {box}")
                 trace_bytes.append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
+                for name, n in verify_rules(out).items():
+                    rules[name] = rules.get(name, 0) + n
                 shutil.rmtree(out, ignore_errors=True)
             for arm in got:
                 tps[arm].append(got[arm])
@@ -490,6 +510,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             2,
         ),
         "trace_bytes_per_armed_round": int(statistics.median(trace_bytes)) if trace_bytes else 0,
+        "verify_rows_by_rule_armed": rules,
         "tokens_per_s_armed_inline": [round(x, 1) for x in tps["inline"]],
         "ratio_per_pair_inline": [round(r, 3) for r in inline_ratios],
         "ratio_per_pair_inline_median": round(statistics.median(inline_ratios), 3)
@@ -637,6 +658,9 @@ def main() -> None:
             "engine_ms_per_step_without": round(1e3 * wall_per_round / steps_per_round, 2),
             "trace_bytes_last_run": trace_bytes,
         }
+    import torch
+
+    load_at_cost = os.getloadavg()
     cost = hook_cost_per_step(args.prompts, work)
     step_ms = one["engine_ms_per_step_dormant"]
     serving_ms = cost["collect_ms"] + cost["verify_snapshot_ms"]
@@ -657,6 +681,10 @@ def main() -> None:
                 "tap_thread_ms_per_step": round(tap_thread_ms, 3),
                 "serving_thread_share_of_a_step": round(serving_ms / step_ms, 4),
                 "tap_thread_share_of_a_step": round(tap_thread_ms / step_ms, 4),
+                # parallel torch kernels (indexing, gather, softmax, top-k) wait for their
+                # sibling thread on a loaded machine: the stage medians are a quiet run's only
+                "hook_cost_torch_threads": torch.get_num_threads(),
+                "load_avg_at_hook_cost": load_at_cost,
                 "dormant_patch_point_ns": round(dormant_check_ns(), 1),
                 "tensor_parallel_size": TP,
                 "per_rank_last_run": per_rank,
