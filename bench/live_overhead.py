@@ -105,6 +105,7 @@ WORLDS = {
     ),  # fmt: skip
 }
 TP = 1  # --tensor-parallel-size (main sets it)
+SERVER_CPUS = ""  # --server-cpus (main sets it)
 WORLD = WORLDS["eagle3"]  # --drafter (main sets it)
 SAMPLING: dict[str, float] = {"temperature": 0.0}  # --temperature / --top-p (main sets it)
 
@@ -119,6 +120,9 @@ def launch(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
     ]  # fmt: skip
     if TP > 1:
         argv += ["--tensor-parallel-size", str(TP)]
+    if SERVER_CPUS:  # the whole server on these cores; recording where HSTRACE_RECORD_CPUS says
+        argv = ["taskset", "-c", SERVER_CPUS, *argv]
+        env = dict(env, VLLM_CPU_OMP_THREADS_BIND=SERVER_CPUS)
     with log.open("wb") as fh:
         return subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
@@ -584,11 +588,24 @@ def main() -> None:
         help="every request's temperature (> 0: sampled traffic, the verify's sampled path)",
     )
     ap.add_argument("--top-p", type=float, default=None, help="every request's top_p")
+    ap.add_argument(
+        "--server-cpus",
+        default="",
+        help="pin the server (every process) to these CPUs, e.g. 0 (taskset)",
+    )
+    ap.add_argument(
+        "--record-cpus",
+        default="",
+        help="HSTRACE_RECORD_CPUS for the server: where the writer and the tap thread run",
+    )
     args = ap.parse_args()
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         ap.error("--temperature must be >= 0 and --top-p in (0, 1]")
-    global TP, WORLD, SAMPLING
+    global TP, WORLD, SAMPLING, SERVER_CPUS
     TP = args.tensor_parallel_size
+    SERVER_CPUS = args.server_cpus
+    if args.record_cpus:
+        os.environ["HSTRACE_RECORD_CPUS"] = args.record_cpus
     WORLD = WORLDS[args.drafter]
     SAMPLING = {"temperature": args.temperature}
     if args.top_p is not None:

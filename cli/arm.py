@@ -6,39 +6,17 @@ import sys
 from pathlib import Path
 
 import click
-from hstrace.cli.record import parse_streams
+from hstrace.cli.options import out_option, parse_streams, stop_options, stream_options
 
 
 @click.command(name="arm")
 @click.argument("server")
-@click.option(
-    "--out", required=True, type=click.Path(path_type=Path), help="Trace to create (Zarr v3 dir)."
+@out_option
+@stop_options(
+    requests_help="End the session once the first N requests recorded have finished.",
+    duration_help="End the session after S seconds (enforced inside the server).",
 )
-@click.option(
-    "--requests",
-    type=click.IntRange(min=1),
-    default=None,
-    help="End the session once the first N requests recorded have finished.",
-)
-@click.option(
-    "--duration",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="End the session after S seconds (enforced inside the server).",
-)
-@click.option(
-    "--record",
-    "streams",
-    default=None,
-    help="Comma-separated streams (as hstrace record). Default: all but logits.",
-)
-@click.option(
-    "--on-full",
-    type=click.Choice(["block", "drop"]),
-    default="block",
-    show_default=True,
-    help="When the writer falls behind: stall serving, or drop steps (counted).",
-)
+@stream_options("Comma-separated streams (as hstrace record). Default: all but logits.")
 @click.option(
     "--json",
     "as_json",

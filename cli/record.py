@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 import click
+from hstrace.cli.options import out_option, parse_streams, stop_options, stream_options
 
 from hstrace.engines.base import (
-    DEFAULT_STREAMS,
     SAMPLING_PARAMS,
     STREAMS,
     EngineConfig,
@@ -17,20 +17,6 @@ from hstrace.engines.base import (
 from hstrace.engines.registry import ENGINES, engine_for_command, engine_spec, get_engine
 from hstrace.errors import HstraceError
 from hstrace.prompts import load_prompts_from_training, load_prompts_jsonl
-
-
-def parse_streams(value: str | None) -> frozenset[str]:
-    if value is None:
-        return DEFAULT_STREAMS
-    chosen = frozenset(s.strip() for s in value.split(",") if s.strip())
-    if "all" in chosen:
-        return frozenset(STREAMS)
-    unknown = chosen - set(STREAMS)
-    if unknown:
-        raise click.BadParameter(
-            f"unknown stream(s) {', '.join(sorted(unknown))}; known: {', '.join(STREAMS)}, all"
-        )
-    return chosen
 
 
 def parse_sampling(value: str | None) -> dict[str, float | int]:
@@ -85,9 +71,7 @@ def parse_sampling(value: str | None) -> dict[str, float | int]:
     "--drafter", type=click.Path(path_type=Path), help="reference engine: EAGLE-3 drafter dir."
 )
 @click.option("--device", default="cpu", show_default=True, help="reference engine: torch device.")
-@click.option(
-    "--out", required=True, type=click.Path(path_type=Path), help="Trace to create (Zarr v3 dir)."
-)
+@out_option
 @click.option(
     "--prompts",
     "prompts_file",
@@ -110,19 +94,7 @@ def parse_sampling(value: str | None) -> dict[str, float | int]:
     help="How many training samples --prompts-from sends.",
 )
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option(
-    "--record",
-    "streams",
-    default=None,
-    help=f"Comma-separated streams ({', '.join(STREAMS)}, all). Default: all but logits.",
-)
-@click.option(
-    "--on-full",
-    type=click.Choice(["block", "drop"]),
-    default="block",
-    show_default=True,
-    help="When the writer falls behind: stall serving, or drop steps (counted).",
-)
+@stream_options(f"Comma-separated streams ({', '.join(STREAMS)}, all). Default: all but logits.")
 @click.option(
     "--knob",
     "knobs",
@@ -163,18 +135,9 @@ def parse_sampling(value: str | None) -> dict[str, float | int]:
     "what your own clients send (OpenAI or native API, any sampling) until --requests N "
     "finished, --duration S passed, or Ctrl-C / SIGTERM; then close the trace.",
 )
-@click.option(
-    "--requests",
-    "stop_requests",
-    type=click.IntRange(min=1),
-    default=None,
-    help="--serve: stop after N requests finished (the engine's own counter).",
-)
-@click.option(
-    "--duration",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="--serve: stop after S seconds of serving.",
+@stop_options(
+    requests_help="--serve: stop after N requests finished (the engine's own counter).",
+    duration_help="--serve: stop after S seconds of serving.",
 )
 @click.option(
     "--sample-every",
@@ -215,7 +178,7 @@ def record(
     concurrency: int,
     sampling_json: str | None,
     serve: bool,
-    stop_requests: int | None,
+    requests: int | None,
     duration: float | None,
     sample_every: int,
     parity: bool,
@@ -229,7 +192,7 @@ def record(
         engine_name = engine_for_command(server_cmd) if server_cmd else "reference"
     if engine_spec(engine_name).support is not None and not server_cmd:
         raise click.UsageError(f"--engine {engine_name} needs --server-cmd")
-    check_mode(serve, prompts_file, training_dir, stop_requests, duration, parity)
+    check_mode(serve, prompts_file, training_dir, requests, duration, parity)
     if (serve or sample_every > 1) and engine_spec(engine_name).support is None:
         raise click.UsageError(f"--serve / --sample-every need a server engine, not {engine_name}")
     if sample_every > 1 and (engine_name != "vllm" or runner == "v2"):
@@ -270,7 +233,7 @@ def record(
     if serve:
         from hstrace.engines.server import ServeUntil
 
-        result = engine.serve(out, options, ServeUntil(stop_requests, duration))  # type: ignore[attr-defined]
+        result = engine.serve(out, options, ServeUntil(requests, duration))  # type: ignore[attr-defined]
     else:
         prompts = (
             load_prompts_jsonl(prompts_file)

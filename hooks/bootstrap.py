@@ -45,6 +45,9 @@ def activate(via: str, engine: str = "sglang") -> bool:
     cfg = config()
     if cfg is None or _state["active"]:
         return False
+    from hstrace.trace.write import placement
+
+    placement.remember_given()  # this process's CPUs, before the engine binds its threads
     # The launcher names the engine it started (cfg["engine"], default sglang): a vLLM plugin
     # call inside an SGLang server (or the reverse) does nothing.
     if cfg.get("engine", "sglang") != engine:

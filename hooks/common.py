@@ -112,6 +112,9 @@ class Recorder:
         q.put(fn)
 
     def _tap_loop(self) -> None:
+        from hstrace.trace.write import placement
+
+        placement.move_here(placement.spare_cpus())  # not on the serving thread's own cores
         q = self._deferred
         while True:
             fn = q.get()

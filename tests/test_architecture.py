@@ -81,6 +81,7 @@ ROOMS: dict[str, tuple[str, ...]] = {
         "hstrace._version",
         "hstrace.findings",  # the recorded audit facts become findings (`findings.from_fact`)
         "hstrace.trace",
+        "hstrace.trace.write",  # placement: the tap thread off the engine's cores, as the writer
         "hstrace.engines",
     ),
     "hstrace.prompts": ("hstrace.errors", "hstrace.training", "hstrace.engines"),

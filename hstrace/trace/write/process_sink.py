@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from hstrace.errors import TraceError
+from hstrace.trace.write import placement
 from hstrace.trace.write import protocol as P
 from hstrace.trace.write.protocol import ALIGN, align
 from hstrace.trace.write.ring import (
@@ -217,6 +218,8 @@ class ProcessSink(Sink):
             pass_fds=(data_r.fileno(), free_w.fileno(), ends_w, *self._shm.pass_fds()),
             env=env,
         )
+        # off the engine's cores before the writer imports numpy (its threads inherit the mask)
+        placement.move_process(self._proc.pid, placement.spare_cpus())
         data_r.close()
         free_w.close()
         os.close(ends_w)

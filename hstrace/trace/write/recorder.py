@@ -33,6 +33,9 @@ from hstrace.trace.write.rowlog import RowLog
 
 # Commit at most this often when only whole units were written (tail flushes always commit).
 COMMIT_INTERVAL_S = 0.25
+# How often `tick` looks over every column for one to tail-flush (each step calls it; the ages
+# it compares are seconds long, so a look per step cost the writer ~0.5 ms a step for nothing).
+SCAN_INTERVAL_S = 0.05
 # While the writer is draining a backlog, tail flushes wait up to this many times the age
 # limit: a partial unit that keeps growing would otherwise be rewritten again and again,
 # slowing the writer further exactly when it is already behind.
@@ -208,8 +211,10 @@ class RankRecorder:
         self.tables: dict[str, TableLog] = {}
         self.dropped: dict[str, int] = {}
         self.last_commit = time.monotonic()
+        self.last_scan = float("-inf")
         self.units_at_commit = 0
         self.closed = False
+        self._logs: list[RowLog] | None = None  # every table's columns (fixed once created)
 
     # --- data -------------------------------------------------------------------------
     def table(
@@ -218,6 +223,7 @@ class RankRecorder:
         t = self.tables.get(name)
         if t is None:
             t = self.tables[name] = TableLog(self.group, name, spec, column_attrs)
+            self._logs = None
         elif spec != t.spec:
             raise TraceError(
                 f"table {name!r}: columns {describe(spec)} differ from the first write's "
@@ -247,7 +253,9 @@ class RankRecorder:
 
     # --- durability -------------------------------------------------------------------
     def _all_logs(self) -> list[RowLog]:
-        return [log for t in self.tables.values() for log in t.logs().values()]
+        if self._logs is None:
+            self._logs = [log for t in self.tables.values() for log in t.logs().values()]
+        return self._logs
 
     def next_deadline(self) -> float | None:
         """Monotonic time at which the oldest unwritten row reaches the tail-flush age."""
@@ -257,14 +265,17 @@ class RankRecorder:
     def tick(self, now: float | None = None, backlog: bool = False) -> None:
         """Tail-flush columns whose oldest staged row is too old; commit what became durable."""
         now = time.monotonic() if now is None else now
+        if 0 <= now - self.last_scan < SCAN_INTERVAL_S:
+            return
+        self.last_scan = now
         max_age = self.tail_flush_s * (BACKLOG_AGE_FACTOR if backlog else 1.0)
         flushed = False
         for log in self._all_logs():
             if log.needs_tail_flush(now, max_age):
                 flushed |= log.flush_tail()
-        units = sum(log.units_written for log in self._all_logs())
         if flushed or (
-            units != self.units_at_commit and now - self.last_commit >= COMMIT_INTERVAL_S
+            now - self.last_commit >= COMMIT_INTERVAL_S
+            and sum(log.units_written for log in self._all_logs()) != self.units_at_commit
         ):
             self.commit()
 

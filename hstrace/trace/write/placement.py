@@ -1,0 +1,75 @@
+"""Where recording work runs: off the cores the engine's own threads are bound to.
+
+vLLM's CPU worker binds the thread that runs the model to its cores (`VLLM_CPU_OMP_THREADS_BIND`;
+`auto` binds rank 0 of a one-rank server to core 0 and reserves the rest for the API server),
+and a thread or a process inherits the CPU mask of the thread that creates it. hstrace's tap
+thread is created on the serving thread and its writer process from the engine's process, so
+both would compete with the model for its own core while the reserved ones sit idle: on the
+2-core tiny world, armed serving ran at 0.39x dormant with them there (bench/live_overhead.py).
+
+`spare_cpus()`: the CPUs named by `HSTRACE_RECORD_CPUS` (`"1"`, `"2,3"`, `"8-15"`: a team that
+keeps cores for recording says which); else the CPUs this process was given (its mask when hstrace's bootstrap ran, before
+the engine bound anything; else every online CPU) less the engine thread's mask; all of them
+when nothing is left over (tensor parallel ranks bound to every core). Linux only; elsewhere
+nothing moves.
+"""
+
+from __future__ import annotations
+
+import os
+
+_given: set[int] | None = None
+
+
+def remember_given() -> None:
+    """Called by the hooks' bootstrap, first thing in every server process."""
+    global _given
+    if _given is None and hasattr(os, "sched_getaffinity"):
+        _given = set(os.sched_getaffinity(0))
+
+
+def parse_cpus(text: str) -> set[int]:
+    """`"1"`, `"2,3"`, `"8-15,20"` -> the CPU numbers (ValueError on anything else)."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if first < 0 or last < first:
+            raise ValueError(f"not a CPU range: {part!r}")
+        cpus.update(range(first, last + 1))
+    if not cpus:
+        raise ValueError("no CPUs named")
+    return cpus
+
+
+def spare_cpus() -> set[int] | None:
+    """The CPUs recording work should run on, or None where affinity cannot be read."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    named = os.environ.get("HSTRACE_RECORD_CPUS")
+    if named:
+        try:
+            return parse_cpus(named)
+        except ValueError:
+            return None  # the launcher validates it; a server never fails over it
+    given = _given if _given is not None else set(range(os.cpu_count() or 1))
+    engine = set(os.sched_getaffinity(os.getpid()))  # the main thread: the one that serves
+    return (given - engine) or given
+
+
+def move_here(cpus: set[int] | None) -> None:
+    """Bind the calling thread (Linux: pid 0 is the calling thread) to `cpus`."""
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError:
+            pass  # a mask the kernel refuses: the work stays where it is
+
+
+def move_process(pid: int, cpus: set[int] | None) -> None:
+    """Bind another process's main thread (a writer just started) to `cpus`."""
+    if cpus:
+        try:
+            os.sched_setaffinity(pid, cpus)
+        except OSError:
+            pass
