@@ -16,11 +16,9 @@ Run under the engine semaphore: `/work/locks/engine-run $(bash scripts/vllm-venv
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from helpers.vllm_live import (

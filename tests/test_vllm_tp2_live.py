@@ -20,15 +20,20 @@ tests/test_vllm_tp2_live.py`.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 from helpers.vllm_live import (
     NEEDS_VLLM,
+    TINY,
     TRAINING,
     eagle3,
     prompts_from,
     run_record,
+    server_argv,
     server_cmd,
     server_environ,
 )
@@ -122,20 +127,8 @@ def armed_tp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp2_arm")
     run, out = tmp / "run", tmp / "armed.zarr"
     prompts = [list(p.input_ids) for p in load_prompts_from_training(TRAINING, SAMPLES)]
-    spec = json.dumps({"method": "eagle3", "model": str(DRAFTER), "num_speculative_tokens": 3})
-    argv = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(TINY / "target"), "--speculative-config", spec,
-        "--host", "127.0.0.1", "--port", str(ARM_PORT), "--max-model-len", "512",
-        "--dtype", "float32", "--enforce-eager", "--tensor-parallel-size", "2",
-    ]  # fmt: skip
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
-        HSTRACE_RECORD=dormant_env("vllm", str(run)),
-    )
+    argv = server_argv(ARM_PORT, eagle3(), eager=True, extra=["--tensor-parallel-size", "2"])
+    env = server_environ(HSTRACE_RECORD=dormant_env("vllm", str(run)))
     env.pop(BIND, None)
     bind = cpu_thread_bind(argv, env, sorted(os.sched_getaffinity(0)))  # as `hstrace record`
     assert bind is not None
