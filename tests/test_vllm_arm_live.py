@@ -16,14 +16,9 @@ Run under the engine semaphore: `/work/locks/engine-run $(bash scripts/vllm-venv
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 from helpers.vllm_live import (
@@ -38,8 +33,12 @@ from helpers.vllm_live import (
 pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+from helpers import armed  # noqa: E402
+from helpers.armed import hstrace_cli as hstrace  # noqa: E402
+from helpers.armed import wait_armed  # noqa: E402
+
 from hstrace import replay_trace  # noqa: E402
-from hstrace.engines.control import Connection, wait_sockets  # noqa: E402
+from hstrace.engines.control import wait_sockets  # noqa: E402
 from hstrace.engines.protocol import dormant_env  # noqa: E402
 from hstrace.engines.server import stop_server, wait_healthy  # noqa: E402
 from hstrace.trace import open_trace  # noqa: E402
@@ -50,53 +49,8 @@ NEW_TOKENS = 24
 PORT = 18441
 
 
-def complete(ids: list[int]) -> list[int]:
-    body = {
-        "model": str(TINY / "target"),
-        "prompt": ids,
-        "max_tokens": NEW_TOKENS,
-        "temperature": 0.0,
-        "return_token_ids": True,
-    }
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{PORT}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return list(json.loads(r.read())["choices"][0]["token_ids"])
-
-
 def send(prompts: list[list[int]]) -> list[list[int]]:
-    with ThreadPoolExecutor(2) as pool:  # two in flight: the scheduler batches them
-        return list(pool.map(complete, prompts))
-
-
-def hstrace(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "hstrace", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def wait_armed(run: Path, want: bool, timeout_s: float = 60) -> list[dict]:
-    """Every process's `hello` once all say `armed == want` (or the last answers at timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        hellos = []
-        for path in wait_sockets(run, 1, 5):
-            conn = Connection(path)
-            try:
-                hellos.append(conn.ask({"cmd": "hello"}))
-            finally:
-                conn.close()
-        if hellos and all(h["armed"] is want for h in hellos):
-            return hellos
-        if time.monotonic() > deadline:
-            return hellos
-        time.sleep(0.2)
+    return armed.send(PORT, str(TINY / "target"), prompts, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

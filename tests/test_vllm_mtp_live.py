@@ -106,6 +106,13 @@ def test_clean_records_the_mtp_step_and_its_static_audit(clean) -> None:
         assert mtp["embed_shared_with_target"] and mtp["lm_head_shared_with_target"]
         assert mtp["scale_parameters"] == [] and mtp["unread_files"] == {}
         assert static["spec"]["num_steps"] == K and static["spec"]["adjusted"] == {}
+        # the per-rank shard audit and the serving settings, as an EAGLE-3 proposer records them
+        tp = static["tp"]
+        assert (tp["rank"], tp["size"]) == (0, 1)
+        assert (tp["lm_head"]["vocab_start"], tp["lm_head"]["vocab_end"]) == (0, 512)
+        assert tp["embed_tokens"]["local_weight_shape"] == [512, 64]
+        assert static["serving"]["torch"] == torch.__version__
+        assert static["serving"]["enforce_eager"] is True
         # which key filled which MTP parameter: layer 0 of the checkpoint is vLLM's layer 4
         weights = static["weights"]
         assert weights["dropped_keys"] == [] and weights["unloaded_parameters"] == []

@@ -1,0 +1,67 @@
+"""A dormant vLLM server driven the way the live arm tests drive it (tests/test_vllm_arm_live.py,
+tests/test_vllm_tp2_live.py): completions sent two at a time, the `hstrace` CLI as a
+subprocess, and every process's control-channel `hello` polled until all agree."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from hstrace.engines.control import Connection, wait_sockets
+
+
+def complete(port: int, model: str, ids: list[int], new_tokens: int) -> list[int]:
+    """One greedy completion of the token ids `ids`: the token ids the server answered."""
+    body = {
+        "model": model,
+        "prompt": ids,
+        "max_tokens": new_tokens,
+        "temperature": 0.0,
+        "return_token_ids": True,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return list(json.loads(r.read())["choices"][0]["token_ids"])
+
+
+def send(port: int, model: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """The prompts, two in flight (the scheduler batches them); answers in prompt order."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda ids: complete(port, model, ids, new_tokens), prompts))
+
+
+def hstrace_cli(*args: str) -> subprocess.Popen:
+    """`python -m hstrace ARGS...` in the background, its stdout and stderr kept."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "hstrace", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_armed(run: Path, want: bool, timeout_s: float = 60) -> list[dict]:
+    """Every process's `hello` once all say `armed == want` (or the last answers at timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        hellos = []
+        for path in wait_sockets(run, 1, 5):
+            conn = Connection(path)
+            try:
+                hellos.append(conn.ask({"cmd": "hello"}))
+            finally:
+                conn.close()
+        if hellos and all(h["armed"] is want for h in hellos):
+            return hellos
+        if time.monotonic() > deadline:
+            return hellos
+        time.sleep(0.2)
