@@ -276,7 +276,9 @@ def build_evidence(
             ranks.unavailable if ranks is not None else {},
             # why a fault has no impact is said on the finding (`impact_unavailable`), not here
         ),
-        not_judged=not_judged_of(untwinned or {}, draft_inputs, agreement, no_forward),
+        not_judged=not_judged_of(
+            untwinned or {}, len(alignment.aligned), slots, draft_inputs, agreement, no_forward
+        ),
     )
 
 
@@ -286,6 +288,8 @@ def _is_twin(sample: Any) -> bool:
 
 def not_judged_of(
     untwinned: dict[str, str],
+    aligned: int,
+    slots: Slots,
     draft_inputs: DraftInputs,
     agreement: Agreement,
     no_forward: str | None,
@@ -305,6 +309,18 @@ def not_judged_of(
                 "requests": names[:20],
                 "n_requests": len(names),
                 "why": why,
+            }
+        )
+    why_slots = slots.unavailable.get("slot fingerprints")
+    if slots.matrix is None and why_slots and (aligned or not untwinned):
+        out.append(  # requests with a twin (or none without), yet no slot could be compared
+            {
+                "stage": "target-capture",
+                "what": "capture layers (the serving aux slots next to what training fed the "
+                "drafter)",
+                "requests": [],
+                "n_requests": 0,
+                "why": why_slots,
             }
         )
     if draft_inputs.token_agreement_by_shift is None:
