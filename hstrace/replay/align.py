@@ -171,6 +171,11 @@ def twin_gap(r: ServingRequest) -> str | None:
     return None
 
 
+def prompt_length(r: ServingRequest) -> int:
+    """Where the request's prompt ends: the end of its last prefill block (0: not recorded)."""
+    return max((end for _start, end in r.prefill_chunks), default=0)
+
+
 def reference_twins(
     requests: Sequence[tuple[int, ServingRequest]],
     target: Any,  # hstrace.reference.target.ReferenceTarget
@@ -193,7 +198,9 @@ def reference_twins(
         sample = TrainingSample(
             index=first_index + k,
             input_ids=ids,
-            loss_mask=torch.ones(len(ids), dtype=torch.bool),
+            # the response's tokens, as a chat dataset's loss mask has them: what the engine
+            # generated (after its last prefill block), where verified acceptance is measured
+            loss_mask=torch.arange(len(ids)) >= prompt_length(r),
             aux=states[:, layers].to(TWIN_DTYPE).contiguous(),
             last=None,  # no stored teacher: the teacher test is the training data's
             last_norm=None,
