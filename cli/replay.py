@@ -11,9 +11,9 @@ import click
 @click.argument("trace", type=click.Path(path_type=Path))
 @click.option(
     "--against",
-    required=True,
     type=click.Path(path_type=Path),
-    help="Training dump dir (speculators / SpecForge), or a second trace.",
+    help="Training dump dir (speculators / SpecForge), or a second trace. Without it, requests "
+    "are judged against the target's forward on the served tokens (--target, else the trace's).",
 )
 @click.option(
     "--drafter",
@@ -23,7 +23,9 @@ import click
 @click.option(
     "--target",
     type=click.Path(path_type=Path),
-    help="HF target model dir, for layer fingerprints and the teacher test. Default: the trace's.",
+    help="HF target model dir: layer fingerprints, the teacher test, and a reference twin "
+    "(its forward on the served tokens) for every request no training sample matches. "
+    "Default: the trace's, when it exists here.",
 )
 @click.option(
     "--salt-file",
@@ -42,7 +44,7 @@ import click
 )
 def replay(
     trace: Path,
-    against: Path,
+    against: Path | None,
     drafter: Path | None,
     target: Path | None,
     salt_file: Path | None,
@@ -51,8 +53,13 @@ def replay(
 ) -> int:
     """Replay TRACE against training tensors (or another trace) and name the first divergence.
 
+    Requests no training sample matches (or every request, without --against) are judged
+    against the target's forward on their served tokens when the target is at hand; what could
+    not be judged is listed, and why.
+
     Exit 0 = no fault, 1 = fault, 2 = bad input, 3 = could not judge (a check failed
-    internally: named in one line, never a clean verdict)."""
+    internally: named in one line, never a clean verdict; or no stage of the traffic could be
+    judged)."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 

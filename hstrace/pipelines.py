@@ -18,19 +18,29 @@ from hstrace.replay.result import ReplayResult
 
 def replay_trace(
     trace_path: str | os.PathLike[str],
-    against: str | os.PathLike[str],
+    against: str | os.PathLike[str] | None = None,
     drafter_path: str | os.PathLike[str] | None = None,
     target_path: str | os.PathLike[str] | None = None,
     progress: Any = None,
     salt_file: str | os.PathLike[str] | None = None,
 ) -> ReplayResult:
-    """Replay a trace against training tensors (or another trace) and diagnose it."""
+    """Replay a trace against training tensors (or another trace) and diagnose it. Without
+    `against`, requests are judged against the target's forward on the served tokens
+    (`target_path`, else the trace's own target when it exists here), and the result lists
+    what could not be judged (`ReplayResult.not_judged`)."""
     from hstrace.diagnose import diagnose
     from hstrace.replay.run import replay_with
 
     if _is_mtp(Path(trace_path)):  # an MTP head's trace: its own replay, its own checks
         from hstrace.diagnose.mtp import diagnose_mtp
+        from hstrace.errors import HstraceError
         from hstrace.replay.mtp import replay_mtp
+
+        if against is None:
+            raise HstraceError(
+                f"{trace_path} is an MTP head's trace: its replay needs the MTP training dump "
+                "(give --against MTP_TRAINING_DIR)"
+            )
 
         return replay_mtp(
             diagnose_mtp,
@@ -41,7 +51,7 @@ def replay_trace(
     return replay_with(
         diagnose,
         Path(trace_path),
-        Path(against),
+        Path(against) if against is not None else None,
         Path(drafter_path) if drafter_path is not None else None,
         Path(target_path) if target_path is not None else None,
         progress=progress,

@@ -109,9 +109,13 @@ def test_a_corrupt_trace_is_one_line_from_a_real_interpreter(tmp_path):
     assert_one_line_error(run_cli("replay", *args(tmp_path)), needle)
 
 
-def test_missing_against_is_a_usage_error():
-    usage = hstrace("replay", str(EXAMPLES / "clean.zarr"))
-    assert usage.returncode == 2 and "--against" in usage.stderr and "Traceback" not in usage.stderr
+def test_without_against_the_traces_target_judges_it():
+    """`--against` is optional (issue 26): the trace's own target (it exists here) judges every
+    request through a reference twin (tests/test_replay_twins.py has the rest)."""
+    run = hstrace("replay", str(EXAMPLES / "clean.zarr"), "--json")
+    assert run.returncode == 0, run.stderr
+    data = json.loads(run.stdout)
+    assert data["coverage"]["target_twins"] == 8 and data["not_judged"] == []
 
 
 def test_corrupt_drafter_checkpoint_exits_2(tmp_path):

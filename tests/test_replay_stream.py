@@ -30,19 +30,28 @@ WORLD = TRAINING.parent
 @pytest.fixture(scope="module")
 def unaligned(tmp_path_factory):
     """Six requests of random tokens: no training sample shares them, so none is aligned (an
-    aligned request's rows are held for the whole build, next to its training sample)."""
+    aligned request's rows are held for the whole build, next to its training sample). The
+    target is served from a copy removed after recording: with the target at hand every such
+    request would get a reference twin and be aligned with it (tests/test_replay_twins.py),
+    held like a training-aligned one."""
+    import shutil
+
     rng = np.random.default_rng(14)
     prompts = [
         Prompt(input_ids=tuple(int(x) for x in rng.integers(3, 500, n)), source_id=f"r{i}")
         for i, n in enumerate((18, 30, 24, 36, 20, 28))
     ]
+    tmp = tmp_path_factory.mktemp("stream")
+    target = tmp / "target"
+    shutil.copytree(WORLD / "target", target)
     engine = get_engine(
         "reference",
-        EngineConfig(target=WORLD / "target", drafter=WORLD / "drafter-speculators"),
+        EngineConfig(target=target, drafter=WORLD / "drafter-speculators"),
     )
-    out = tmp_path_factory.mktemp("stream") / "six.zarr"
+    out = tmp / "six.zarr"
     res = engine.record(prompts, out, RecordOptions(max_new_tokens=6, show_progress=False))
     assert res.ok
+    shutil.rmtree(target)
     return out
 
 

@@ -76,5 +76,42 @@ def test_transform_mismatch_is_named_by_stage_and_by_the_reading_that_reproduces
     assert other["explained"] == ["temperature applied is not the request's 0.5"]
     nan = token_transform(_round([7], 0, params=t05, logit_proc=[np.nan], **plain), 0)
     assert nan["explained"][0].startswith("processed logit nan")
-    masked = _round([7], 0, params=t05, logit_proc=[-np.inf], **plain)
-    assert token_transform(masked, 0) is None  # top-k/top-p masked: not comparable
+    # top-k/top-p masked after the penalties: the penalties are still checked (and a wrong
+    # one still named), the temperature is not comparable
+    masked = token_transform(_round([7], 0, params=t05, logit_proc=[-np.inf], **plain), 0)
+    assert masked["stage"] == "penalties" and masked["masked"] and "explained" not in masked
+    hidden = _round([7, 7], 1, params=params, logit_pen=[1.0, 1.0], logit_proc=[-np.inf] * 2, **tok)
+    assert token_transform(hidden, 1)["explained"] == [
+        "penalties ignore the round's earlier drafts (applied once per step)"
+    ]
+    assert token_transform(_round([7], 0, params=t05, **plain), 0) is not None  # NaN: no mask
+    unrecorded = _round([7], 0, params=t05, logit_raw=[np.nan], logit_pen=[np.nan])
+    assert token_transform(unrecorded, 0) is None  # nothing recorded: nothing to compare
+
+
+def test_every_drafted_token_with_its_logits_is_checked_at_the_penalty_stage() -> None:
+    """The stage counts (issue 26): a token top-p masked after its penalties counts for the
+    penalty stage and not for the temperature stage; the total is every token with its raw and
+    penalised logits recorded."""
+    from hstrace.replay.read import ServingData
+    from hstrace.replay.verify import build_sampled_acceptance
+
+    params = {"temperature": 0.5, "top_p": 0.9, "repetition_penalty": 2.0}
+    # token 7 seen in the prompt: 3 / 2 = 1.5, / T = 3; the second one masked by top-p; the
+    # third not recorded
+    r = _round(
+        [7, 7, 8],
+        1,
+        params=params,
+        p_target=[0.5, 0.1, 0.1],
+        logit_raw=[3.0, 3.0, np.nan],
+        logit_pen=[1.5, 1.5, np.nan],
+        logit_proc=[3.0, -np.inf, np.nan],
+        seen_prompt=[1, 1, 0],
+        n_out=[0, 0, 0],
+    )
+    sa = build_sampled_acceptance(ServingData(requests=[], meta={}, verify_rounds=[r]))
+    assert sa.transform_checked == 2 and sa.n_mismatched == 0
+    assert sa.checked_by_stage == {"penalties": 2, "temperature": 1} and sa.masked == 1
+    out = sa.to_json()["sampled_acceptance"]
+    assert out["transform_checked_by_stage"] == {"penalties": 2, "temperature": 1}

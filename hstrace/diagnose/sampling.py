@@ -55,12 +55,17 @@ def sampling_transform(ev: Evidence) -> list[Finding]:
         finding(
             "sampling-transform",
             f"{sa.n_mismatched} of {sa.transform_checked} drafted tokens' verify logits are not "
-            f"the request's sampling transforms of the raw logits; the first, at the "
+            f"the request's sampling transforms of the raw logits (penalties checked on "
+            f"{sa.checked_by_stage.get('penalties', 0)}, the temperature on "
+            f"{sa.checked_by_stage.get('temperature', 0)}: {sa.masked} masked by top-k/top-p); "
+            f"the first, at the "
             f"{first['stage']} stage (verify step {first['verify_step']}, draft position "
             f"{first['position']}, token {first['token']}): engine {first['engine']:.4g}, "
             f"reference {first['reference']:.4g}{implied_text}; reproduced by: {top}",
             evidence={
                 "checked": sa.transform_checked,
+                "checked_by_stage": dict(sa.checked_by_stage),
+                "masked": sa.masked,
                 "mismatched": sa.n_mismatched,
                 "by_stage": sa.by_stage,
                 "explained_by": sa.transform_explained,

@@ -80,8 +80,15 @@ def no_wiring_fault(ev: Evidence) -> list[Finding]:
     evidence: dict[str, Any] = {}
     context = []
     acc = ev.accuracy
+    judged_on = ev.judged()
+    capture = judged_on.get("target-capture") or {}
+    twins_only = bool(capture.get("against_target_forward")) and not capture["against_training"]
     for name, value, label in (
-        ("acc0_training", acc.training, "training tensors"),
+        (
+            "acc0_training",
+            acc.training,
+            "the target's forward (reference twins)" if twins_only else "training tensors",
+        ),
         ("acc0_serving_aligned", acc.serving_aligned, "serving tensors (aligned tokens)"),
         ("acc0_serving", acc.serving, "serving tensors"),
     ):
@@ -122,4 +129,25 @@ def no_wiring_fault(ev: Evidence) -> list[Finding]:
         summary = "no divergence found in what could be checked (see what was not checked)"
     if context:
         summary += f" (context, against the dataset/committed tokens: {'; '.join(context)})"
+    if capture.get("against_target_forward"):
+        # the "training" side of these requests is the target's forward on the served tokens
+        twins, trained = capture["against_target_forward"], capture["against_training"]
+        basis = f"{twins} request(s) judged against the target's forward on the served tokens"
+        if trained:
+            basis += f" and {trained} against their training samples"
+        else:  # no training data at all: the agreement is with the target's forward
+            summary = summary.replace(
+                "serving and training agree", "serving and the target's forward agree", 1
+            )
+        summary += f"; {basis}"
+        evidence["judged"] = judged_on
+    if not capture and judged_on:  # nothing next to a training side: no agreement claimed
+        summary = summary.replace(
+            "serving and training agree", "no divergence in the stages judged", 1
+        )
+    if ev.not_judged:
+        summary += "; not judged: " + "; ".join(
+            f"{n['what'].split(' (')[0]} ({n['why']})" for n in ev.not_judged
+        )
+        evidence["not_judged"] = [n["stage"] for n in ev.not_judged]
     return [finding("no-wiring-fault", summary, evidence)]

@@ -125,6 +125,20 @@ def _findings(replay: dict[str, Any] | None) -> str:
             )
             + "</table>"
         )
+    not_judged = replay.get("not_judged") or []
+    if not_judged:
+        out += (
+            "<h2>Not judged</h2><table><tr><th>stage</th><th>what</th><th>requests</th>"
+            "<th>why</th></tr>"
+            + "".join(
+                f"<tr><td>{escape(str(n.get('stage', '')))}</td>"
+                f"<td>{escape(str(n.get('what', '')))}</td>"
+                f"<td>{escape(str(n.get('n_requests') or 'all'))}</td>"
+                f"<td>{escape(str(n.get('why', '')))}</td></tr>"
+                for n in not_judged
+            )
+            + "</table>"
+        )
     return out
 
 

@@ -6,6 +6,9 @@ ids-redacted bundle's hashes turned back into ids (`recover_ids`, before matchin
 `Alignment` every piece of evidence is computed from.
 
 Pair serving requests with training samples by their token ids (pure; no I/O).
+A request with no training twin (real traffic: the user's own prompts) gets a reference twin
+when the target model is at hand (`reference_twins`): the target run on the served tokens, its
+states taken at the layers the drafter config names, as training would have fed the drafter.
 
 A serving request is aligned with the training sample that shares the longest common prefix of
 token ids with it. `exact`: the two sequences are identical. `prefix`: they share at least
@@ -35,7 +38,7 @@ DEFAULT_MIN_TOKENS = 8
 class Match:
     serving: int  # index into the serving sequences
     training: int  # index into the training sequences
-    kind: str  # "exact" | "prefix"
+    kind: str  # "exact" | "prefix" | "target" (a reference twin, `reference_twins`)
     length: int  # tokens in the common prefix: the ones compared
 
 
@@ -49,6 +52,9 @@ class Coverage:
     aligned_tokens: int
     training_samples: int
     training_samples_matched: int
+    # Requests with no training twin judged against a reference twin (`reference_twins`).
+    target_twins: int = 0
+    target_twin_tokens: int = 0
 
     @property
     def token_fraction(self) -> float:
@@ -65,6 +71,8 @@ class Coverage:
             "aligned_token_fraction": round(self.token_fraction, 6),
             "training_samples": self.training_samples,
             "training_samples_matched": self.training_samples_matched,
+            "target_twins": self.target_twins,
+            "target_twin_tokens": self.target_twin_tokens,
         }
 
 
@@ -119,6 +127,107 @@ def align(
     return matches, coverage
 
 
+# -- reference twins ---------------------------------------------------------------------------
+# A served request whose tokens match no training sample still has a "training side": what the
+# drafter's training would have fed it on these tokens. Training stores, for a sequence x_0..x_T,
+# the target's residual stream h_l(t) at the aux layers l (ascending: every library concatenates
+# in layer order) in the target's dtype, and pairs row t with token x_{t+1}. The reference twin
+# is exactly that, computed: the reference target (`hstrace.reference.target`) run on the served
+# tokens (prompt + committed output, as recorded), h_l(t) taken at the layers the drafter config
+# names (in its dialect's id convention), stored as bf16. The pairing and the embedding rows are
+# the drafter's own, as for any training sample. Every later stage reads it as a sample.
+
+TWIN_FORMAT = "target-forward"
+# The dtype training libraries store the hidden states in (the target's bf16), so a twin is
+# compared with serving as a training dump would be.
+TWIN_DTYPE = torch.bfloat16
+
+
+def drafter_aux_layers(cfg: Any, dialect: str | None, num_layers: int) -> tuple[list[int], str]:
+    """The HF `hidden_states` indices (0 = embeddings, N = the final stream before the final
+    norm) the drafter was trained on, as its config names them, ascending; and where from."""
+    from hstrace.drafter.dialects import DIALECT_CONVENTION
+    from hstrace.training.conventions import BEFORE_LAYER, default_hf_indices, hf_index
+
+    ids = list(getattr(cfg, "aux_layer_ids", None) or [])
+    if ids:
+        conv = DIALECT_CONVENTION.get(str(dialect or ""), BEFORE_LAYER)
+        layers = sorted(hf_index(int(i), conv) for i in ids)
+        return layers, f"the drafter config's ids {ids} ({conv})"
+    return default_hf_indices(num_layers), "the libraries' default layers (the config names none)"
+
+
+def twin_gap(r: ServingRequest) -> str | None:
+    """Why a request cannot get a reference twin (None: it can)."""
+    if r.position_base:
+        return (
+            "recorded without its first tokens (armed mid-request): the target forward needs "
+            "the whole sequence"
+        )
+    if not r.aux_rows:
+        return "no recorded aux rows to compare"
+    if len(r.tokens) < 3:
+        return "fewer than 3 tokens"
+    return None
+
+
+def prompt_length(r: ServingRequest) -> int:
+    """Where the request's prompt ends: the end of its last prefill block (0: not recorded)."""
+    return max((end for _start, end in r.prefill_chunks), default=0)
+
+
+def reference_twins(
+    requests: Sequence[tuple[int, ServingRequest]],
+    target: Any,  # hstrace.reference.target.ReferenceTarget
+    layers: list[int],
+    first_index: int,
+    tick: Any = None,
+) -> list[tuple[int, Any, Match]]:
+    """(serving index, its twin `TrainingSample`, the match) for each request: the target's
+    states h_l(t) at `layers` on the request's own tokens. The twin's `index` counts on from
+    `first_index` (after the training samples)."""
+    from hstrace.training import BEFORE_LAYER, TrainingSample
+
+    top = int(target.num_layers)
+    if not layers or max(layers) > top or min(layers) < 0:
+        raise ValueError(f"aux layers {layers} are outside the target's 0..{top}")
+    out = []
+    for k, (i, r) in enumerate(requests):
+        ids = torch.as_tensor(np.asarray(r.tokens)).long()
+        states = target.forward(ids).layers  # [T, N+1, H]: h_l(t) for l = 0..N
+        sample = TrainingSample(
+            index=first_index + k,
+            input_ids=ids,
+            # the response's tokens, as a chat dataset's loss mask has them: what the engine
+            # generated (after its last prefill block), where verified acceptance is measured
+            loss_mask=torch.arange(len(ids)) >= prompt_length(r),
+            aux=states[:, layers].to(TWIN_DTYPE).contiguous(),
+            last=None,  # no stored teacher: the teacher test is the training data's
+            last_norm=None,
+            slot_layer_ids=list(layers),
+            provenance={
+                "format": TWIN_FORMAT,
+                "layer_id_convention": BEFORE_LAYER,  # HF indices: "after k layers"
+                "request": r.name,
+            },
+        )
+        out.append((i, sample, Match(i, first_index + k, "target", len(ids))))
+        if tick is not None:
+            tick("target forward", len(ids))
+    return out
+
+
+def with_twins(coverage: Coverage, twins: Sequence[tuple[int, Any, Match]]) -> Coverage:
+    """`coverage` with the requests judged against a reference twin counted."""
+    import dataclasses
+
+    return dataclasses.replace(
+        coverage,
+        target_twins=len(twins),
+        target_twin_tokens=sum(m.length for _, _, m in twins),
+    )
+
+
 # -- sides -------------------------------------------------------------------------------------
 # The serving/training alignment every piece of evidence is computed from: which serving
 # request lines up with which training sample, how the serving capture is shaped (raw aux rows
@@ -143,7 +252,9 @@ class Alignment:
     matches: list[Match]
     coverage: Coverage
     aligned: list[AlignedPair]
-    training_kind: str  # "training" (a dump) or "trace" (a second trace as the samples)
+    # "training" (a dump), "trace" (a second trace as the samples) or "target" (no training
+    # side: every sample is a reference twin)
+    training_kind: str
     # Serving hidden states were redacted; per-slot sketches stand in for them (both sides
     # are then compared as sketches).
     sketched: bool

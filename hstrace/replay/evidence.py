@@ -24,7 +24,7 @@ import torch
 from hstrace.reference.target import ReferenceTarget
 from hstrace.replay.accuracy import Step0Accuracy, build_accuracy
 from hstrace.replay.agreement import Agreement, build_agreement
-from hstrace.replay.align import AlignedPair, Alignment, Coverage, Match
+from hstrace.replay.align import TWIN_FORMAT, AlignedPair, Alignment, Coverage, Match
 from hstrace.replay.fed import (
     BatchCoupling,
     DraftInputs,
@@ -65,6 +65,34 @@ class Evidence:
     ranks: RankComparison | None = None
     # Everything that could not be checked, and why: the replay's `skipped`.
     unavailable: dict[str, str] = field(default_factory=dict)
+    # The traffic's stages that were not judged, on which requests, and why (`not_judged_of`).
+    not_judged: list[dict[str, Any]] = field(default_factory=list)
+
+    # -- what was judged -------------------------------------------------------------------------
+    def judged(self) -> dict[str, dict[str, int]]:
+        """Per stage of the traffic, what it was judged on: `target-capture` (serving aux slots
+        next to a training twin or a reference twin from the target's forward), `draft-input`
+        (the fed tokens and positions), `draft-logits` (engine vs reference drafter on the
+        engine's recorded inputs). A stage is absent when nothing of it was judged."""
+        out: dict[str, dict[str, int]] = {}
+        if self.slots.matrix is not None:
+            twins = sum(_is_twin(a.sample) for a in self.aligned)
+            out["target-capture"] = {
+                "requests": len(self.aligned),
+                "against_training": len(self.aligned) - twins,
+                "against_target_forward": twins,
+                "tokens": sum(a.n - a.start for a in self.aligned),
+            }
+        rows = self.agreement.rows
+        if self.draft_inputs.token_agreement_by_shift is not None and rows is not None:
+            out["draft-input"] = {
+                "requests": len(self.agreement.requests),
+                "rows": int(len(rows.positions)),
+            }
+        evr = self.agreement.engine_vs_reference
+        if evr is not None:
+            out["draft-logits"] = {"requests": len(self.agreement.requests), "rows": evr.rows}
+        return out
 
     # -- the inputs, as checks read them ---------------------------------------------------------
     @property
@@ -165,11 +193,13 @@ def build_evidence(
     accept_len_by_rank: dict[str, Any] | None = None,
     other_ranks: dict[int, ServingData] | None = None,
     views: dict[int, Any] | None = None,
+    untwinned: dict[str, str] | None = None,
 ) -> Evidence:
     """Every piece of evidence, in dataflow order. `notes`: what the caller already knows
     cannot be checked (a stream missing from the trace, a target that failed to load).
     `views`: every rank's trace view (rank -> view) and `other_ranks` the other ranks' serving
-    data (rank -> data), for the comparison of the ranks (`replay.ranks`)."""
+    data (rank -> data), for the comparison of the ranks (`replay.ranks`). `untwinned`:
+    request name -> why it has neither a training twin nor a reference twin."""
     cfg = drafter.cfg if drafter is not None else None
     alignment = Alignment.build(serving, samples, matches, coverage, cfg, training_kind)
     runner = DrafterRunner(drafter, alignment, load_report, no_forward, progress)
@@ -246,7 +276,78 @@ def build_evidence(
             ranks.unavailable if ranks is not None else {},
             # why a fault has no impact is said on the finding (`impact_unavailable`), not here
         ),
+        not_judged=not_judged_of(
+            untwinned or {}, len(alignment.aligned), slots, draft_inputs, agreement, no_forward
+        ),
     )
+
+
+def _is_twin(sample: Any) -> bool:
+    return (getattr(sample, "provenance", None) or {}).get("format") == TWIN_FORMAT
+
+
+def not_judged_of(
+    untwinned: dict[str, str],
+    aligned: int,
+    slots: Slots,
+    draft_inputs: DraftInputs,
+    agreement: Agreement,
+    no_forward: str | None,
+) -> list[dict[str, Any]]:
+    """The stages of the traffic not judged, and why: `{stage, what, requests, n_requests,
+    why}` (requests: at most 20 names; none when the stage was not judged on any)."""
+    out: list[dict[str, Any]] = []
+    by_why: dict[str, list[str]] = {}
+    for name, why in untwinned.items():
+        by_why.setdefault(why, []).append(name)
+    for why, names in by_why.items():
+        out.append(
+            {
+                "stage": "target-capture",
+                "what": "capture layers (the serving aux slots next to what training fed the "
+                "drafter), step-0 accuracy and impact",
+                "requests": names[:20],
+                "n_requests": len(names),
+                "why": why,
+            }
+        )
+    why_slots = slots.unavailable.get("slot fingerprints")
+    if slots.matrix is None and why_slots and (aligned or not untwinned):
+        out.append(  # requests with a twin (or none without), yet no slot could be compared
+            {
+                "stage": "target-capture",
+                "what": "capture layers (the serving aux slots next to what training fed the "
+                "drafter)",
+                "requests": [],
+                "n_requests": 0,
+                "why": why_slots,
+            }
+        )
+    if draft_inputs.token_agreement_by_shift is None:
+        out.append(
+            {
+                "stage": "draft-input",
+                "what": "draft inputs (fed tokens and positions)",
+                "requests": [],
+                "n_requests": 0,
+                "why": draft_inputs.unavailable.get("token pairing")
+                or agreement.unavailable.get("engine vs reference")
+                or "the trace has no draft_extend rows",
+            }
+        )
+    if agreement.engine_vs_reference is None:
+        out.append(
+            {
+                "stage": "draft-logits",
+                "what": "draft logits (engine vs reference drafter on identical inputs)",
+                "requests": [],
+                "n_requests": 0,
+                "why": no_forward
+                or agreement.unavailable.get("engine vs reference")
+                or "the trace has no recorded draft hidden input",
+            }
+        )
+    return out
 
 
 def served_reading(vocab: VocabReadings) -> str | None:

@@ -63,6 +63,40 @@ class Incomplete:
         return {"failed": dict(self.failed)}
 
 
+@dataclass(frozen=True)
+class NothingJudged:
+    """The verdict when no fault was found and none of the traffic's stages could be judged
+    (no capture next to a twin, no draft inputs, no draft logits): shaped like a `Finding`.
+    Missing inputs, not a bug: the summary says what was missing and the fix what to give."""
+
+    not_judged: list[dict[str, Any]]
+
+    code: str = COULD_NOT_JUDGE
+    stage: str = ""
+    severity: str = "incomplete"
+    applies_to: str | None = None
+
+    @property
+    def summary(self) -> str:
+        whys = "; ".join(f"{n['what']}: {n['why']}" for n in self.not_judged)
+        return (
+            "could not judge: no stage of the served traffic could be judged (" + whys + "). "
+            "Only the static audit ran, which is not a clean verdict"
+        )
+
+    @property
+    def fix(self) -> str:
+        return (
+            "give what is missing: --target DIR (the served target model, so every request is "
+            "judged against its forward) or --against TRAINING_DIR (the training data), and a "
+            "trace with draft rows"
+        )
+
+    @property
+    def evidence(self) -> dict[str, Any]:
+        return {"not_judged": list(self.not_judged)}
+
+
 def failure_lines(failed: dict[str, str]) -> list[str]:
     """One line per internal failure: `NAME failed internally: Type: message`."""
     return [f"{name} failed internally: {why}" for name, why in failed.items()]
@@ -84,11 +118,21 @@ class ReplayResult:
     failed: dict[str, str] = field(default_factory=dict)
     # What each fault costs and its fix is worth (`replay.impact.impacts`, on `faults`).
     impact: Impacts | None = None
+    # Per stage of the served traffic, what it was judged on (`Evidence.judged`); None: not
+    # reported (a result built by hand, an MTP replay), and then never "nothing judged".
+    judged: dict[str, Any] | None = None
+    # The traffic's stages not judged, on which requests, and why (`Evidence.not_judged`).
+    not_judged: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.failed:  # "no wiring fault" is a claim about every check
+        if self.failed or self.nothing_judged:  # "no wiring fault" is a claim about every check
             self.findings = [f for f in self.findings if f.code != "no-wiring-fault"]
         self.findings = in_dataflow_order(self.findings)
+
+    @property
+    def nothing_judged(self) -> bool:
+        """No stage of the served traffic was judged (only the static audit ran)."""
+        return self.judged is not None and not self.judged
 
     @property
     def complete(self) -> bool:
@@ -99,14 +143,17 @@ class ReplayResult:
         return [f for f in self.findings if f.severity == "fault"]
 
     @property
-    def verdict(self) -> Finding | Incomplete:
+    def verdict(self) -> Finding | Incomplete | NothingJudged:
         """The first divergence in dataflow order (faults before warnings); `could-not-judge`
-        (`Incomplete`) when no fault was found and a check failed internally; `no-wiring-fault`
+        (`Incomplete`) when no fault was found and a check failed internally, or
+        (`NothingJudged`) when no stage of the traffic could be judged; `no-wiring-fault`
         when nothing diverges."""
         if self.faults:
             return self.faults[0]
         if self.failed:
             return Incomplete(dict(self.failed))
+        if self.nothing_judged:
+            return NothingJudged(list(self.not_judged))
         warnings = [f for f in self.findings if f.severity == "warning"]
         if warnings:
             return warnings[0]
@@ -132,10 +179,11 @@ class ReplayResult:
 
     @property
     def exit_code(self) -> int:
-        """1 a fault (even when incomplete), 3 could not judge, 0 no fault."""
+        """1 a fault (even when incomplete), 3 could not judge (a failure inside, or nothing of
+        the traffic judged), 0 no fault."""
         if self.faults:
             return EXIT_FAULT
-        return EXIT_COULD_NOT_JUDGE if self.failed else EXIT_CLEAN
+        return EXIT_COULD_NOT_JUDGE if self.failed or self.nothing_judged else EXIT_CLEAN
 
     @property
     def incomplete_lines(self) -> list[str]:
@@ -165,6 +213,8 @@ class ReplayResult:
             "fingerprints": _jsonable(self.fingerprints),
             "inputs": _jsonable(self.inputs),
             "skipped": dict(self.skipped),
+            **({"judged": _jsonable(self.judged)} if self.judged is not None else {}),
+            "not_judged": _jsonable(self.not_judged),
             "complete": self.complete,
             "failed": dict(self.failed),
             "exit_code": self.exit_code,

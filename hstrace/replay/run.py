@@ -30,9 +30,14 @@ from hstrace.redaction import (
 from hstrace.reference.step0 import threads_for
 from hstrace.reference.target import ReferenceTarget
 from hstrace.replay.align import (
+    TWIN_FORMAT,
     IdRecovery,
     align,
+    drafter_aux_layers,
     recover_serving_ids,
+    reference_twins,
+    twin_gap,
+    with_twins,
 )
 from hstrace.replay.evidence import Evidence, build_evidence
 from hstrace.replay.impact import impacts
@@ -244,20 +249,22 @@ Checks = Callable[[Evidence], Judgement]
 def replay_with(
     checks: Checks,
     trace_path: Path,
-    against: Path,
+    against: Path | None,
     drafter_path: Path | None = None,
     target_path: Path | None = None,
     progress: Progress | None = None,
     salt_file: Path | None = None,
 ) -> ReplayResult:
-    """Open everything, build the evidence, judge it with `checks`."""
+    """Open everything, build the evidence, judge it with `checks`. `against` None: no
+    training side; requests are judged against the target's forward (`target_path`, else the
+    trace's) where it is at hand, and the result says what could not be judged."""
     ev, inputs = open_evidence(trace_path, against, drafter_path, target_path, progress, salt_file)
     return judge(ev, inputs, checks)
 
 
 def open_evidence(
     trace_path: Path,
-    against: Path,
+    against: Path | None,
     drafter_path: Path | None = None,
     target_path: Path | None = None,
     progress: Progress | None = None,
@@ -266,8 +273,9 @@ def open_evidence(
     """The evidence of one replay and what it was built from (the result's `inputs`)."""
     from hstrace.trace import open_trace
 
-    trace_path, against = Path(trace_path), Path(against)
-    if not against.exists():
+    trace_path = Path(trace_path)
+    against = Path(against) if against is not None else None
+    if against is not None and not against.exists():
         raise TrainingDataError(f"--against {against}: no such training dir or trace")
     # Open until the evidence is built: the wide tensors are read request by request while
     # it is (`read_serving(lazy=True)`), never all at once.
@@ -277,7 +285,7 @@ def open_evidence(
         )
 
 
-def _training_vocab_map(drafter: Any, report: Any, against: Path) -> str | None:
+def _training_vocab_map(drafter: Any, report: Any, against: Path | None) -> str | None:
     """A checkpoint saved without `d2t` (a parameters-only export drops the buffer) leaves the
     reference drafter's map all zeros: draft id i read as target id i. The drafter as trained
     used the map its training data was built with; take it from there (`training_d2t`), so the
@@ -287,7 +295,7 @@ def _training_vocab_map(drafter: Any, report: Any, against: Path) -> str | None:
     cfg = drafter.cfg
     if "d2t" not in report.missing or cfg.draft_vocab_size >= cfg.vocab_size:
         return None
-    d2t = training_d2t(against) if Path(against).is_dir() else None
+    d2t = training_d2t(against) if against is not None and Path(against).is_dir() else None
     if d2t is None or len(d2t) != len(drafter.d2t):
         return None
     with torch.no_grad():
@@ -301,7 +309,7 @@ def _training_vocab_map(drafter: Any, report: Any, against: Path) -> str | None:
 def _evidence_of(
     trace: Any,
     trace_path: Path,
-    against: Path,
+    against: Path | None,
     drafter_path: Path | None,
     target_path: Path | None,
     progress: Progress | None,
@@ -335,11 +343,14 @@ def _evidence_of(
         recover_serving_ids(serving, recovery)
     for r in serving.requests:  # before any id indexes an embedding (issues 12, 24)
         check_serving_ids(f"{trace_path}: request {r.name}", r, drafter.cfg)
-    samples, kind, training_info = _training_side(
-        against, drafter.cfg.aux_width, recovery, drafter.cfg.vocab_size
-    )
-    if not samples:
-        raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")
+    if against is not None:
+        samples, kind, training_info = _training_side(
+            against, drafter.cfg.aux_width, recovery, drafter.cfg.vocab_size
+        )
+        if not samples:
+            raise TrainingDataError(f"--against {against}: holds no samples with aux hidden states")
+    else:  # no training side: reference twins only (below), where the target is at hand
+        samples, kind, training_info = [], "target", {"format": TWIN_FORMAT}
     d2t_note = _training_vocab_map(drafter, report, against)
 
     explicit_target = target_path is not None
@@ -367,12 +378,33 @@ def _evidence_of(
     matches, coverage = align(
         [r.tokens for r in serving.requests], [s.input_ids.numpy() for s in samples]
     )
+    twins, twins_info, untwinned = _twins(
+        serving, matches, len(samples), drafter.cfg, report, target, target_note, progress
+    )
+    samples = samples + [t for _, t, _ in twins]
+    matches = sorted(matches + [m for _, _, m in twins], key=lambda m: m.serving)
+    coverage = with_twins(coverage, twins)
     notes = dict(serving.missing)
     if d2t_note:
         notes.setdefault("vocab map", d2t_note)
+    elif against is None and "d2t" in report.missing:
+        notes.setdefault(
+            "vocab map",
+            "the checkpoint has no d2t and there is no training data to take it from "
+            "(give --against TRAINING_DIR): the reference drafter reads the missing map as "
+            "zeros, like an engine that dropped it",
+        )
     if target_note:
         notes.setdefault("target model", target_note)
-    if not matches:
+    if against is None and "norm_output" in getattr(report, "config", {}):
+        if getattr(report, "dialect", None) == "specforge":
+            notes.setdefault(
+                "SpecForge norm_output reading",
+                "no training tensors to tell which reading the weights were trained with "
+                "(give --against TRAINING_DIR); the reference drafter reads it as load_drafter "
+                "does",
+            )
+    if against is not None and not matches:
         notes.setdefault(
             "alignment", "no serving request shares its leading tokens with a training sample"
         )
@@ -393,6 +425,7 @@ def _evidence_of(
             accept_len_by_rank=by_rank if len(by_rank) > 1 else None,
             other_ranks=others,
             views=views,
+            untwinned=untwinned,
         )
     if "hidden" in modes:
         redaction["hidden"] = (
@@ -405,8 +438,9 @@ def _evidence_of(
         "trace": str(trace_path),
         "engine": serving.meta.get("engine"),
         **({"engine_runner": runner} if runner else {}),
-        "against": str(against),
+        "against": str(against) if against is not None else None,
         "against_kind": kind,
+        **({"reference_twins": twins_info} if twins_info else {}),
         "training": training_info,
         "drafter": str(drafter_path),
         "drafter_dialect": getattr(report, "dialect", None),
@@ -416,6 +450,49 @@ def _evidence_of(
         **({"redaction": redaction} if redaction else {}),
     }
     return ev, inputs
+
+
+def _twins(
+    serving: ServingData,
+    matches: list[Any],
+    first_index: int,
+    cfg: Any,
+    report: Any,
+    target: ReferenceTarget | None,
+    target_note: str | None,
+    progress: Progress | None,
+) -> tuple[list[Any], dict[str, Any] | None, dict[str, str]]:
+    """Reference twins for the requests no training sample matches (`align.reference_twins`):
+    (twins, what they were built from for `inputs`, request name -> why it has no twin)."""
+    twinned = {m.serving for m in matches}
+    lacking = [(i, r) for i, r in enumerate(serving.requests) if i not in twinned]
+    untwinned: dict[str, str] = {}
+    can = []
+    for i, r in lacking:
+        gap = twin_gap(r)
+        if gap is not None:
+            if r.aux_rows:  # (a request with no capture has no slots to judge anyway)
+                untwinned[r.name] = f"no training twin; {gap}"
+            continue
+        can.append((i, r))
+    if not can:
+        return [], None, untwinned
+    if target is None:
+        why = target_note or "no target model to run on the served tokens (give --target DIR)"
+        for _, r in can:
+            untwinned[r.name] = f"no training twin and {why}"
+        return [], None, untwinned
+    layers, source = drafter_aux_layers(cfg, getattr(report, "dialect", None), target.num_layers)
+    with torch.inference_mode():
+        twins = reference_twins(can, target, layers, first_index, progress)
+    info = {
+        "requests": len(twins),
+        "target": str(target.path),
+        "layers": layers,
+        "layers_from": source,
+        "dtype": "bfloat16",
+    }
+    return twins, info, untwinned
 
 
 def _other_ranks(trace: Any) -> dict[int, ServingData]:
@@ -449,6 +526,8 @@ def judge(ev: Evidence, inputs: dict[str, Any], checks: Checks) -> ReplayResult:
         inputs=dict(inputs),
         skipped=skipped,
         failed=failed,
+        judged=ev.judged(),
+        not_judged=list(ev.not_judged),
     )
     # what each fault costs: on the chains the evidence ran, by the part its fix puts back
     result.impact = impacts(result.faults, ev.chains)

@@ -187,9 +187,7 @@ def _training_layers(
         conv = (samples[0].provenance or {}).get("layer_id_convention", BEFORE_LAYER)
         return [hf_index(i, conv) for i in samples[0].slot_layer_ids]
     if cfg is not None and cfg.aux_layer_ids:
-        from hstrace.drafter.dialects import DIALECT_CONVENTION
+        from hstrace.replay.align import drafter_aux_layers
 
-        dialect = str(getattr(load_report, "dialect", ""))
-        conv = DIALECT_CONVENTION.get(dialect, BEFORE_LAYER)
-        return [hf_index(i, conv) for i in cfg.aux_layer_ids]
+        return drafter_aux_layers(cfg, getattr(load_report, "dialect", None), 0)[0]
     return None

@@ -89,11 +89,15 @@ class RuleSum:
 @dataclass(frozen=True)
 class SampledAcceptance:
     by_rule: dict[str, RuleSum]  # rule name -> predicted vs realized
-    transform_checked: int  # drafted tokens whose processed logit was recomputed
+    transform_checked: int  # drafted tokens with at least one transform stage recomputed
     transform_mismatches: list[dict[str, Any]]  # the first ones, with their evidence
     transform_explained: dict[str, int]  # misreading -> how many mismatches it reproduces
     n_mismatched: int
     by_stage: dict[str, int] = field(default_factory=dict)  # "penalties"/"temperature" -> count
+    # Drafted tokens each stage was recomputed on: every checked token's penalties; the
+    # temperature only where the penalties agree and top-k/top-p left the token unmasked.
+    checked_by_stage: dict[str, int] = field(default_factory=dict)
+    masked: int = 0  # checked tokens masked by top-k/top-p (their temperature not comparable)
     unavailable: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -103,6 +107,8 @@ class SampledAcceptance:
             "sampled_acceptance": {
                 "by_rule": {k: v.to_json() for k, v in self.by_rule.items()},
                 "transform_checked": self.transform_checked,
+                "transform_checked_by_stage": dict(self.checked_by_stage),
+                "transform_masked": self.masked,
                 "transform_mismatched": self.n_mismatched,
                 "transform_mismatched_by_stage": self.by_stage,
             }
@@ -205,7 +211,8 @@ def token_transform(v: VerifyRound, j: int) -> dict[str, Any] | None:
     engine's logit after its penalties; stage "temperature": that logit over the request's
     temperature vs the engine's processed logit (-inf = masked by top-k/top-p: skipped; NaN is
     never a mask). With `explained` when a stage differs: every misreading that reproduces the
-    engine's value."""
+    engine's value. A token masked after its penalties (by top-k/top-p: -inf) has its
+    penalties checked and its temperature stage not comparable: stage "penalties", `masked`."""
     t = v.tokens
     z, pen, got = (float(t[k][j]) for k in ("logit_raw", "logit_pen", "logit_proc"))
     if not (np.isfinite(z) and np.isfinite(pen)):
@@ -226,8 +233,8 @@ def token_transform(v: VerifyRound, j: int) -> dict[str, Any] | None:
         row |= {"stage": "penalties", "engine": pen, "reference": want_pen}
         row["explained"] = [k for k, val in readings.items() if _close(val, pen)]
         return row
-    if got == float("-inf"):
-        return None  # masked by top-k / top-p
+    if got == float("-inf"):  # masked by top-k / top-p: only the penalties are comparable
+        return row | {"stage": "penalties", "engine": pen, "reference": want_pen, "masked": True}
     want = pen / temp
     row |= {"stage": "temperature", "engine": got, "reference": want}
     if _close(want, got):
@@ -264,11 +271,12 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
             "the draft's own transform (vLLM: temperature only) is not recomputed; q is taken "
             "as the engine gave it",
         )
-    checked, mismatches, explained, n_bad = 0, [], {}, 0
+    checked, mismatches, explained, n_bad, masked = 0, [], {}, 0, 0
     by_stage: dict[str, int] = {}
+    checked_by_stage = {"penalties": 0, "temperature": 0}
 
     def scan() -> None:
-        nonlocal checked, n_bad
+        nonlocal checked, n_bad, masked
         for v in rounds:
             if v.rule < 0:
                 continue
@@ -277,6 +285,9 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
                 if row is None:
                     continue
                 checked += 1
+                checked_by_stage["penalties"] += 1
+                checked_by_stage["temperature"] += row["stage"] == "temperature"
+                masked += bool(row.get("masked"))
                 if "explained" in row:
                     n_bad += 1
                     by_stage[row["stage"]] = by_stage.get(row["stage"], 0) + 1
@@ -287,5 +298,13 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
 
     u.guarded("sampling transform", scan)
     return SampledAcceptance(
-        sums, checked, mismatches, explained, n_bad, by_stage, unavailable=u.frozen()
+        sums,
+        checked,
+        mismatches,
+        explained,
+        n_bad,
+        by_stage,
+        checked_by_stage=checked_by_stage if checked else {},
+        masked=masked,
+        unavailable=u.frozen(),
     )

@@ -204,15 +204,44 @@ def render_terminal(result: ReplayResult, console: Console | None = None) -> Non
             console.print(f"  {r[0]}: {line}", markup=False, soft_wrap=True)
     cov = result.coverage
     if cov:
-        console.print(
+        line = (
             f"coverage: {cov.get('aligned_requests', 0)}/{cov.get('serving_requests', 0)} requests "
             f"aligned ({cov.get('exact', 0)} exact, {cov.get('prefix', 0)} prefix), "
             f"{cov.get('aligned_tokens', 0)}/{cov.get('serving_tokens', 0)} tokens"
         )
+        if cov.get("target_twins"):
+            line += f"; {twins_line(result)}"
+        console.print(line, markup=False, soft_wrap=True)
     if result.inputs.get("engine_runner"):
         console.print(f"engine: {result.inputs['engine_runner']}", markup=False)
+    for line in not_judged_lines(result):
+        console.print(f"[yellow]not judged[/]: {escape(line)}", soft_wrap=True)
     for name, why in result.skipped.items():
         console.print(f"[yellow]not checked[/]: {name}: {why}")
+
+
+def twins_line(result: ReplayResult) -> str:
+    """The requests judged against the target's forward instead of a training sample."""
+    cov, info = result.coverage, result.inputs.get("reference_twins") or {}
+    layers = f" at HF layers {info['layers']}" if info.get("layers") is not None else ""
+    return (
+        f"{cov.get('target_twins', 0)} request(s) with no training twin judged against the "
+        f"target's forward on their served tokens{layers} "
+        f"({cov.get('target_twin_tokens', 0)} tokens)"
+    )
+
+
+def not_judged_lines(result: ReplayResult) -> list[str]:
+    """One line per stage of the traffic that was not judged (on some or all requests)."""
+    out = []
+    for n in result.not_judged:
+        on = ""
+        if n.get("n_requests"):
+            names = ", ".join(str(x) for x in n.get("requests", [])[:4])
+            more = n["n_requests"] - min(4, len(n.get("requests", [])))
+            on = f" on {n['n_requests']} request(s) ({names}{f', +{more}' if more > 0 else ''})"
+        out.append(f"{n['what']} [{n['stage']}]{on}: {n['why']}")
+    return out
 
 
 def render_markdown(result: ReplayResult) -> str:
@@ -273,6 +302,12 @@ def render_markdown(result: ReplayResult) -> str:
     if result.coverage:
         lines += ["## Coverage", ""]
         lines += [f"- {_md(k)}: {_md(v)}" for k, v in result.coverage.items()]
+        if result.coverage.get("target_twins"):
+            lines.append(f"- {_md(twins_line(result))}")
+        lines.append("")
+    if result.not_judged:
+        lines += ["## Not judged", ""]
+        lines += [f"- {_md(line)}" for line in not_judged_lines(result)]
         lines.append("")
     if result.skipped:
         lines += ["## Not checked", ""]
