@@ -88,7 +88,7 @@ def test_renamed_layer_key_vllm_skips_and_the_head_misses(tmp_path):
 
 def test_an_added_bias_is_dropped_silently_by_vllm(tmp_path):
     """An `o_proj.bias` (vLLM's Qwen2 block has none): AutoWeightsLoader ignores unexpected
-    biases, so vLLM serves without it; the reference maps it to nothing and says so."""
+    biases, so vLLM serves without it; the reference head carries it (training saved it)."""
     path = edited(
         tmp_path,
         lambda sd: sd.__setitem__(
@@ -100,8 +100,13 @@ def test_an_added_bias_is_dropped_silently_by_vllm(tmp_path):
     ev = {k: v for f in doc["findings"] for k, v in f["evidence"].items()}
     assert ev["skipped_keys"] == [L0 + "self_attn.o_proj.bias"]
     assert "bias" in ev["why"][L0 + "self_attn.o_proj.bias"]
-    assert ev["unmapped_keys"] == [L0 + "self_attn.o_proj.bias"]
+    assert "unmapped_keys" not in ev
     assert "parameters_not_filled" not in ev or ev["parameters_not_filled"] == []
+    rep = doc["load_report"]
+    assert rep["key_map"][L0 + "self_attn.o_proj.bias"] == "layers.0.self_attn.o_proj.bias"
+    assert rep["added_biases"] == ["layers.0.self_attn.o_proj.bias"]
+    head, _ = load_mtp_head(path)
+    assert torch.equal(head.layers[0].self_attn.o_proj.bias, torch.ones(64))
 
 
 def _fp8(sd, keep_scale: bool):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from hstrace.drafter.checkpoint import read_config
 from hstrace.drafter.mtp import MTP_KEYS, MTPConfig, MTPHead
@@ -46,6 +47,9 @@ class MTPLoadReport:
     own_copy_equals_target: dict[str, bool] = field(default_factory=dict)
     quantized: bool = False  # the config declares a quantization_config
     notes: list[str] = field(default_factory=list)
+    # biases the checkpoint saved on projections the layout's architecture has without one:
+    # the reference head carries them (training computed with them)
+    added_biases: list[str] = field(default_factory=list)
 
     @property
     def unmapped(self) -> list[str]:
@@ -68,6 +72,7 @@ class MTPLoadReport:
             "own_copy_equals_target": self.own_copy_equals_target,
             "quantized": self.quantized,
             "notes": self.notes,
+            "added_biases": self.added_biases,
         }
 
 
@@ -154,6 +159,9 @@ def map_layer_key(layout: str, rel: str, k: int) -> str | None:
     nextn = MTP_KEYS[layout]
     if rel in nextn:
         return f"layers.{k}.{nextn[rel]}"
+    stem = rel.removesuffix(".bias")
+    if stem != rel and f"{stem}.weight" in nextn:  # e.g. `input_proj.bias` -> eh_proj.bias
+        return f"layers.{k}.{nextn[stem + '.weight'].removesuffix('.weight')}.bias"
     if rel.startswith(BLOCK_PREFIXES) and not is_scale(rel):
         return f"layers.{k}.{rel}"
     if layout == "deepseek" and rel == "embed_tokens.weight":
@@ -161,6 +169,29 @@ def map_layer_key(layout: str, rel: str, k: int) -> str | None:
     if layout == "deepseek" and rel == "shared_head.head.weight":
         return "lm_head.weight"
     return None
+
+
+def grow_saved_biases(
+    head: MTPHead, key_map: dict[str, str | None], where: dict[str, Path]
+) -> list[str]:
+    """Give each bias-free `nn.Linear` of the head the bias its checkpoint saved (key
+    `<proj>.bias` next to a mapped `<proj>.weight`); returns the head parameters added."""
+    from safetensors import safe_open
+
+    added: list[str] = []
+    for key, name in key_map.items():
+        if name is None or not name.endswith(".bias"):
+            continue
+        module = head.get_submodule(name.removesuffix(".bias"))
+        if not isinstance(module, nn.Linear) or module.bias is not None:
+            continue
+        with safe_open(str(where[key]), "pt") as st:
+            shape = st.get_slice(key).get_shape()
+        if list(shape) != [module.out_features]:
+            continue  # not this projection's bias: left unmapped, shape named by the check
+        module.bias = nn.Parameter(torch.zeros(module.out_features, dtype=module.weight.dtype))
+        added.append(name)
+    return sorted(added)
 
 
 def mtp_config(raw: dict[str, Any], layout: str, n_predict: int) -> MTPConfig:
@@ -188,8 +219,12 @@ def load_mtp_head(
     for k, prefix in enumerate(prefixes):
         for key in keys:
             if key.startswith(prefix):
-                name = map_layer_key(layout, key[len(prefix) :], k)
-                key_map[key] = name if name in params else None  # e.g. an o_proj.bias
+                key_map[key] = map_layer_key(layout, key[len(prefix) :], k)
+    # a bias training saved on a projection the served architecture has without one (an
+    # `nn.Linear(2H, H)` left at bias=True): the reference computes what training computed
+    added_biases = grow_saved_biases(head, key_map, where)
+    params = dict(head.named_parameters())
+    key_map = {key: (name if name in params else None) for key, name in key_map.items()}
     own_embed = [k for k, v in key_map.items() if v == "embed_tokens.weight"]
     own_head = [k for k, v in key_map.items() if v == "lm_head.weight"]
     embed_source = own_embed[0] if own_embed else "model.embed_tokens.weight"
@@ -235,5 +270,6 @@ def load_mtp_head(
         own_copy_equals_target=own_equal,
         quantized=bool(raw.get("quantization_config")),
         notes=notes,
+        added_biases=added_biases,
     )
     return head.eval(), report
