@@ -126,6 +126,7 @@ MTP_RULES: list[Rule[MTPFacts]] = [
             "unknown_keys": [k for k in m if k in f.vllm][:20],
             "parameters_not_filled": [k for k in m if k in f.vllm_unfilled][:20],
             "skipped_keys": [k for k, fate in f.vllm.items() if fate.lost][:20],
+            "why": {k: fate.fate for k, fate in f.vllm.items() if fate.lost or k in m[:20]},
             "vllm_model_type": f.model_type,
         },
         fix=lambda f, m: f"Rename the keys to {_where(f)}.",
