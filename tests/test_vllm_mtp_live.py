@@ -373,7 +373,7 @@ def test_a_skipped_bias_is_weights_dropped_naming_the_key(biased) -> None:
     assert named and named[0].evidence["dropped_keys"] == [BIAS_KEY]
     # the reference head carries the bias training saved; the engine's head does not: on
     # identical recorded inputs their log-probabilities differ (measured 0.051; the clean
-    # world's fp32 engine and reference agree to ~1e-5), while this small fine-tuned bias
+    # fp32 engine and reference agree to ~1e-6), while this small fine-tuned bias
     # leaves the top-1 unchanged (measured 1.0): the fault is named, its price here is small
     assert res.metrics["mtp"]["head"]["added_biases"] == ["layers.0.eh_proj.bias"]
     assert biased["bias_norm"] > 0
