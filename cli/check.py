@@ -281,19 +281,20 @@ def _holds_mtp_head(path: str) -> bool:
     arch = str((raw.get("architectures") or [""])[0])
     if "eagle" in arch.lower() or "speculators_model_type" in raw or "draft_vocab_size" in raw:
         return False  # a drafter whose config copied the target's fields
-    return bool(raw.get("num_nextn_predict_layers")) or arch == "MiMoForCausalLM"
+    mtp_type = str(raw.get("model_type", "")).startswith("qwen3_next")
+    return bool(raw.get("num_nextn_predict_layers")) or arch == "MiMoForCausalLM" or mtp_type
 
 
 def _check_mtp(path: str, as_json: bool) -> int:
     """`hstrace check TARGET_DIR` on a target with an MTP head: which key fills which MTP
     parameter, which keys vLLM's loader would skip, scales, embedding / head sources, n_predict,
     and the MTP rules' findings (`hstrace.rules.mtp`)."""
-    from hstrace.drafter.mtp_checkpoint import load_mtp_head, weight_index
+    from hstrace.drafter.mtp_checkpoint import read_mtp_checkpoint, weight_index
     from hstrace.errors import error_line, unless_internal_failure
     from hstrace.rules.mtp import MTP_RULES, MTPFacts
     from hstrace.rules.table import run_rules
 
-    _, report = load_mtp_head(path)  # CheckpointError (one line) for a bad checkpoint
+    _, report = read_mtp_checkpoint(path)  # CheckpointError (one line): a bad checkpoint
     keys = sorted(weight_index(Path(report.path)))
     failed: dict[str, str] = {}
     facts = unless_internal_failure(
@@ -311,6 +312,7 @@ def _check_mtp(path: str, as_json: bool) -> int:
         doc = {
             "kind": "mtp-head",
             "load_report": report.to_json(),
+            "vllm_model_type": facts.model_type if facts is not None else None,
             "vllm_key_fates": vllm,
             "vllm_parameters_not_filled": facts.vllm_unfilled if facts is not None else None,
             "findings": [f.to_json() for f in findings],
@@ -326,6 +328,10 @@ def _check_mtp(path: str, as_json: bool) -> int:
         f"{', '.join(p + '*' for p in r.layer_prefixes)}"
     )
     click.echo(f"embedding from {r.embed_source}, output head from {r.head_source}")
+    served_as = facts.model_type if facts is not None else None
+    click.echo(f"vLLM serves it as: {served_as or '(no MTP loader hstrace models)'}")
+    for note in r.notes:
+        click.echo(f"note: {note}")
     for key, name in r.key_map.items():
         fate = f"  [vLLM: {vllm[key]}]" if key in vllm and vllm[key] != "loaded" else ""
         click.echo(f"  {key} -> {name or '(nothing)'}{fate}")

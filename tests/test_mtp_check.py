@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from hstrace.drafter.mtp import MTP_KEYS
 from hstrace.drafter.mtp_checkpoint import load_mtp_head
+from hstrace.engines.vllm.mtp_load import FILTERED
 from hstrace.findings import REGISTRY
 from hstrace.rules.mtp import MTP_RULES
 
@@ -63,7 +64,10 @@ def test_clean_world_target_is_clean_and_every_key_is_named():
     assert rep["head_source"] == "lm_head.weight"
     assert rep["key_map"][L0 + "input_proj.weight"] == "layers.0.eh_proj.weight"
     assert set(doc["vllm_key_fates"].values()) == {"loaded"}
-    assert len(doc["vllm_key_fates"]) == 16
+    # the layer's 16 keys, and the target's embedding and head the loader also reads
+    assert len(doc["vllm_key_fates"]) == 18
+    assert doc["vllm_key_fates"]["lm_head.weight"] == "loaded"
+    assert doc["vllm_model_type"] == "mimo_mtp"
 
 
 def test_renamed_layer_key_vllm_skips_and_the_head_misses(tmp_path):
@@ -80,7 +84,7 @@ def test_renamed_layer_key_vllm_skips_and_the_head_misses(tmp_path):
     assert codes(doc) and set(codes(doc)) == {"weights-dropped"}
     ev = {k: v for f in doc["findings"] for k, v in f["evidence"].items()}
     assert ev["skipped_keys"] == ["model.mtp.0.input_proj.weight"]
-    assert "mtp_layers" in ev["why"]["model.mtp.0.input_proj.weight"]
+    assert ev["why"]["model.mtp.0.input_proj.weight"] == FILTERED
     assert ev["parameters_not_filled"] == [L0 + "input_proj.weight"]
     assert ev["parameters_not_loaded"] == ["layers.0.eh_proj.weight"]
     assert doc["vllm_key_fates"]["model.mtp.0.input_proj.weight"].startswith("skipped silently")
@@ -88,7 +92,7 @@ def test_renamed_layer_key_vllm_skips_and_the_head_misses(tmp_path):
 
 def test_an_added_bias_is_dropped_silently_by_vllm(tmp_path):
     """An `o_proj.bias` (vLLM's Qwen2 block has none): AutoWeightsLoader ignores unexpected
-    biases, so vLLM serves without it; the reference maps it to nothing and says so."""
+    biases, so vLLM serves without it; the reference head carries it (training saved it)."""
     path = edited(
         tmp_path,
         lambda sd: sd.__setitem__(
@@ -100,8 +104,13 @@ def test_an_added_bias_is_dropped_silently_by_vllm(tmp_path):
     ev = {k: v for f in doc["findings"] for k, v in f["evidence"].items()}
     assert ev["skipped_keys"] == [L0 + "self_attn.o_proj.bias"]
     assert "bias" in ev["why"][L0 + "self_attn.o_proj.bias"]
-    assert ev["unmapped_keys"] == [L0 + "self_attn.o_proj.bias"]
+    assert "unmapped_keys" not in ev
     assert "parameters_not_filled" not in ev or ev["parameters_not_filled"] == []
+    rep = doc["load_report"]
+    assert rep["key_map"][L0 + "self_attn.o_proj.bias"] == "layers.0.self_attn.o_proj.bias"
+    assert rep["added_biases"] == ["layers.0.self_attn.o_proj.bias"]
+    head, _ = load_mtp_head(path)
+    assert torch.equal(head.layers[0].self_attn.o_proj.bias, torch.ones(64))
 
 
 def _fp8(sd, keep_scale: bool):

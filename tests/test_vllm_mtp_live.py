@@ -10,6 +10,10 @@ server start, shared by the assertions on its trace; faults are made the way use
 - `clean`: the world as built (and the same launch without hooks, for the output comparison);
 - `swapped`: the checkpoint's `input_proj` (eh_proj) with its two input halves exchanged, the
   converter bug between DeepSeek's `cat[e, h]` and MiMo's `cat[h, e]`;
+- `biased`: the head trained with a bias on `input_proj` (`nn.Linear(2H, H)` left at PyTorch's
+  default `bias=True`) and saved as `model.mtp_layers.0.input_proj.bias`: vLLM's MiMo head has
+  no such bias and `AutoWeightsLoader` ignores unexpected `.bias` keys (added for GPTQ), so the
+  server starts, says nothing and serves without it;
 (Not a test: the MTP layer saved to its own file that `model.safetensors.index.json` does not
 list. vLLM opens only the files the index names, and then refuses to start: "Following weights
 were not initialized from checkpoint: {'model.mtp_layers.4...'}", measured in CI on 0.32.0. That
@@ -259,3 +263,103 @@ def test_a_head_trained_after_the_final_norm_is_mtp_hidden_source(post_norm) -> 
     # the price, stated with its convention (step-0 accuracy on each side's inputs)
     assert ev["acc0_training"] is not None and ev["acc0_serving"] is not None
     assert "pre_final_norm" in res.verdict.fix and "post_final_norm" in res.verdict.fix
+
+
+# ---- (c) a bias training saved, vLLM's loader skips it without a word ------------------------
+
+BIAS_KEY = f"{MTP_PREFIX}input_proj.bias"
+
+
+@pytest.fixture(scope="module")
+def biased(tmp_path_factory):
+    """A user whose MTP head's `input_proj` is `nn.Linear(2H, H)` (bias on, PyTorch's default):
+    the world's head fine-tuned with that bias on the world's own training tensors (the
+    world's recipe, `build.train_head`, 40 steps), saved the way a converter writes it."""
+    from torch import nn
+    from transformers import Qwen2ForCausalLM
+
+    from hstrace.drafter.mtp_checkpoint import load_mtp_head
+    from hstrace.training import open_training
+
+    build = _build_module()
+    tmp = tmp_path_factory.mktemp("mtp_biased")
+    target = copy_target(tmp)
+    model = Qwen2ForCausalLM.from_pretrained(TARGET, dtype=torch.float32).eval()
+    samples = list(open_training(TRAINING).samples())
+    ids = torch.stack([s.input_ids for s in samples]).long()
+    mask = torch.stack([s.loss_mask for s in samples]).bool()
+    pre, logits = build.pre_norm_states(model, ids)
+    head, _ = load_mtp_head(TARGET)
+    proj = head.layers[0].eh_proj
+    biased_proj = nn.Linear(proj.in_features, proj.out_features, bias=True)
+    with torch.no_grad():
+        biased_proj.weight.copy_(proj.weight)
+        biased_proj.bias.zero_()
+    head.layers[0].eh_proj = biased_proj
+    x, hid, y = build.mtp_examples(ids, pre.to(torch.bfloat16).float(), logits.argmax(-1))
+    weight = torch.cat([mask[:, 2:].float(), mask.new_zeros(len(ids), 1).float()], 1)
+    head.train()
+    build.MTP_STEPS = 40
+    build.train_head(head, x, hid, y, weight, seed=11)
+    head.eval()
+    state = {
+        k.replace(f"{MTP_PREFIX}eh_proj.bias", BIAS_KEY): v.to(torch.bfloat16).contiguous()
+        for k, v in build.mtp_state_dict(head).items()
+    }
+    assert BIAS_KEY in state
+    weights = load_file(target / "model.safetensors")
+    weights.update(state)
+    save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
+    res = record(tmp / "biased.zarr", target, 18457)
+    return {
+        "target": target,
+        "out": tmp / "biased.zarr",
+        "log": res.server_log.read_text(errors="replace"),
+        "replay": replay_trace(tmp / "biased.zarr", TRAINING),
+        "bias_norm": float(state[BIAS_KEY].float().norm()),
+    }
+
+
+def test_vllm_skips_a_saved_bias_without_a_word(biased) -> None:
+    """The server started and served; its whole log never names the key, and no warning or
+    error line speaks of weights; the load audit saw the key go in and nothing take it."""
+    vllm_lines = [ln for ln in biased["log"].splitlines() if not ln.startswith("hstrace:")]
+    assert vllm_lines and not any("input_proj" in ln for ln in vllm_lines)
+    loud = [
+        ln for ln in vllm_lines if ("WARNING" in ln or "ERROR" in ln) and "weight" in ln.lower()
+    ]
+    assert loud == [], loud
+    with open_trace(biased["out"]) as tr:
+        assert tr.rank(0).clean_close
+        weights = tr.meta["static"]["weights"]
+        assert weights["dropped_keys"] == [BIAS_KEY]
+        assert weights["checkpoint_keys"][BIAS_KEY]["consumed_into"] == []
+        assert weights["unloaded_parameters"] == []
+
+
+def test_a_skipped_bias_is_weights_dropped_naming_the_key(biased) -> None:
+    res = biased["replay"]
+    assert res.exit_code == 1
+    dropped = [f for f in res.findings if f.code == "weights-dropped"]
+    assert dropped and res.verdict.code == "weights-dropped", res.verdict.summary
+    named = [f for f in dropped if f.evidence.get("dropped_keys")]
+    assert named and named[0].evidence["dropped_keys"] == [BIAS_KEY]
+    # the reference head carries the bias training saved; the engine's head does not: on
+    # identical recorded inputs their log-probabilities differ (measured 0.051; the clean
+    # fp32 engine and reference agree to ~1e-6), while this small fine-tuned bias
+    # leaves the top-1 unchanged (measured 1.0): the fault is named, its price here is small
+    assert res.metrics["mtp"]["head"]["added_biases"] == ["layers.0.eh_proj.bias"]
+    assert biased["bias_norm"] > 0
+    assert res.metrics["engine_vs_reference_max_logprob_diff"] > 0.01
+
+
+def test_check_names_the_bias_vllm_skips(biased) -> None:
+    from helpers.cli import run_main
+
+    proc = run_main("check", str(biased["target"]), "--json")
+    assert proc.returncode == 1, proc.stderr
+    doc = json.loads(proc.stdout)
+    ev = {k: v for f in doc["findings"] for k, v in f["evidence"].items()}
+    assert ev["skipped_keys"] == [BIAS_KEY]
+    assert "bias" in ev["why"][BIAS_KEY]
+    assert doc["vllm_key_fates"][BIAS_KEY].startswith("skipped silently")

@@ -122,6 +122,8 @@ class RecordResult:
     send_wall_s: float | None = None
     # `record --serve`: why the recording stopped (requests finished, time, a signal)
     stopped_by: str | None = None
+    # a served engine: its whole stdout + stderr (kept after the run, for the user to read)
+    server_log: Path | None = None
 
 
 class Engine(ABC):

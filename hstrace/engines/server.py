@@ -428,6 +428,7 @@ class ServerEngine(Engine):
             prompts_sent=0,
             prompts_completed=0,
             ok=False,
+            server_log=log_path,
         )
         with log_path.open("wb") as log:
             proc = subprocess.Popen(

@@ -1,15 +1,19 @@
 """The static rules on an MTP head inside a target checkpoint (`hstrace check TARGET_DIR`):
 what the MTP load report (`hstrace.drafter.mtp_checkpoint`) and vLLM's loader reading of every
-key (`hstrace.engines.vllm.mtp_load`, for the MiMo layout) reveal before anything is served.
+key (`hstrace.engines.vllm.mtp_load`: mimo_mtp, deepseek_mtp, glm4_moe_mtp, qwen3_next_mtp)
+reveal before anything is served.
 One table, `MTP_RULES`, in the style of `hstrace.rules.checkpoint`."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+from hstrace.drafter.checkpoint import read_config
 from hstrace.drafter.mtp_checkpoint import MTPLoadReport, is_scale
-from hstrace.engines.vllm.mtp_load import KeyFate, mimo_mtp_fate, mimo_mtp_unfilled
+from hstrace.engines.vllm.mtp_load import LOAD_ERROR, KeyFate, vllm_mtp_load
 from hstrace.rules.table import Rule, RuleRun, run_rules
 
 # a key that names an MTP / NextN part, wherever it was saved
@@ -23,24 +27,42 @@ _FP8 = ("F8_E4M3", "F8_E5M2", "F8_E4M3FN")
 class MTPFacts:
     rep: MTPLoadReport
     keys: list[str]  # every key of the checkpoint
-    vllm: dict[str, KeyFate] = field(init=False)  # MTP-looking keys -> vLLM's mimo_mtp fate
+    raw: dict[str, Any] | None = None  # config.json (read from rep.path when not given)
+    model_type: str | None = field(init=False)  # the vLLM MTP model type serving this head
+    vllm: dict[str, KeyFate] = field(init=False)  # MTP-looking keys -> vLLM's fate
     vllm_unfilled: list[str] = field(init=False)
 
     def __post_init__(self) -> None:
+        raw = self.raw if self.raw is not None else read_config(Path(self.rep.path))
+        load = vllm_mtp_load(raw)
+        self.model_type = load.model_type if load else None
+        if load is None:  # a layout vLLM 0.32 serves with no loader hstrace models
+            self.vllm, self.vllm_unfilled = {}, []
+            return
+        prefixes = tuple(self.rep.layer_prefixes) + tuple(load.layer_prefixes())
         scope = [
             k
             for k in self.keys
-            if any(k.startswith(p) for p in self.rep.layer_prefixes) or _MTP_NAME.search(k)
+            if k.startswith(prefixes)
+            or _MTP_NAME.search(k)
+            or k in ("model.embed_tokens.weight", "lm_head.weight")
         ]
-        if self.rep.layout == "mimo":
-            self.vllm = {k: mimo_mtp_fate(k, self.rep.n_predict) for k in scope}
-            self.vllm_unfilled = mimo_mtp_unfilled(self.keys, self.rep.n_predict)
-        else:  # deepseek_mtp's loader is not modelled here
-            self.vllm, self.vllm_unfilled = {}, []
+        self.vllm = {k: load.fate(k) for k in scope}
+        self.vllm_unfilled = load.unfilled(self.keys)
+
+    def stops(self) -> list[str]:
+        """Keys vLLM has no parameter for, and parameters no key fills: vLLM refuses to start."""
+        return sorted(
+            {k for k, fate in self.vllm.items() if fate.fate == LOAD_ERROR}
+            | set(self.vllm_unfilled)
+        )
 
 
 def _silent(f: MTPFacts) -> list[str]:
-    return [k for k, fate in f.vllm.items() if fate.silent]
+    """MTP tensors vLLM serves without, saying nothing (moot when the load stops)."""
+    if f.stops():
+        return []
+    return [k for k, fate in f.vllm.items() if fate.lost]
 
 
 def _missing_scales(f: MTPFacts) -> list[str]:
@@ -55,36 +77,59 @@ def _missing_scales(f: MTPFacts) -> list[str]:
     return out
 
 
+_FIX_NAMES = {
+    "mimo_mtp": "`model.mtp_layers.{k}.` with the MiMo names (`token_layernorm`, "
+    "`hidden_layernorm`, `input_proj`, `final_layernorm` and the block's Qwen2 names)",
+    "deepseek_mtp": "`model.layers.{num_hidden_layers + k}.` (`enorm`, `hnorm`, `eh_proj`, "
+    "`shared_head.norm`, `shared_head.head` and the block's DeepSeek-V3 MLA / MoE names)",
+    "glm4_moe_mtp": "`model.layers.{num_hidden_layers + k}.` (`enorm`, `hnorm`, `eh_proj`, "
+    "`shared_head.norm` and the block's GLM-4.5 names)",
+    "qwen3_next_mtp": "`mtp.fc`, `mtp.pre_fc_norm_embedding`, `mtp.pre_fc_norm_hidden`, "
+    "`mtp.norm` and `mtp.layers.{k}.` with the Qwen3-Next block's names",
+}
+
+
+def _where(f: MTPFacts) -> str:
+    return _FIX_NAMES.get(f.model_type or "", "the layout vLLM's loader reads")
+
+
 MTP_RULES: list[Rule[MTPFacts]] = [
     Rule(
         "mtp-keys-skipped-by-vllm",
         "weights-dropped",
         when=_silent,
         summary=lambda f, m: (
-            f"{len(m)} MTP tensor(s) that vLLM's mimo_mtp loader skips without a word; the "
-            "head serves with what it has"
+            f"{len(m)} MTP tensor(s) that vLLM's {f.model_type} loader skips without a word; "
+            "the head serves without them"
         ),
-        evidence=lambda f, m: {"skipped_keys": m[:20], "why": {k: f.vllm[k].fate for k in m[:20]}},
-        fix="Save the MTP layer under `model.mtp_layers.{k}.` with the MiMo names "
-        "(`token_layernorm`, `hidden_layernorm`, `input_proj`, `final_layernorm` and the "
-        "block's Qwen2 names) and no parameter vLLM lacks (e.g. an `o_proj.bias`).",
+        evidence=lambda f, m: {
+            "skipped_keys": m[:20],
+            "why": {k: f.vllm[k].fate for k in m[:20]},
+            "vllm_model_type": f.model_type,
+        },
+        fix=lambda f, m: (
+            f"Save the MTP layer under {_where(f)}, with no parameter vLLM's "
+            "module lacks (a bias training saved: train without it, or fold it where the served "
+            "architecture has one); a skipped quantization scale: declare the quantization in "
+            "config.json."
+        ),
     ),
     Rule(
         "mtp-vllm-cannot-load",
         "weights-dropped",
-        when=lambda f: sorted(
-            {k for k, fate in f.vllm.items() if not fate.silent and fate.fate != "loaded"}
-            | set(f.vllm_unfilled)
-        ),
+        when=lambda f: f.stops(),
         summary=lambda f, m: (
-            f"vLLM's mimo_mtp loader stops on this checkpoint: {len(m)} key(s) it has no "
+            f"vLLM's {f.model_type} loader stops on this checkpoint: {len(m)} key(s) it has no "
             "parameter for or parameters no key fills"
         ),
         evidence=lambda f, m: {
             "unknown_keys": [k for k in m if k in f.vllm][:20],
             "parameters_not_filled": [k for k in m if k in f.vllm_unfilled][:20],
+            "skipped_keys": [k for k, fate in f.vllm.items() if fate.lost][:20],
+            "why": {k: fate.fate for k, fate in f.vllm.items() if fate.lost or k in m[:20]},
+            "vllm_model_type": f.model_type,
         },
-        fix="Rename the keys to vLLM's MiMo layout (`model.mtp_layers.{k}.*`).",
+        fix=lambda f, m: f"Rename the keys to {_where(f)}.",
     ),
     Rule(
         "mtp-parameters-not-loaded",
