@@ -172,7 +172,7 @@ def served(tmp_path_factory):
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     head, report = load_mtp_head(ckpt)
-    return head, report, torch.load(out, weights_only=True)
+    return head, report, torch.load(out, weights_only=True), ckpt
 
 
 def _depth0(calls, p):
@@ -193,7 +193,7 @@ def _ids(head, p, embeds):
 
 
 def test_the_head_is_read_with_an_mla_moe_block(served):
-    head, report, _ = served
+    head, report, _, _ = served
     assert report.layout == "deepseek" and report.missing == [] and report.unmapped == []
     block = head.layers[0]
     assert isinstance(block.self_attn, MLAttention) and isinstance(block.mlp, MoE)
@@ -209,7 +209,7 @@ def test_depth0_matches_vllms_deepseek_mtp_forward(served):
     """The prompt's draft extend (vLLM's MLA prefill path): u, the recycled state and the
     logits agree to 1e-5; routing is live (several expert sets, groups masked, the selection
     bias changes the answer)."""
-    head, _, calls = served
+    head, _, calls, _ = served
     for p in PROMPTS:
         c = calls[_depth0(calls, p)]
         embeds = c["inputs_embeds"].float()
@@ -228,7 +228,7 @@ def test_routing_is_exercised_on_the_served_rows(served):
     halves of DeepSeek-V3's routing decide some row: keeping every group (no group limit) or
     zeroing the selection bias changes the choice. So the agreement above covers grouped top-k
     with the bias, not a degenerate route."""
-    head, _, calls = served
+    head, _, calls, _ = served
     moe = head.layers[0].mlp
     rows: list[torch.Tensor] = []
     hook = moe.register_forward_hook(lambda m, a, o: rows.append(a[0].detach().reshape(-1, 64)))
@@ -265,7 +265,7 @@ def test_routing_is_exercised_on_the_served_rows(served):
 def test_depth1_matches_vllms_chained_call(served):
     """Depth 1 (vLLM's MLA decode over the depth-0 cache, fed its recycled state and its
     depth-0 argmax) = the reference's `step`."""
-    head, _, calls = served
+    head, _, calls, _ = served
     for p in PROMPTS:
         i = _depth0(calls, p)
         c0, c1 = calls[i], calls[i + 1]
@@ -284,3 +284,24 @@ def test_depth1_matches_vllms_chained_call(served):
         with torch.no_grad():
             logits1 = head.lm_head(head.layers[0].final_norm(c1["u"].float()[0]))
         torch.testing.assert_close(out1.logits[-1], logits1, atol=1e-5, rtol=1e-5)
+
+
+def test_vllm_feeds_the_targets_post_norm_state(served):
+    """The hidden source, seen live: what vLLM hands `deepseek_mtp` for the prompt rows is the
+    target's last state after its final norm (`MTPConfig.deepseek`: post_final_norm), computed
+    here by HF's own DeepseekV3 target on the same prompt, and not the state before it."""
+    from transformers import DeepseekV3ForCausalLM
+
+    _, _, calls, ckpt = served
+    target = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    pre: list[torch.Tensor] = []
+    hook = target.model.norm.register_forward_hook(lambda m, a, o: pre.append(a[0][0]))
+    try:
+        for p in PROMPTS:
+            fed = calls[_depth0(calls, p)]["previous_hidden_states"].float()
+            with torch.no_grad():
+                post = target.model(torch.tensor([p])).last_hidden_state[0]
+            torch.testing.assert_close(fed, post, atol=1e-4, rtol=1e-4)
+            assert (pre[-1] - post).abs().max() > 100 * (fed - post).abs().max()
+    finally:
+        hook.remove()

@@ -139,7 +139,8 @@ class MTPConfig:
         rope/nope head dims, MoE when that index is a MoE index (`n_routed_experts`,
         `first_k_dense_replace`, `moe_layer_freq`), else the dense Llama-like block."""
         mla = _mla_spec(hf)
-        rope = (hf.get("rope_parameters") or hf.get("rope_scaling") or {}).get("rope_type")
+        sc = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope = sc.get("rope_type") or sc.get("type")
         if mla is not None and rope not in (None, "default"):
             raise ValueError(
                 f"MLA with rope_type {rope!r}: only unscaled RoPE is implemented (no yarn)"
