@@ -48,7 +48,7 @@ SMALL = {
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 64,
-    "rope_theta": 10000.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     "attention_bias": False,
 }
 

@@ -75,8 +75,7 @@ CONFIG = {
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 256,
-    "rope_theta": 10000.0,
-    "rope_scaling": None,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     "attention_bias": False,
     "tie_word_embeddings": False,
     "bos_token_id": 2,
@@ -134,7 +133,8 @@ def build_checkpoint(out: Path) -> None:
     from safetensors.torch import load_file, save_file
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    target = DeepseekV3ForCausalLM(DeepseekV3Config(**CONFIG))
+    hf = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")}
+    target = DeepseekV3ForCausalLM(DeepseekV3Config(**hf))
     _seeded(target, 20261203)
     target.save_pretrained(out)
     cfg = MTPConfig.deepseek(CONFIG)
@@ -149,7 +149,7 @@ def build_checkpoint(out: Path) -> None:
     sd[prefix + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
     save_file(sd, out / "model.safetensors", metadata={"format": "pt"})
     raw = json.loads((out / "config.json").read_text())
-    raw.update(num_nextn_predict_layers=1, dtype="float32")
+    raw.update(CONFIG, dtype="float32")  # every routing field as written, for vLLM to read
     (out / "config.json").write_text(json.dumps(raw, indent=2))
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(TOKENIZER / f, out / f)
