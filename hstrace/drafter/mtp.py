@@ -245,6 +245,8 @@ class MTPLayer(DecoderBlock):
 
     def __init__(self, cfg: MTPConfig):
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        # built before the block: a seeded init draws eh_proj, attention, FFN in that order
+        eh_proj = nn.Linear(2 * H, H, bias=False)
         attn: nn.Module
         if cfg.mla is not None:
             attn = MLAttention(H, cfg.num_attention_heads, cfg.mla, eps)
@@ -262,7 +264,7 @@ class MTPLayer(DecoderBlock):
         self.cfg = cfg
         self.enorm = RMSNorm(H, eps)
         self.hnorm = RMSNorm(H, eps)
-        self.eh_proj = nn.Linear(2 * H, H, bias=False)
+        self.eh_proj = eh_proj
         self.final_norm = RMSNorm(H, eps)
 
     def forward(  # type: ignore[override]
