@@ -172,7 +172,23 @@ def served(tmp_path_factory):
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     head, report = load_mtp_head(ckpt)
-    return head, report, torch.load(out, weights_only=True), ckpt
+    # read now: pytest may prune this tmp dir while other sessions start
+    return head, report, torch.load(out, weights_only=True), hf_target_states(ckpt)
+
+
+def hf_target_states(ckpt: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(after, before) the final norm: HF's own DeepseekV3 target's last state per prompt."""
+    from transformers import DeepseekV3ForCausalLM
+
+    target = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    pre: list[torch.Tensor] = []
+    hook = target.model.norm.register_forward_hook(lambda m, a, o: pre.append(a[0][0]))
+    try:
+        with torch.no_grad():
+            post = [target.model(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
+    finally:
+        hook.remove()
+    return list(zip(post, pre, strict=True))
 
 
 def _depth0(calls, p):
@@ -289,19 +305,9 @@ def test_depth1_matches_vllms_chained_call(served):
 def test_vllm_feeds_the_targets_post_norm_state(served):
     """The hidden source, seen live: what vLLM hands `deepseek_mtp` for the prompt rows is the
     target's last state after its final norm (`MTPConfig.deepseek`: post_final_norm), computed
-    here by HF's own DeepseekV3 target on the same prompt, and not the state before it."""
-    from transformers import DeepseekV3ForCausalLM
-
-    _, _, calls, ckpt = served
-    target = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    pre: list[torch.Tensor] = []
-    hook = target.model.norm.register_forward_hook(lambda m, a, o: pre.append(a[0][0]))
-    try:
-        for p in PROMPTS:
-            fed = calls[_depth0(calls, p)]["previous_hidden_states"].float()
-            with torch.no_grad():
-                post = target.model(torch.tensor([p])).last_hidden_state[0]
-            torch.testing.assert_close(fed, post, atol=1e-4, rtol=1e-4)
-            assert (pre[-1] - post).abs().max() > 100 * (fed - post).abs().max()
-    finally:
-        hook.remove()
+    by HF's own DeepseekV3 target on the same prompt, and not the state before it."""
+    _, _, calls, states = served
+    for p, (post, pre) in zip(PROMPTS, states, strict=True):
+        fed = calls[_depth0(calls, p)]["previous_hidden_states"].float()
+        torch.testing.assert_close(fed, post, atol=1e-4, rtol=1e-4)
+        assert (pre - post).abs().max() > 100 * (fed - post).abs().max()
