@@ -247,10 +247,10 @@ def test_depth0_nextn_wiring_and_moe_match_vllm(served):
 
 
 MLA_OPEN = (
-    "open: vLLM 0.32 CPU MLA self-attention output differs from the reference's (and HF "
-    "DeepseekV3's, which the reference matches to 1e-5) on rows t > 0; row 0 equal; cause not "
-    "found (scale, RoPE style, mask variants tried offline); the target's own MLA layer "
-    "differs from HF's the same way (its fed state equals HF's on row 0 only)"
+    "vLLM 0.32's CPU rotary custom op (RotaryEmbedding.forward_cpu -> ops.rotary_embedding, "
+    "on in an eager engine) rotates MLA's multi-head q_pe wrongly next to the one-head k_pe "
+    "(forward_native agrees with the reference); so vLLM's CPU MLA differs on rows t > 0 "
+    "(row 0's attention does not depend on q), in the target as in the head"
 )
 
 
