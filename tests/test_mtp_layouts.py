@@ -178,7 +178,8 @@ DS_CONFIG = {
     "hidden_size": H,
     "vocab_size": V,
     "intermediate_size": INTER,
-    "moe_intermediate_size": 8,
+    "moe_intermediate_size": INTER,
+    "num_experts_per_tok": 1,
     "num_attention_heads": HEADS,
     "num_key_value_heads": HEADS,
     "num_hidden_layers": N_LAYERS,
@@ -249,15 +250,18 @@ def test_deepseek_v3_mla_moe_layer_every_key_named(tmp_path):
     assert rep["key_map"]["model.layers.2.self_attn.q_a_proj.weight"] == (
         "layers.0.self_attn.q_a_proj.weight"
     )
-    assert rep["head_computed"] is False and "MLA" in rep["notes"][-1]
+    # DeepSeek-V3's own block (MLA + MoE) is the reference's: every parameter is filled
+    assert rep["head_computed"] is True and rep["missing"] == []
     # own copies that differ from the target's: vLLM serves the target's, training used these
     assert rc == 1 and [f["code"] for f in doc["findings"]] == ["embed-head-source"]
     assert doc["findings"][0]["evidence"]["own_copies"] == [
         "model.layers.2.embed_tokens.weight",
         "model.layers.2.shared_head.head.weight",
     ]
-    with pytest.raises(CheckpointError, match="MLA"):
-        load_mtp_head(path)  # replay needs the reference's math; it says why it has none
+    head, loaded = load_mtp_head(path)  # replay computes it: MLA + grouped-top-k MoE
+    assert head.cfg.mla is not None and head.cfg.moe is not None
+    assert "layers.0.self_attn.kv_a_proj_with_mqa.weight" in loaded.loaded
+    assert "layers.0.mlp.experts.1.down_proj.weight" in loaded.loaded
 
 
 def test_deepseek_layout_with_a_dense_gqa_block_stops_vllms_loader(tmp_path):

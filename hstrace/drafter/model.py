@@ -24,59 +24,14 @@ Draft ids map to target ids by offsets: target = i + d2t[i] (`draft_to_target`,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hstrace.drafter.block import DecoderBlock, GQAttention, RMSNorm, Rope, SwiGLU, rope_inv_freq
 from hstrace.drafter.config import DrafterConfig
 from hstrace.drafter.vocab import DIRECT_TABLE, OFFSETS, draft_vocab_targets, map_draft_ids
-
-
-class RMSNorm(nn.Module):
-    """HF/SpecForge numerics: normalise in fp32, cast back, then scale."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * y.to(x.dtype)
-
-
-def rope_inv_freq(cfg: DrafterConfig) -> Tensor:
-    """HF inverse frequencies, with the llama3 / linear scalings speculators copies from targets."""
-    hd = cfg.hd
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    sc = cfg.rope_scaling or {}
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind == "default":
-        return inv
-    if kind == "linear":
-        return inv / float(sc["factor"])
-    if kind == "llama3":
-        factor, lo, hi = (
-            float(sc["factor"]),
-            float(sc["low_freq_factor"]),
-            float(sc["high_freq_factor"]),
-        )
-        old = float(sc["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
-        return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 @dataclass
@@ -100,102 +55,43 @@ class DraftOutput:
     cache: DraftCache = field(repr=False)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: DrafterConfig, in_dim: int):
-        super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hd
-        b = cfg.attention_bias
-        self.q_proj = nn.Linear(in_dim, self.nh * self.hd, bias=b)
-        self.k_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=b)
-        self.v_proj = nn.Linear(in_dim, self.nkv * self.hd, bias=b)
-        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=b)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        keys: list[Tensor],
-        values: list[Tensor],
-        mask0: Tensor,
-    ) -> Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, hd]
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        keys.append(k)
-        values.append(v)
-        rep, scale = self.nh // self.nkv, 1.0 / math.sqrt(self.hd)
-        k0, v0 = keys[0].repeat_interleave(rep, 1), values[0].repeat_interleave(rep, 1)
-        scores = [
-            (q @ k0.transpose(-1, -2))
-            .float()
-            .mul(scale)
-            .masked_fill(~mask0[:, None], float("-inf"))
-        ]
-        for ks in keys[1:]:  # the TTT diagonal: own position only
-            scores.append(
-                (q * ks.repeat_interleave(rep, 1)).sum(-1, keepdim=True).float().mul(scale)
-            )
-        p = torch.softmax(torch.cat(scores, -1), dim=-1).to(q.dtype)
-        out = p[..., :T] @ v0
-        for s, vs in enumerate(values[1:]):
-            out = out + p[..., T + s : T + s + 1] * vs.repeat_interleave(rep, 1)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nn.Module):
-    """Layer 0 is the EAGLE-3 midlayer (attention over [embed, hidden], 2H wide); later layers
-    are plain pre-norm Llama layers (speculators multi-layer drafts)."""
+class DecoderLayer(DecoderBlock):
+    """Layer 0 is the EAGLE-3 midlayer (attention over [embed, hidden], 2H wide, its own
+    residual); later layers are the plain pre-norm block (speculators multi-layer drafts)."""
 
     def __init__(self, cfg: DrafterConfig, first: bool):
-        super().__init__()
-        H = cfg.hidden_size
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        attn = GQAttention(
+            2 * H if first else H,
+            H,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.hd,
+            qkv_bias=cfg.attention_bias,
+            o_bias=cfg.attention_bias,
+            qk_norm_eps=eps if cfg.qk_norm else None,
+        )
+        super().__init__(H, eps, attn, SwiGLU(H, cfg.intermediate_size))
         self.first, self.norm_before_residual = first, cfg.norm_before_residual
-        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         if first:
-            self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, 2 * H if first else H)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+            self.hidden_norm = RMSNorm(H, eps)
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         h: Tensor,
         e: Tensor | None,
-        cos: Tensor,
-        sin: Tensor,
+        rope: Rope,
         keys: list[Tensor],
         values: list[Tensor],
         mask0: Tensor,
     ) -> Tensor:
-        if self.first:
-            assert e is not None
-            g_n = self.hidden_norm(h)
-            residual = g_n if self.norm_before_residual else h
-            x = torch.cat([self.input_layernorm(e), g_n], dim=-1)  # embeds FIRST
-        else:
-            residual, x = h, self.input_layernorm(h)
-        h = residual + self.self_attn(x, cos, sin, keys, values, mask0)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if not self.first:
+            return super().forward(h, rope, keys, values, mask0)
+        assert e is not None
+        g_n = self.hidden_norm(h)
+        residual = g_n if self.norm_before_residual else h
+        x = torch.cat([self.input_layernorm(e), g_n], dim=-1)  # embeds FIRST
+        return self.attend_then_ffn(residual, x, rope, keys, values, mask0)
 
 
 def _batched(x: Tensor, dims: int) -> tuple[Tensor, bool]:
@@ -225,7 +121,9 @@ class Eagle3Drafter(nn.Module):
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[: cfg.draft_vocab_size] = True
         self.register_buffer("t2d", t2d)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.hd, cfg.rope_theta, cfg.rope_scaling), persistent=False
+        )
 
     # -- pieces ---------------------------------------------------------------------------------
     def combine(self, aux: Tensor) -> Tensor:
@@ -249,11 +147,6 @@ class Eagle3Drafter(nn.Module):
             )
         return self.fc(aux)
 
-    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        f = positions.float()[..., None] * self.inv_freq  # [B, T, hd/2]
-        emb = torch.cat([f, f], -1)[:, None]  # [B, 1, T, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
     def _step0_masks(
         self, B: int, T: int, document_ids: Tensor | None, device: torch.device
     ) -> list[Tensor]:
@@ -276,14 +169,13 @@ class Eagle3Drafter(nn.Module):
         self, ids: Tensor, g: Tensor, positions: Tensor, cache: DraftCache
     ) -> tuple[Tensor, Tensor]:
         e = self.embed_tokens(ids)
-        cos, sin = self._rope(positions, g.dtype)
+        rope = Rope.at(positions, self.inv_freq, g.dtype)
         h = g
         for li, layer in enumerate(self.layers):
             h = layer(
                 h,
                 e if li == 0 else None,
-                cos,
-                sin,
+                rope,
                 cache.keys[li],
                 cache.values[li],
                 cache.masks[li],

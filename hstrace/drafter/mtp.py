@@ -12,10 +12,10 @@ One depth over a sequence (the serving "draft extend" / the training forward of 
     g   = hnorm(h)
     z   = eh_proj(cat[e, g])    (DeepSeek-V3: embedding half first)
         = eh_proj(cat[g, e])    (MiMo: hidden half first)           -> cfg.concat_order
-    u   = z + Attn(input_layernorm(z)) ;  u = u + MLP(post_attention_layernorm(u))
+    u   = z + Attn(input_layernorm(z)) ;  u = u + FFN(post_attention_layernorm(u))
     o   = final_norm(u)                   (DeepSeek `shared_head.norm`, MiMo `final_layernorm`)
-    logits = W_out o                       [T, V]
-    fed on to depth k+1: o (MiMo returns the normed state) or u (DeepSeek) -> cfg.feed_normed
+    logits = W_out o                       [T, V]   (DeepSeek `shared_head.head` = the target's)
+    fed on to depth k+1: o (vLLM 0.32, both families) or u                -> cfg.feed_normed
 
 Depth k of a serving chain (`draft_chain`): x = the depth k-1 argmax, h = the state fed on,
 RoPE positions + k; the query at row t attends the depth-0 keys j <= t and the keys of its own
@@ -23,22 +23,34 @@ row from depths 1..k (the same "diagonal" as EAGLE-3's TTT, `hstrace.drafter.mod
 0.32's proposer runs every depth through MTP layer 0 (`spec_step_idx` 0); DeepSeek-V3's own
 training uses layer k for depth k, each over the whole sequence (`teacher_chain`).
 
-The decoder block is the target's dense kind (Llama / Qwen2: GQA attention with RoPE, SwiGLU
-MLP, optional q/k/v bias). MLA attention and MoE blocks are not implemented here.
+The decoder block (Attn, FFN) is the target's kind, the one `hstrace.drafter.block` writes out
+for both drafters: GQA + RoPE with optional q/k/v bias and a SwiGLU (MiMo / Qwen2, dense
+DeepSeek-style layers), or DeepSeek-V3's MLA (q/kv low-rank, nope/rope head dims, interleaved
+RoPE; no yarn scaling) and MoE (grouped top-k routing with the selection bias, shared experts).
 Parameter names follow the roles above; `MTP_KEYS` maps each checkpoint family's keys onto them.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hstrace.drafter.model import DraftCache, RMSNorm, rope_inv_freq, rotate_half
+from hstrace.drafter.block import (
+    DecoderBlock,
+    GQAttention,
+    MLASpec,
+    MLAttention,
+    MoE,
+    MoESpec,
+    RMSNorm,
+    Rope,
+    SwiGLU,
+    rope_inv_freq,
+)
+from hstrace.drafter.model import DraftCache
 
 EMBED_FIRST: Literal["embed_first"] = "embed_first"  # DeepSeek-V3 / GLM / Qwen3-Next: cat[e, g]
 HIDDEN_FIRST: Literal["hidden_first"] = "hidden_first"  # MiMo: cat[g, e]
@@ -74,8 +86,14 @@ class MTPConfig:
     hidden_source: HiddenSource = POST_FINAL_NORM
     # vLLM (both families) zeroes the embedding at position 0
     zero_embed_at_position0: bool = True
-    # the state a depth hands to the next one: final_norm(u) (MiMo) or u (DeepSeek)
+    # the state a depth hands to the next one: final_norm(u) (both vLLM 0.32 families) or u
     feed_normed: bool = False
+    # the decoder block's kind: MLA attention (DeepSeek-V2/V3) instead of GQA, MoE instead of
+    # the SwiGLU of `intermediate_size`
+    mla: MLASpec | None = None
+    moe: MoESpec | None = None
+    # RoPE over interleaved pairs (DeepSeek MLA: vLLM `is_neox_style=False`) vs halves
+    rope_interleave: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -91,6 +109,11 @@ class MTPConfig:
     @property
     def hd(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated dims per head: the whole head (GQA) or MLA's d_R."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.hd
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,16 +133,73 @@ class MTPConfig:
 
     @classmethod
     def deepseek(cls, hf: dict[str, Any]) -> MTPConfig:
-        """A DeepSeek-V3-style NextN layer with a dense block (`deepseek_mtp.py` wiring): embed
-        first, fed the final-normed state, feeds on the un-normed one."""
+        """A DeepSeek-V3-style NextN layer as vLLM 0.32's `deepseek_mtp.py` builds it: embed
+        first, fed the target's final-normed state, feeds on `shared_head.norm(u)`; its block
+        is `DeepseekV2DecoderLayer` at index num_hidden_layers + k: MLA when the config has
+        rope/nope head dims, MoE when that index is a MoE index (`n_routed_experts`,
+        `first_k_dense_replace`, `moe_layer_freq`), else the dense Llama-like block."""
+        mla = _mla_spec(hf)
+        sc = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope = sc.get("rope_type") or sc.get("type")
+        if mla is not None and rope not in (None, "default"):
+            raise ValueError(
+                f"MLA with rope_type {rope!r}: only unscaled RoPE is implemented (no yarn)"
+            )
         return cls(
             family="deepseek",
             qkv_bias=bool(hf.get("attention_bias", False)),
             concat_order=EMBED_FIRST,
             hidden_source=POST_FINAL_NORM,
-            feed_normed=False,
+            feed_normed=True,
+            mla=mla,
+            moe=_moe_spec(hf),
+            rope_interleave=mla is not None,
             **_dense_fields(hf),
         )
+
+
+def _mla_spec(hf: dict[str, Any]) -> MLASpec | None:
+    """vLLM's rule: MLA unless both qk head dims are 0 (or the model type is `deepseek`)."""
+    dC, dR = int(hf.get("qk_nope_head_dim") or 0), int(hf.get("qk_rope_head_dim") or 0)
+    if hf.get("model_type") == "deepseek" or dC == dR == 0:
+        return None
+    q_lora = hf.get("q_lora_rank")
+    return MLASpec(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(hf["kv_lora_rank"]),
+        qk_nope_head_dim=dC,
+        qk_rope_head_dim=dR,
+        v_head_dim=int(hf["v_head_dim"]),
+    )
+
+
+def _moe_spec(hf: dict[str, Any]) -> MoESpec | None:
+    """MoE when every MTP layer's index N + k is a MoE index of `DeepseekV2DecoderLayer`
+    (>= first_k_dense_replace, a multiple of moe_layer_freq); every layer dense: None."""
+    if hf.get("n_routed_experts") is None:
+        return None
+    n, freq = int(hf["num_hidden_layers"]), int(hf.get("moe_layer_freq") or 1)
+    first_dense = int(hf.get("first_k_dense_replace") or 0)
+    kinds = {
+        (n + k) >= first_dense and (n + k) % freq == 0
+        for k in range(int(hf.get("num_nextn_predict_layers") or 1))
+    }
+    if kinds == {False}:
+        return None
+    if kinds != {True}:
+        raise ValueError("MTP layers of mixed kinds (some MoE, some dense): not implemented")
+    return MoESpec(
+        n_routed_experts=int(hf["n_routed_experts"]),
+        num_experts_per_tok=int(hf["num_experts_per_tok"]),
+        moe_intermediate_size=int(hf["moe_intermediate_size"]),
+        n_shared_experts=hf.get("n_shared_experts"),
+        n_group=int(hf.get("n_group") or 1),
+        topk_group=int(hf.get("topk_group") or 1),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(hf.get("routed_scaling_factor") or 1.0),
+        scoring_func=str(hf.get("scoring_func") or "softmax"),
+        topk_method=str(hf.get("topk_method") or "greedy"),
+    )
 
 
 def _dense_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -159,84 +239,40 @@ MTP_KEYS: dict[str, dict[str, str]] = {
 }
 
 
-class Attention(nn.Module):
-    """GQA self-attention with RoPE; keys/values of every depth kept for the serving chain."""
+class MTPLayer(DecoderBlock):
+    """One NextN layer: enorm, hnorm, eh_proj around one decoder block of the target's kind
+    (`input_layernorm`, `self_attn`, `post_attention_layernorm`, `mlp`), then final_norm."""
 
     def __init__(self, cfg: MTPConfig):
-        super().__init__()
-        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hd
-        H, b = cfg.hidden_size, cfg.qkv_bias
-        self.q_proj = nn.Linear(H, self.nh * self.hd, bias=b)
-        self.k_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
-        self.v_proj = nn.Linear(H, self.nkv * self.hd, bias=b)
-        self.o_proj = nn.Linear(self.nh * self.hd, H, bias=False)
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        keys: list[Tensor],
-        values: list[Tensor],
-        mask0: Tensor,
-    ) -> Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd).transpose(1, 2)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-        keys.append(k)
-        values.append(v)
-        rep, scale = self.nh // self.nkv, 1.0 / math.sqrt(self.hd)
-        k0, v0 = keys[0].repeat_interleave(rep, 1), values[0].repeat_interleave(rep, 1)
-        scores = [
-            (q @ k0.transpose(-1, -2)).float().mul(scale).masked_fill(~mask0[:, None], -math.inf)
-        ]
-        for ks in keys[1:]:  # later depths: the own row only
-            scores.append(
-                (q * ks.repeat_interleave(rep, 1)).sum(-1, keepdim=True).float().mul(scale)
-            )
-        p = torch.softmax(torch.cat(scores, -1), dim=-1).to(q.dtype)
-        out = p[..., :T] @ v0
-        for s, vs in enumerate(values[1:]):
-            out = out + p[..., T + s : T + s + 1] * vs.repeat_interleave(rep, 1)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, self.nh * self.hd))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: MTPConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class MTPLayer(nn.Module):
-    """One NextN layer: enorm, hnorm, eh_proj, one pre-norm decoder block, final_norm."""
-
-    def __init__(self, cfg: MTPConfig):
-        super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        # built before the block: a seeded init draws eh_proj, attention, FFN in that order
+        eh_proj = nn.Linear(2 * H, H, bias=False)
+        attn: nn.Module
+        if cfg.mla is not None:
+            attn = MLAttention(H, cfg.num_attention_heads, cfg.mla, eps)
+        else:
+            attn = GQAttention(
+                H,
+                H,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.hd,
+                qkv_bias=cfg.qkv_bias,
+            )
+        mlp = MoE(H, cfg.moe) if cfg.moe is not None else SwiGLU(H, cfg.intermediate_size)
+        super().__init__(H, eps, attn, mlp)
         self.cfg = cfg
         self.enorm = RMSNorm(H, eps)
         self.hnorm = RMSNorm(H, eps)
-        self.eh_proj = nn.Linear(2 * H, H, bias=False)
-        self.input_layernorm = RMSNorm(H, eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(H, eps)
-        self.mlp = MLP(cfg)
+        self.eh_proj = eh_proj
         self.final_norm = RMSNorm(H, eps)
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         embed: Tensor,
         hidden: Tensor,
         positions: Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        rope: Rope,
         keys: list[Tensor],
         values: list[Tensor],
         mask0: Tensor,
@@ -247,8 +283,7 @@ class MTPLayer(nn.Module):
         e, g = self.enorm(embed), self.hnorm(hidden)
         halves = [e, g] if self.cfg.concat_order == EMBED_FIRST else [g, e]
         z = self.eh_proj(torch.cat(halves, dim=-1))
-        u = z + self.self_attn(self.input_layernorm(z), cos, sin, keys, values, mask0)
-        u = u + self.mlp(self.post_attention_layernorm(u))
+        u = super().forward(z, rope, keys, values, mask0)
         return u, self.final_norm(u)
 
 
@@ -272,23 +307,19 @@ class MTPHead(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([MTPLayer(cfg) for _ in range(cfg.num_mtp_layers)])
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # type: ignore[arg-type]
-
-    def _rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        f = positions.float()[..., None] * self.inv_freq
-        emb = torch.cat([f, f], -1)[:, None]  # [B, 1, T, hd]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling), False
+        )
 
     def _run(
         self, layer: int, ids: Tensor, hidden: Tensor, positions: Tensor, cache: DraftCache
     ) -> tuple[Tensor, Tensor]:
-        cos, sin = self._rope(positions, hidden.dtype)
+        rope = Rope.at(positions, self.inv_freq, hidden.dtype, self.cfg.rope_interleave)
         u, o = self.layers[layer](
             self.embed_tokens(ids),
             hidden,
             positions,
-            cos,
-            sin,
+            rope,
             cache.keys[0],
             cache.values[0],
             cache.masks[0],

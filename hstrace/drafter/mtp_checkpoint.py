@@ -59,7 +59,13 @@ class MTPLoadReport:
 
     @property
     def unmapped(self) -> list[str]:
-        return [k for k, v in self.key_map.items() if v is None]
+        """Keys under the MTP prefix that fill nothing; RoPE's `inv_freq` is a buffer every
+        engine recomputes, not a weight."""
+        return [
+            k
+            for k, v in self.key_map.items()
+            if v is None and not k.endswith("rotary_emb.inv_freq")
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -153,6 +159,8 @@ _NOT_DENSE = re.compile(
     r"(kv_a_proj_with_mqa|kv_b_proj|q_a_proj|q_b_proj|\.experts\.|mlp\.gate\.|shared_expert|"
     r"q_norm|k_norm)"
 )
+
+_QK_NORM = re.compile(r"(q_norm|k_norm|shared_expert_gate)")  # GLM-4.5 / Qwen3-Next, not DeepSeek
 
 
 @dataclass(frozen=True)
@@ -260,6 +268,21 @@ def block_not_computed(layout: Layout, raw: dict[str, Any], key_map: dict[str, A
             "not the reference's dense block"
         )
     odd = sorted(k for k in key_map if _NOT_DENSE.search(k))
+    if layout.name == "deepseek" and not any(_QK_NORM.search(k) for k in odd):
+        # DeepSeek-V3's own block: the reference has MLA and grouped-top-k MoE
+        # (`MTPConfig.deepseek`), unscaled RoPE only; the config decides which block it is
+        try:
+            cfg = mtp_config(raw, "deepseek", len(layout.prefixes))
+        except (ValueError, KeyError) as exc:
+            return f"the DeepSeek block is not in the reference: {exc}"
+        for part, in_config, marker in (
+            ("MLA attention", cfg.mla is not None, "kv_a_proj_with_mqa"),
+            ("an MoE block", cfg.moe is not None, ".experts."),
+        ):
+            if in_config != any(marker in k for k in key_map):
+                said = "says" if in_config else "does not say"
+                return f"config.json {said} {part}, the layer's keys disagree"
+        odd = []
     if odd:
         return f"the block is not dense GQA + SwiGLU ({odd[0]}, ...: MLA / MoE / q-k norms)"
     if float(raw.get("partial_rotary_factor") or 1.0) != 1.0:
