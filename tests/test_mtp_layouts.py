@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from helpers.cli import run_main
 from safetensors.torch import save_file
@@ -30,7 +29,6 @@ from hstrace.engines.vllm.mtp_load import (
     TARGET_HEAD,
     resolve_model_type,
 )
-from hstrace.errors import CheckpointError
 
 H, V, INTER, HEADS, KV, HD = 16, 64, 32, 2, 1, 8
 N_LAYERS = 2  # target decoder layers; the MTP layer of DeepSeek / GLM is model.layers.2
