@@ -45,7 +45,10 @@ def arm(
     from hstrace.engines import control
 
     def started(session: control.Session) -> None:
-        pids = ", ".join(str(r.get("pid")) for r in session.armed)
+        pids = ", ".join(
+            f"{r.get('pid')} ({_short(r['title'])})" if r.get("title") else str(r.get("pid"))
+            for r in session.armed
+        )
         click.echo(f"hstrace: armed {session.engine} {session.version} processes {pids}", err=True)
 
     session = control.arm(
@@ -76,3 +79,8 @@ def arm(
         click.echo(f"recorded {session.wall_s:.1f} s from {session.engine} into {out} ({reasons})")
     if not session.ok:
         sys.exit(1)
+
+
+def _short(title: str, width: int = 48) -> str:
+    """A process title for one line (vLLM's API server's is its whole command line)."""
+    return title if len(title) <= width else title[: width - 1] + "…"

@@ -105,6 +105,10 @@ class Channel:
                 "version": ".".join(map(str, rec.version)),
                 # a session still closing counts: its trace is not finished yet
                 "armed": rec.armed or rec.session_open or rec.closing,
+                # which process this is (SGLang names its scheduler / detokenizer processes)
+                # and the load-time audit it keeps for the next session's trace
+                "title": _title(),
+                "audit": sorted(rec.kept_static),
             }
         if cmd == "disarm":
             return {"pid": self.pid, "disarmed": self.end("disarm")}
@@ -202,6 +206,16 @@ def _peer_allowed(conn: socket.socket) -> bool:
         return False
     _pid, uid, _gid = struct.unpack("3i", raw)
     return uid in (os.getuid(), 0)
+
+
+def _title() -> str:
+    """This process's title as `ps` shows it (engines rename their processes, e.g. SGLang's
+    `sglang::scheduler_TP0`), else its argv."""
+    try:
+        raw = Path("/proc/self/cmdline").read_bytes()
+    except OSError:
+        return " ".join(sys.argv)
+    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part).strip()
 
 
 def _send(fh: Any, obj: dict[str, Any]) -> None:

@@ -40,6 +40,7 @@ class Recorder(hooks_common.Recorder):
         # SGLang's `layers_to_capture` (= HF hidden_states indices), from the target's
         # `set_eagle3_layers_to_capture`: written as the `aux_hidden` column's `layer_ids`.
         self.capture_layers: list[int] | None = None
+        self.capture_convention: str | None = None  # MTP: the target's output, not an HF index
 
     def on_arm(self) -> None:
         self.seen_rids = set()  # a new session's trace gets its own requests table
@@ -62,11 +63,12 @@ class Recorder(hooks_common.Recorder):
     def emit(self, writes: list[taps.TableWrite]) -> None:
         for tw in writes:
             if tw.table == "target" and self.capture_layers and tw.column_attrs is None:
-                tw.column_attrs = {
-                    "tok/aux_hidden": rows.aux_hidden_attrs(
-                        self.capture_layers, int(tw.tok["aux_hidden"].shape[-1])
-                    )
-                }
+                col = rows.aux_hidden_attrs(
+                    self.capture_layers, int(tw.tok["aux_hidden"].shape[-1])
+                )
+                if self.capture_convention is not None:
+                    col["layer_id_convention"] = self.capture_convention
+                tw.column_attrs = {"tok/aux_hidden": col}
         super().emit(writes)
 
 
@@ -80,6 +82,13 @@ def wrap_load_weights(original: Callable) -> Callable:
     """The shared load_weights audit (hstrace.engines.load_audit) with SGLang's `LOAD` spec;
     after the load, the draft's static record (`_audit_draft`)."""
     return load_weights.wrap_load_weights(original, lambda: REC, audit.LOAD, _audit_draft)
+
+
+def wrap_mtp_load_weights(original: Callable) -> Callable:
+    """The shared load_weights audit with SGLang's MTP spec (`MiMoMTP.load_weights` reads the
+    whole target checkpoint); the MTP record itself is taken once the worker has both models
+    (`_mtp_static`)."""
+    return load_weights.wrap_load_weights(original, lambda: REC, audit.MTP_LOAD)
 
 
 def _audit_draft(
@@ -181,11 +190,69 @@ def wrap_worker_init(original: Callable) -> Callable:
                         "cuda_graphs": not getattr(sa, "disable_cuda_graph", True),
                     }
                 )
+                draft = getattr(getattr(self, "_draft_worker", None), "draft_runner", None)
+                model = getattr(draft, "model", None)
+                if type(model).__name__ in audit.MTP_CLASSES:
+                    rec.static(_mtp_static(rec, self, model))
 
             rec.run_tap("spec_settings", tap)
         return result
 
     return __init__
+
+
+def _mtp_static(rec: Recorder, worker: Any, model: Any) -> dict[str, Any]:
+    """An MTP head served by SGLang's EAGLE worker: what SGLang resolved (the draft class, the
+    heads the checkpoint declares vs the steps chained), the capture (the target's output, one
+    slot of width H), and where the target lives (the head is in its checkpoint)."""
+    sa = worker.server_args
+    cfg = model.config
+    n_layers = int(cfg.num_hidden_layers)
+    rec.capture_layers = [n_layers]
+    rec.capture_convention = audit.MTP_CAPTURE_CONVENTION
+    target = worker._target_worker.model_runner.model
+    mtp = audit.mtp_record(
+        algorithm=str(sa.speculative_algorithm),
+        model_type=getattr(cfg, "model_type", None),
+        architectures=list(getattr(cfg, "architectures", None) or []),
+        n_predict=getattr(cfg, "num_nextn_predict_layers", None),
+        num_steps=int(worker.speculative_num_steps),
+        draft_class=type(model).__name__,
+        target_layers=n_layers,
+        parameters=[n for n, _ in model.named_parameters()],
+    )
+    path = Path(str(sa.model_path))
+    return {
+        "mtp": mtp,
+        "drafter": {
+            "path": str(sa.speculative_draft_model_path),
+            "dialect": "mtp",
+            "config_format": "target",
+            "architecture": type(model).__name__,
+        },
+        "target": {
+            "path": str(path),
+            "num_layers": n_layers,
+            "hidden_size": int(cfg.hidden_size),
+            "vocab_size": int(cfg.vocab_size),
+        },
+        "draft_class": type(model).__name__,
+        "capture": {
+            "layers_to_capture": [n_layers],
+            "capture_order": [n_layers],
+            "num_captures": 1,
+            "layer_ids_source": "mtp: the target's forward output",
+            "capture_convention": audit.MTP_CAPTURE_CONVENTION,
+            "target_class": type(target).__name__,
+        },
+        "embed_head": {
+            "has_own_embed_tokens": False,
+            "embed_shared_with_target": True,
+            "has_own_lm_head": False,
+            "lm_head_shared_with_target": True,
+        },
+        "checkpoint_sha256": load_audit.hash_checkpoint_files(path) if path.is_dir() else {},
+    }
 
 
 def wrap_resolve_once(original: Callable) -> Callable:
@@ -365,6 +432,7 @@ def wrap_runner_forward(original: Callable) -> Callable:
 
 WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "LlamaForCausalLMEagle3.load_weights": wrap_load_weights,
+    "MiMoMTP.load_weights": wrap_mtp_load_weights,
     # every target class of the patch table (`versions.CAPTURE_TARGETS`), one wrapper
     **{
         f"{target.split(':')[1]}.set_eagle3_layers_to_capture": wrap_set_layers

@@ -36,6 +36,9 @@ if [[ ! -f "$STAMP" ]]; then
   "$PY" -c "import google_crc32c, numcodecs, packaging, pyarrow, rich, safetensors, zarr" >&2
   touch "$STAMP"
 fi
+# SGLang's /metrics (`--enable-metrics`, what `hstrace record --serve --requests N` counts) imports
+# prometheus_client; added after the ready-stamp so a cached venv gets it without a rebuild.
+"$PY" -c "import prometheus_client" 2>/dev/null || "$PY" -m pip install -q prometheus_client >&2
 # hstrace itself, editable, every time (cheap; the checkout may have moved).
 "$PY" -m pip install -q --no-deps -e "$ROOT" >&2
 echo "$PY"

@@ -74,6 +74,21 @@ def test_dormant_records_nothing_and_keeps_the_static_audit(dormant, tmp_path) -
     sock = next(run.glob("*.sock"))
     assert stat.S_IMODE(sock.stat().st_mode) == 0o600
     assert stat.S_IMODE(run.stat().st_mode) == 0o700
+    conn = client.Connection(sock)
+    try:  # which process answers, and the audit it keeps for the next session
+        hello = conn.ask({"cmd": "hello"})
+    finally:
+        conn.close()
+    assert hello["pid"] == os.getpid() and hello["armed"] is False
+    assert hello["audit"] == ["weights"]
+    assert (
+        hello["title"]
+        == Path("/proc/self/cmdline")
+        .read_bytes()
+        .replace(b"\0", b" ")
+        .decode(errors="replace")
+        .strip()
+    )
 
     out = tmp_path / "a.zarr"
     t, box = arm_in_thread(run, out)
@@ -84,6 +99,7 @@ def test_dormant_records_nothing_and_keeps_the_static_audit(dormant, tmp_path) -
     t.join(30)
     session = box["session"]
     assert session.ended == {os.getpid(): "disarm"} and session.ok
+    assert [r["title"] for r in session.armed] == [hello["title"]]  # what `hstrace arm` prints
     assert not rec.armed
     step(rec, "after-disarm")
     with open_trace(out) as tr:
@@ -187,7 +203,13 @@ def test_socket_peer_credentials_are_the_kernels(dormant) -> None:
         s.connect(str(next(run.glob("*.sock"))))
         s.sendall(b'{"cmd": "hello"}\n')
         reply = json.loads(s.makefile().readline())
-    assert reply == {"pid": os.getpid(), "engine": "vllm", "version": "0.32.0", "armed": False}
+    assert {k: reply[k] for k in ("pid", "engine", "version", "armed", "audit")} == {
+        "pid": os.getpid(),
+        "engine": "vllm",
+        "version": "0.32.0",
+        "armed": False,
+        "audit": [],
+    }
 
 
 def test_a_disarm_waits_for_the_step_in_flight_and_the_tap_thread(dormant, tmp_path) -> None:

@@ -157,13 +157,13 @@ def arm(
             "tap_thread": tap_thread,  # False: a step's rows built inline (bench's variant)
         }
         live: list[Connection] = []
-        for conn in conns:
+        for conn, hello in zip(conns, hellos, strict=True):
             reply = conn.ask(msg)
             if reply.get("error"):
                 for other in live:  # never leave a half-armed server
                     other.close()
                 raise HstraceError(f"process {reply.get('pid')}: {reply['error']}")
-            session.armed.append(reply)
+            session.armed.append({**reply, "title": hello.get("title")})
             live.append(conn)
         if armed is not None:
             armed(session)

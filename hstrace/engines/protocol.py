@@ -55,7 +55,8 @@ def write_sitecustomize(directory: str) -> str:
 # hooked process listens on `<run dir>/<pid>.sock` (a unix socket: no network port; the run
 # dir 0700 and the socket 0600, and the peer's uid checked: only the server's user, or root,
 # may arm it). One JSON object a line each way:
-#   {"cmd": "hello"}  -> {"pid", "engine", "version", "armed"}
+#   {"cmd": "hello"}  -> {"pid", "engine", "version", "armed", "title", "audit"} (`title`: the
+#        process title; `audit`: the static items it keeps for the next session)
 #   {"cmd": "arm", "out", "streams", "on_full", "requests"?, "duration"?}
 #        -> {"armed": true, "pid", "rank", "main_static"} | {"error"}; the connection is then the
 #           session's lease: closed by the client (or its death) = disarm; when the session

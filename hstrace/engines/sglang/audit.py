@@ -145,3 +145,67 @@ def fc_width(fc_in_features: int, target_hidden_size: int, num_captures: int) ->
         "num_captures": num_captures,
         "match": fc_in_features == delivered,
     }
+
+
+# ---- MTP / NextN heads (`--speculative-algorithm EAGLE` with a MiMo target) --------------------
+
+# SGLang's `MiMoMTP.load_weights` (sglang/srt/models/mimo_mtp.py) gets the whole target
+# checkpoint: `model.mtp_layers.{k}.{token_layernorm,hidden_layernorm,input_proj,
+# final_layernorm}` map to `model.*`, the rest of `model.mtp_layers.{k}.*` to `model.mtp_block.*`
+# (every k onto the one head SGLang builds); embed_tokens and lm_head are loaded, then replaced by
+# the target's (`EagleDraftWorker`: `set_embed_and_head`). Every other key is passed over
+# without a word; the target's decoder layers and final norm are the target's own.
+MTP_LOAD = LoadAuditSpec(
+    engine="SGLang",
+    default_loader="sglang.srt.model_loader.weight_utils:default_weight_loader",
+    special_keys=(),
+    fix=(
+        "store the MTP layer as model.mtp_layers.0.* (token_layernorm, hidden_layernorm, "
+        "input_proj, final_layernorm, and the decoder block's self_attn.*, mlp.*, "
+        "input_layernorm, post_attention_layernorm): SGLang's MiMoMTP.load_weights maps only "
+        "those names and skips every other key silently"
+    ),
+    expected_unloaded=(),
+    target_key_pattern=r"^model\.(layers\.\d+\.|norm\.)",
+)
+# What SGLang hands the head at row t (read from sglang 0.5.23): the target's output as its
+# LogitsProcessor stores it under CaptureHiddenMode.FULL; `MiMoForCausalLM.forward` passes no
+# `hidden_states_before_norm`, so that is the state AFTER the final norm (vLLM hands the MiMo
+# head the state before it). Replay decides the state from the numbers, not from this label.
+MTP_CAPTURE_CONVENTION = "mtp_target_output"
+MTP_CLASSES = ("MiMoMTP",)  # the MTP draft classes hstrace records (sglang/srt/models/)
+MTP_HIDDEN_SOURCE = (
+    "the target's output as SGLang's LogitsProcessor stores it for EAGLE (CaptureHiddenMode."
+    "FULL; MiMoForCausalLM passes no hidden_states_before_norm: after model.norm)"
+)
+
+
+def mtp_record(
+    *,
+    algorithm: str,
+    model_type: str | None,
+    architectures: list[str],
+    n_predict: int | None,
+    num_steps: int,
+    draft_class: str,
+    target_layers: int,
+    parameters: list[str],
+) -> dict[str, Any]:
+    """The static facts of an SGLang MTP deployment: the algorithm and the resolved draft
+    architecture, how many heads the checkpoint declares vs how many draft steps SGLang chains
+    (SGLang builds ONE head, `model.mtp_block`, and runs it at every step), the head's
+    parameters. The embedding and lm_head are always the target's (`set_embed_and_head`)."""
+    return {
+        "method": algorithm,
+        "model_type": model_type,
+        "architectures": architectures,
+        "n_predict": n_predict,
+        "num_speculative_tokens": num_steps,
+        "depths_reuse_head_0": num_steps > 1,
+        "draft_class": draft_class,
+        "target_layers": target_layers,
+        "head_parameters": sorted(parameters),
+        "embed_shared_with_target": True,
+        "lm_head_shared_with_target": True,
+        "hidden_source": MTP_HIDDEN_SOURCE,
+    }

@@ -79,6 +79,15 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         _END,
         ("static.weights", "static.draft_config", "static.hot_token_id"),
     ),
+    # an MTP head (`--speculative-algorithm EAGLE` with a MiMo target): its load audit; the MTP
+    # record is taken by the worker's __init__ tap below (checked on 0.5.23 only)
+    PatchPoint(
+        "sglang.srt.models.mimo_mtp:MiMoMTP.load_weights",
+        ("self", "weights"),
+        (0, 5, 23),
+        _END,
+        ("static.weights", "static.mtp"),
+    ),
     # the target's capture: one row per target class that defines the method (`CAPTURE_TARGETS`)
     *(
         PatchPoint(
@@ -188,6 +197,8 @@ ATTRS_READ: dict[str, tuple[str, ...]] = {
         "speculative_num_steps",
         "topk",
         "speculative_num_draft_tokens",
+        "_draft_worker",
+        "_target_worker",
     ),
     f"{_W2}:EagleDraftWorker": ("hot_token_id", "topk", "speculative_num_draft_tokens"),
     "sglang.srt.model_executor.model_runner:ModelRunner": ("is_draft_worker",),
