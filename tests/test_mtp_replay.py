@@ -171,3 +171,24 @@ def test_a_head_the_checkpoint_does_not_fill_is_weights_dropped() -> None:
     assert f.code == "weights-dropped" and f.severity == "fault"
     assert f.evidence["unloaded_parameters"] == ["layers.0.eh_proj.weight"]
     assert checks.head_not_in_checkpoint(_evidence()) == []
+
+
+def test_a_recorded_dropped_key_on_an_mtp_trace_stays_weights_dropped() -> None:
+    """The load-time fact of an MTP trace (a saved `input_proj.bias` vLLM skips) is kept as it
+    is: the norm-flag filter, an EAGLE-3 drafter's, has nothing to explain on MTP evidence
+    (which has no `drafter`) and must not fail on it (the live bias test's exit 3, CI)."""
+    from hstrace.diagnose.config import static_load_findings
+
+    key = "model.mtp_layers.0.input_proj.bias"
+    fact = {
+        "code": "weights-dropped",
+        "summary": "1 key dropped",
+        "evidence": {"dropped_keys": [key]},
+    }
+    serving = ServingData(
+        requests=[],
+        meta={"static": {"weights": {"dropped_keys": [key]}, "findings_load": [fact]}},
+    )
+    ev = MTPEvidence(serving=serving, head_report={"layer_prefixes": ["model.mtp_layers.0."]})
+    (f,) = static_load_findings(ev)
+    assert f.code == "weights-dropped" and f.evidence["dropped_keys"] == [key]

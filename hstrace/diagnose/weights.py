@@ -31,7 +31,8 @@ def flag_skipped_keys(ev: Evidence) -> dict[str, list[str]]:
 
     dropped = list((ev.static.get("weights") or {}).get("dropped_keys") or [])
     served = ev.static.get("norm_flags") or {}
-    if not dropped or not isinstance(served, dict) or ev.drafter is None:
+    # norm flags are an EAGLE-3 drafter's; MTP evidence has no `drafter` (nothing to explain)
+    if not dropped or not isinstance(served, dict) or getattr(ev, "drafter", None) is None:
         return {}
     out: dict[str, list[str]] = {}
     for flag, prefixes in FLAG_WEIGHTS.items():
