@@ -166,6 +166,89 @@ def round_tps(port: int, prompts: list[list[int]], new_tokens: int) -> float:
         return tokens / (time.perf_counter() - start)
 
 
+def _tree(root: int) -> list[int]:
+    """root and every process below it (/proc)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def thread_cpu(root: int) -> dict[tuple[str, str, int], int]:
+    """CPU ticks (user + system) of every thread of the server's process tree, keyed by
+    (process name, thread name, tid): the kernel's own counters, so what a thread costs is
+    counted whoever runs it. hstrace names its threads (`placement.name_thread`)."""
+    ticks: dict[tuple[str, str, int], int] = {}
+    for pid in _tree(root):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                pname = f.read().strip()
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            tname = text[text.index("(") + 1 : text.rindex(")")]
+            fields = text.rsplit(")", 1)[1].split()
+            ticks[(pname, tname, int(tid))] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+def cpu_by_thread(before: dict, after: dict) -> dict[str, float]:
+    """CPU seconds per 'process/thread' name between two thread_cpu snapshots (a thread
+    started meanwhile counts from zero; one that ended is lost)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for key, t in after.items():
+        d = t - before.get(key, 0)
+        if d:
+            name = key[0] if key[0] == key[1] else f"{key[0]}/{key[1]}"
+            out[name] = out.get(name, 0.0) + d / hz
+    return out
+
+
+def recording_cpu(root: int) -> int:
+    """CPU ticks of every hstrace thread in the server's tree (tap thread, writer processes)."""
+    return sum(t for k, t in thread_cpu(root).items() if "hstrace" in k[0] or "hstrace" in k[1])
+
+
+def settle(root: int, quiet_ticks: int = 2, window_s: float = 0.2, limit_s: float = 10.0) -> float:
+    """Wait until recording has caught up: at most `quiet_ticks` of hstrace CPU in a window.
+    The session's first steps (each table's arrays created, the first chunks staged) keep the
+    writer busy well after the untimed round's last token; timed before it is done, that
+    one-off cost lands on the first timed round. Returns the seconds waited."""
+    t0 = time.perf_counter()
+    last = recording_cpu(root)
+    while time.perf_counter() - t0 < limit_s:
+        time.sleep(window_s)
+        now = recording_cpu(root)
+        if now - last <= quiet_ticks:
+            break
+        last = now
+    return time.perf_counter() - t0
+
+
+def _median_by_name(rounds: list[dict[str, float]]) -> dict[str, float]:
+    names = sorted({n for r in rounds for n in r})
+    med = {n: statistics.median(r.get(n, 0.0) for r in rounds) for n in names}
+    return {n: round(v, 3) for n, v in sorted(med.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
 def spec_steps(port: int) -> float:
     from hstrace.engines.vllm.engine import parse_spec_metrics
 
@@ -429,6 +512,10 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     rules: dict[str, int] = {}  # the verify rule of every armed round's verify rows
     arm_s: list[float] = []
     disarm_s: list[float] = []
+    walls: dict[str, list[float]] = {"armed": [], "dormant": [], "inline": []}
+    settled_s: list[float] = []  # waited after an armed session's untimed round (settle)
+    setup_cpu: list[float] = []  # recording CPU from the arm to the end of that wait
+    cpu: dict[str, list[dict[str, float]]] = {"armed": [], "dormant": [], "inline": []}
     try:
         wait_healthy(port, proc)
         control.wait_sockets(run, 2, 120)
@@ -442,8 +529,11 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             for arm in order:
                 if arm == "dormant":
                     round_tps(port, prompts, args.warm_tokens)  # as the armed side: untimed
-                    d0 = spec_steps(port)
+                    settle(proc.pid)  # as the armed side: a pause of one quiet window at least
+                    d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
                     got[arm] = round_tps(port, prompts, args.new_tokens)
+                    walls[arm].append(time.perf_counter() - w0)
+                    cpu[arm].append(cpu_by_thread(c0, thread_cpu(proc.pid)))
                     drafts[arm] += spec_steps(port) - d0
                     continue
                 out = work / f"{arm}-{i}.zarr"
@@ -461,6 +551,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                     finally:
                         ready.set()
 
+                r0 = recording_cpu(proc.pid)
                 t0 = time.perf_counter()
                 t = threading.Thread(target=session, daemon=True)
                 t.start()
@@ -470,8 +561,12 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 # untimed: the session's first steps (each table's first write plans its
                 # columns, the writer creates its arrays) are a per-session cost, not a step's
                 round_tps(port, prompts, args.warm_tokens)
-                d0 = spec_steps(port)
+                settled_s.append(settle(proc.pid))
+                setup_cpu.append((recording_cpu(proc.pid) - r0) / os.sysconf("SC_CLK_TCK"))
+                d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
                 got[arm] = round_tps(port, prompts, args.new_tokens)
+                walls[arm].append(time.perf_counter() - w0)
+                cpu[arm].append(cpu_by_thread(c0, thread_cpu(proc.pid)))
                 drafts[arm] += spec_steps(port) - d0
                 t1 = time.perf_counter()
                 control.disarm(str(run))
@@ -521,6 +616,18 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
         if inline_ratios
         else None,
         "arm_s_median": round(statistics.median(arm_s), 3) if arm_s else None,
+        "settle_s_median": round(statistics.median(settled_s), 3) if settled_s else None,
+        "session_setup_recording_cpu_s_median": round(statistics.median(setup_cpu), 3)
+        if setup_cpu
+        else None,
+        "round_wall_s_median": {
+            arm: round(statistics.median(w), 3) for arm, w in walls.items() if w
+        },
+        # the kernel's CPU counters per thread over each timed round, medians over rounds:
+        # where recording's CPU goes, and what serving's own threads lost or gained
+        "cpu_s_per_round_by_thread": {
+            arm: _median_by_name(rounds) for arm, rounds in cpu.items() if rounds
+        },
         "disarm_s_median": round(statistics.median(disarm_s), 3) if disarm_s else None,
     }
 

@@ -115,6 +115,7 @@ class Recorder:
         from hstrace.trace.write import placement
 
         placement.move_here(placement.spare_cpus())  # not on the serving thread's own cores
+        placement.name_thread("hstrace-taps")
         q = self._deferred
         while True:
             fn = q.get()

@@ -505,7 +505,7 @@ def _serving_static(proposer: Any, configured_in_checkpoint: int | None) -> dict
             "enforce_eager": bool(mc.enforce_eager),
             "compilation_mode": str(vc.compilation_config.mode),
             "device": str(proposer.device),
-            "torch": torch.__version__,
+            "torch": str(torch.__version__),
         },
         "engine_version": ".".join(map(str, REC.version)) if REC is not None else None,
     }

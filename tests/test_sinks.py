@@ -423,3 +423,43 @@ def test_a_full_ring_drops_the_same_steps_on_both_routes(tmp_path, monkeypatch, 
         assert t.column("step", "value").tolist() == kept
         want = b"".join(_as_bytes(_fixed_step(s)["tok"]["aux_hidden"]) for s in kept)
         assert _as_bytes(t.column("tok", "aux_hidden")) == want
+
+
+def test_a_control_message_never_makes_the_reader_import_a_module():
+    """The writer process imports no torch; a pickled `torch.__version__` (a TorchVersion) in
+    a Static message made it import torch at every arm (4 CPU-seconds out of serving)."""
+    import subprocess
+    import sys
+
+    framed = P.frame_control(P.Static({"torch": torch.__version__}), 0)
+    code = (
+        "import sys\n"
+        "from hstrace.trace.write import protocol as P\n"
+        "buf = sys.stdin.buffer.read()\n"
+        "try:\n"
+        "    P.decode(buf)\n"
+        "except P.NotPlainData as exc:\n"
+        "    print('refused:', exc)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=framed[4:], capture_output=True, check=True
+    ).stdout.decode()
+    assert "refused: a control message carries torch.torch_version.TorchVersion" in out
+    assert "torch imported: False" in out
+
+
+def test_static_items_reach_the_writer_as_plain_data(tmp_path):
+    path = tmp_path / "t.zarr"
+    create_trace(path, engine={"name": "test"})
+    with TraceWriter(path, rank=0, process=True) as w:
+        w.update_static({"serving": {"torch": torch.__version__, "n": np.int64(3)}})
+        with pytest.raises(TraceError, match="static audit items must be JSON data"):
+            w.update_static({"bad": object()})
+        w.write("t", step={"x": torch.ones(1)})
+        w.flush()
+        with open(f"/proc/{w.writer_pid}/maps") as f:  # what the writer process has loaded
+            assert "libtorch" not in f.read()
+    static = open_trace(path).meta["static"]
+    assert static["serving"] == {"torch": str(torch.__version__), "n": 3}
+    assert type(static["serving"]["torch"]) is str

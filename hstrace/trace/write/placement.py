@@ -16,7 +16,9 @@ nothing moves.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sys
 
 _given: set[int] | None = None
 
@@ -73,3 +75,18 @@ def move_process(pid: int, cpus: set[int] | None) -> None:
             os.sched_setaffinity(pid, cpus)
         except OSError:
             pass
+
+
+_PR_SET_NAME = 15  # linux/prctl.h
+
+
+def name_thread(name: str) -> None:
+    """Give the calling thread a kernel name (`top -H`, `/proc/PID/task/TID/comm`), so an
+    operator, and the bench's per-thread CPU counters, can tell recording work from serving
+    (threads otherwise carry their process's name). Linux only; at most 15 bytes are kept."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass

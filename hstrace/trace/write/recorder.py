@@ -262,10 +262,11 @@ class RankRecorder:
         ages = [log.dirty_since for log in self._all_logs() if log.dirty_since is not None]
         return min(ages) + self.tail_flush_s if ages else None
 
-    def tick(self, now: float | None = None, backlog: bool = False) -> None:
-        """Tail-flush columns whose oldest staged row is too old; commit what became durable."""
+    def tick(self, now: float | None = None, backlog: bool = False, due: bool = False) -> None:
+        """Tail-flush columns whose oldest staged row is too old; commit what became durable.
+        Rate-limited to a scan per SCAN_INTERVAL_S unless `due` (next_deadline has passed)."""
         now = time.monotonic() if now is None else now
-        if 0 <= now - self.last_scan < SCAN_INTERVAL_S:
+        if not due and 0 <= now - self.last_scan < SCAN_INTERVAL_S:
             return
         self.last_scan = now
         max_age = self.tail_flush_s * (BACKLOG_AGE_FACTOR if backlog else 1.0)

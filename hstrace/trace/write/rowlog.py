@@ -68,6 +68,7 @@ from hstrace.trace.codecs import blosc_into, blosc_planes
 from hstrace.trace.codecs.blosc_into import aligned_buffer, padded
 from hstrace.trace.liveshard import live_layout
 from hstrace.trace.schema import unit_rows
+from hstrace.trace.write.placement import name_thread
 
 # The codec zarr.json declares: Blosc zstd-1, byte shuffle, 1 MiB blocks (releases the GIL).
 # 2-byte chunks are encoded by blosc_planes into frames of the same format (_compress_into).
@@ -167,11 +168,25 @@ class Encoder:
                 pool.shutdown(wait=True)
         self.threads = max(0, int(threads))
         self._pool = (
-            ThreadPoolExecutor(self.threads, thread_name_prefix="hstrace-encode")
+            ThreadPoolExecutor(
+                self.threads,
+                thread_name_prefix="hstrace-encode",
+                initializer=name_thread,
+                initargs=("hstrace-encode",),
+            )
             if self.threads
             else None
         )
-        self.io = ThreadPoolExecutor(1, thread_name_prefix="hstrace-io") if self.threads else None
+        self.io = (
+            ThreadPoolExecutor(
+                1,
+                thread_name_prefix="hstrace-io",
+                initializer=name_thread,
+                initargs=("hstrace-io",),
+            )
+            if self.threads
+            else None
+        )
         self.raw_when_behind = bool(raw_when_behind)
         self.raw_beyond_budget = bool(raw_beyond_budget)
         self._reset_budget()

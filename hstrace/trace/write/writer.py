@@ -12,6 +12,7 @@ bundles); `sink=` takes any other (a `MemorySink` in tests).
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -52,6 +53,22 @@ def _as_rows(value: Any, where: str) -> tuple[Any, str | None]:
         raise TraceError(
             f"{where}: cannot convert {type(value).__name__} to an array ({exc})"
         ) from exc
+
+
+def _plain(x: Any) -> Any:
+    if hasattr(x, "tolist"):  # numpy scalars and arrays, small tensors
+        return x.tolist()
+    raise TypeError(f"{type(x).__module__}.{type(x).__qualname__} is not plain data")
+
+
+def plain_static(items: dict[str, Any]) -> dict[str, Any]:
+    """Audit items as plain JSON data, what zarr.json will hold. The writer process unpickles
+    what it is sent: a `torch.__version__` (a `TorchVersion`, a str subclass) made it import
+    torch, 4 CPU-seconds taken from serving at every arm (bench/live_overhead.py)."""
+    try:
+        return json.loads(json.dumps(dict(items), default=_plain))
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"static audit items must be JSON data: {exc}") from None
 
 
 def _contiguous(a: np.ndarray) -> np.ndarray:
@@ -231,8 +248,9 @@ class TraceWriter:
 
     def update_static(self, items: dict[str, Any]) -> None:
         """Merge audit items into this rank's `static` attributes (the reader merges ranks)."""
+        items = plain_static(items)
         with self._lock:
-            self.sink.control(Static(dict(items)))
+            self.sink.control(Static(items))
 
     def note_error(self, tap: str, message: str) -> None:
         """Record that a tap failed and was disabled; `hstrace show` lists these."""

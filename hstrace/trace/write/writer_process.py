@@ -11,6 +11,7 @@ import errno
 import json
 import math
 import os
+import select
 import sys
 import time
 from functools import partial
@@ -26,7 +27,9 @@ from hstrace.trace.write.ring import RingView
 
 # Sleep between polls of an idle pipe: starts short, doubles while idle, up to the max.
 IDLE_POLL_MIN_S = 0.001
-IDLE_POLL_MAX_S = 0.002
+IDLE_POLL_MAX_S = 0.01
+# While idle, the trace directory is checked at most this often (each write checks it first).
+GUARD_IDLE_S = 0.1
 
 # glibc serves blocks of at least its mmap threshold from their own mappings, but raises the
 # threshold to the size of each such block freed (up to 32 MiB). After the first tail flush
@@ -200,8 +203,10 @@ def writer_main(
     raw_when_behind: bool = False,
     raw_beyond_budget: bool = True,
 ) -> None:
+    from hstrace.trace.write.placement import name_thread
     from hstrace.trace.write.recorder import RankRecorder
 
+    name_thread("hstrace-writer")  # the process's name in ps/top (else "python")
     fix_mmap_threshold(mmap_threshold_from_env())  # read as the writer process starts
     replies = _Replies(free_w, ends_fd)
     try:
@@ -214,9 +219,26 @@ def writer_main(
         return
     try:
         replies.send(P.Ready())
+        _cheap_poll(data_r)
         _loop(rec, shm, guard, data_r, replies)
     finally:
         shm.close()
+
+
+def _cheap_poll(conn: Connection) -> None:
+    """`Connection.poll(0)` builds a selector at every call (~90 us: the idle loop's largest
+    cost, bench/README.md); one poll object registered once answers the same question (data
+    or end of file waiting) in a few us."""
+    if not hasattr(select, "poll"):
+        return
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLIN)
+    general = conn.poll
+
+    def poll(timeout: float | None = 0.0) -> bool:
+        return bool(poller.poll(0)) if timeout == 0 else general(timeout)
+
+    conn.poll = poll  # type: ignore[method-assign]
 
 
 def _loop(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
@@ -329,6 +351,7 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Repl
     pause = IDLE_POLL_MIN_S
     names: dict[int, str] = {}  # table id -> name (protocol.Table)
     taken = 0  # descriptors written so far
+    checked = 0.0  # when the idle loop last looked at the trace directory (_Guard)
     while True:
         # Read PUBLISHED before polling the pipe: a pipe message the poll misses was sent after
         # every descriptor counted here, so those come first (protocol.py `after`).
@@ -339,13 +362,15 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Repl
                 pause = IDLE_POLL_MIN_S
                 continue
             replies.flush_end()
-            guard.check()
+            now = time.monotonic()
+            if now - checked >= GUARD_IDLE_S:  # every write checks; idle, a few times a second
+                guard.check()
+                checked = now
             for log in rec._all_logs():
                 log.drain()  # chunks the encoder finished meanwhile
             deadline = rec.next_deadline()
-            now = time.monotonic()
             if deadline is not None and now >= deadline:
-                rec.tick()
+                rec.tick(now, due=True)  # not rate-limited: the loop would spin until it ran
                 continue
             rec.tick()  # commits units the drain completed (rate-limited inside)
             time.sleep(pause if deadline is None else min(pause, deadline - now))
@@ -363,7 +388,11 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Repl
             return
         guard.check()
         taken = _take(rec, shm, guard, data_r, replies, names, taken, P.after(buf))
-        msg = P.decode(buf)
+        try:
+            msg = P.decode(buf)
+        except P.NotPlainData as exc:  # the item is lost, said in the trace; recording goes on
+            rec.note_error("writer", str(exc))
+            continue
         if isinstance(msg, P.Step):  # a whole step in one part, laid out in spec order
             write = partial(_write_step, rec, shm, msg.offset, names.get(msg.table_id), msg.counts)
             _consume(rec, shm, data_r, replies, msg.end, write)
