@@ -312,7 +312,7 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     vocabularies), timed in this process by stage (medians, ms). On the serving thread:
     collect (the step, proposer and drafter wrappers' copies and the hand-over to the tap
     thread), verify_snapshot (the verify tap: `wrap_rejection_forward`'s raw-row copy and
-    `_verify_tap`'s snapshot, then its hand-over). On the tap thread (`Recorder.defer`):
+    `_verify_tap`'s snapshot; the step carries it). On the tap thread (`Recorder.defer`):
     verify_rows (the verify's per-request rows), topk (of the kept draft logits), rows (row
     building), staging (the writer's copy into its ring). hstrace's own functions; the
     engine's tensors are stand-ins of the same shapes, made before the clock starts."""
@@ -379,7 +379,7 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
 
     def snapshot() -> Any:
         """`wrap_rejection_forward` on the serving thread: begin()'s copy of the raw rows at
-        the drafted positions, then `_verify_tap`'s snapshot and the rows' hand-over."""
+        the drafted positions, then `_verify_tap`'s snapshot (the step carries it)."""
         meta = a["metadata"]
         raw = a["logits"][meta.target_logits_indices].float().clone()
         rows_fn = vp._verify_tap(sampler, a, raw, proc)
@@ -406,11 +406,10 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(200):
         t0 = time.perf_counter()
-        later = snapshot()
-        rec.defer(lambda: None)  # the hand-over to the tap thread (a bounded queue's put)
+        later = snapshot()  # the step carries it to the tap thread: no hand-over of its own
         t1 = time.perf_counter()
         step = collect()
-        rec.defer(lambda: None)
+        rec.defer(lambda: None)  # the step's hand-over to the tap thread (a bounded queue's put)
         t2 = time.perf_counter()
         step.verify_probs = later.get()
         t3 = time.perf_counter()

@@ -338,8 +338,8 @@ def _verify_tap(
 
 
 class _Later:
-    """A verify's rows computed once, on whichever thread asks first: the tap thread (queued
-    ahead of the step that carries them) or `_emit_step` when the step is emitted inline."""
+    """A verify's rows computed once, on whichever thread asks first: `_emit_step` on the tap
+    thread (the step carries them there), or the serving thread when the step is inline."""
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self._fn, self._lock, self._done, self._value = fn, threading.Lock(), False, None
@@ -403,10 +403,10 @@ def wrap_rejection_forward(original: Callable) -> Callable:
                 )
                 if rows is not None:
                     later = _Later(lambda: rec.run_tap("verify_probs", rows))
-                    if rec.tap_thread and not seen["proc"].is_cuda:  # off this thread
-                        rec.defer(later.get)
-                    else:
-                        later.get()
+                    if not rec.tap_thread or seen["proc"].is_cuda:
+                        later.get()  # the step is emitted on this thread: compute them now
+                    # else the step's own hand-over carries them to the tap thread
+                    # (`_emit_step`): one hand-over per step, not two
                     rec.pending_verify = (a["metadata"], later)
 
     return forward
