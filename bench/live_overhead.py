@@ -381,7 +381,8 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
         """`wrap_rejection_forward` on the serving thread: begin()'s copy of the raw rows at
         the drafted positions, then `_verify_tap`'s snapshot (the step carries it)."""
         meta = a["metadata"]
-        raw = a["logits"][meta.target_logits_indices].float().clone()
+        at = meta.target_logits_indices.to(torch.int64)
+        raw = a["logits"].index_select(0, at).float()
         rows_fn = vp._verify_tap(sampler, a, raw, proc)
         return vp._Later(lambda: rec.run_tap("verify_probs", rows_fn))
 

@@ -376,8 +376,13 @@ def wrap_rejection_forward(original: Callable) -> Callable:
         seen: dict[str, Any] = {}
 
         def begin():
-            meta = a["metadata"]
-            seen["raw"] = a["logits"][meta.target_logits_indices].float().clone()
+            import torch
+
+            meta, logits = a["metadata"], a["logits"]
+            # index_select, not advanced indexing (a parallel kernel: slow on a busy CPU); its
+            # output is a fresh tensor, so nothing vLLM does to `logits` reaches it
+            at = meta.target_logits_indices.to(device=logits.device, dtype=torch.int64)
+            seen["raw"] = logits.index_select(0, at).float()
             inner = module.rejection_sample
 
             def rejection_sample(*r_args, **r_kwargs):

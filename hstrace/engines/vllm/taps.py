@@ -167,7 +167,7 @@ def _expand_topk(
     return {"topk_draft_ids": ids, "topk_target_ids": tids, "topk_logprobs": lps, "lse": lse}
 
 
-def _param(x: torch.Tensor | None, i: int) -> float:
+def _param(x: list[float] | None, i: int) -> float:
     return float("nan") if x is None else float(x[i])
 
 
@@ -195,13 +195,17 @@ def verify_probs(
     proc = proc_logits.float()
     zp = proc.gather(1, safe.to(proc.device)).reshape(-1).cpu()
     zpen = pen_logit.float().reshape(-1).cpu()
-    p = proc.softmax(dim=-1).gather(1, safe.to(proc.device)).reshape(-1).cpu()
+    # p(token) = exp(z - logsumexp(z)): the softmax row itself is never needed (a full-vocab
+    # softmax per verify was the tap thread's costliest call, bench/live_overhead.py)
+    lse = torch.logsumexp(proc, dim=-1).reshape(-1).cpu()
+    p = (zp - lse).exp()
     argmax = proc.argmax(dim=-1).reshape(-1).cpu()
     if draft_probs is None:
         q = torch.ones_like(p)
     else:
         q = draft_probs.float().gather(1, safe.to(draft_probs.device)).reshape(-1).cpu()
     flat = ids.reshape(-1).cpu().tolist()
+    values = {k: None if v is None else v.reshape(-1).tolist() for k, v in params.items()}
     out: list[VerifyProbs | None] = []
     start = 0
     for i, n in enumerate(num_draft_tokens):
@@ -217,12 +221,12 @@ def verify_probs(
         else:
             seen, n_out = [-1] * n, [-1] * n
         sl = slice(start, start + n)
-        temperature = params.get("temperature")
+        temperature = values.get("temperature")
         greedy_row = temperature is not None and float(temperature[i]) < 1e-5
         out.append(
             VerifyProbs(
                 rule=RULE_GREEDY if greedy_row and rule != RULE_SYNTHETIC else rule,
-                params={k: _param(v, i) for k, v in params.items()},
+                params={k: _param(v, i) for k, v in values.items()},
                 per_token={
                     "p_target": p[sl].tolist(),
                     "q_draft": q[sl].tolist(),
