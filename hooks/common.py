@@ -269,6 +269,11 @@ class Recorder:
                 threading.Thread(target=self.on_limit, args=("requests",), daemon=True).start()
 
     def static(self, items: dict[str, Any]) -> None:
+        from hstrace.trace.write.writer import plain_static
+
+        # checked here, in the caller's tap: an item that is not JSON data is refused once,
+        # never kept to fail every later arm
+        items = plain_static(items)
         self.kept_static.update(items)  # a later session's trace gets the load-time audit too
         if self.closed or not self.session_open:
             return

@@ -22,7 +22,7 @@ from hstrace.hooks.common import Recorder
 from hstrace.engines import control as client
 from hstrace.engines.protocol import dormant_env
 from hstrace.engines.rows import requests_write
-from hstrace.errors import HstraceError
+from hstrace.errors import HstraceError, TraceError
 from hstrace.trace import open_trace
 
 
@@ -234,3 +234,21 @@ def test_a_disarm_waits_for_the_step_in_flight_and_the_tap_thread(dormant, tmp_p
     with open_trace(out) as tr:
         assert tr.rank(0).clean_close
         assert tr.rank(0).table("requests").num_rows("req") == 1
+
+
+def test_an_audit_item_that_is_not_json_data_is_refused_once_not_kept(dormant, tmp_path) -> None:
+    """Kept unchecked, it failed every later arm (the writer sends audit items as JSON data)."""
+    rec, run, _ = dormant
+    with pytest.raises(TraceError, match="static audit items must be JSON data"):
+        rec.static({"weights_dir": object()})
+    rec.static({"weights": {"loaded": ["fc.weight"]}})
+    assert list(rec.kept_static) == ["weights"]
+    out = tmp_path / "a.zarr"
+    t, box = arm_in_thread(run, out)
+    assert rec.armed
+    step(rec, "r1")
+    client.disarm(str(run))
+    t.join(30)
+    assert box["session"].ok
+    with open_trace(out) as tr:
+        assert tr.meta["static"]["weights"] == {"loaded": ["fc.weight"]}
