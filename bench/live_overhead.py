@@ -30,7 +30,7 @@ set against the engine's measured time per step; and the dormant cost of a patch
 Serving thread: `collect` (the step/proposer/drafter wrappers' copies and the hand-over) and
 `verify_snapshot` (the verify tap: the raw rows at the drafted positions, `_verify_tap`'s
 snapshot under vLLM's own `SpecDecodeMetadata`/`SamplingMetadata` for the traffic's sampling,
-the hand-over). Tap thread: `verify_rows` (softmax, gathers), `topk`, `rows`, `staging`.
+the hand-over). Tap thread: `verify_rows` (log-sum-exp, gathers), `topk`, `rows`, `staging`.
 
 `--tensor-parallel-size 2`: both arms serve two ranks (each on its own cores,
 `VLLM_CPU_OMP_THREADS_BIND` as `hstrace record` sets it); every rank records, and the rows and
@@ -384,7 +384,7 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
         at = meta.target_logits_indices.to(torch.int64)
         raw = a["logits"].index_select(0, at).float()
         rows_fn = vp._verify_tap(sampler, a, raw, proc)
-        return vp._Later(lambda: rec.run_tap("verify_probs", rows_fn))
+        return lambda: rec.run_tap("verify_probs", rows_fn)
 
     def topk(step: taps.Step) -> None:
         for call in step.calls:
@@ -412,7 +412,7 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
         step = collect()
         rec.defer(lambda: None)  # the step's hand-over to the tap thread (a bounded queue's put)
         t2 = time.perf_counter()
-        step.verify_probs = later.get()
+        step.verify_probs = later()
         t3 = time.perf_counter()
         topk(step)
         t4 = time.perf_counter()
@@ -805,7 +805,7 @@ def main() -> None:
                 "tap_thread_ms_per_step": round(tap_thread_ms, 3),
                 "serving_thread_share_of_a_step": round(serving_ms / step_ms, 4),
                 "tap_thread_share_of_a_step": round(tap_thread_ms / step_ms, 4),
-                # parallel torch kernels (indexing, gather, softmax, top-k) wait for their
+                # parallel torch kernels (indexing, gather, log-sum-exp, top-k) wait for their
                 # sibling thread on a loaded machine: the stage medians are a quiet run's only
                 "hook_cost_torch_threads": torch.get_num_threads(),
                 "load_avg_at_hook_cost": load_at_cost,

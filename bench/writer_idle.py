@@ -22,30 +22,15 @@ import tempfile
 import time
 
 import torch
+from live_overhead import cpu_by_thread, thread_cpu
 
 from hstrace.trace import TraceWriter, create_trace
 
-HZ = os.sysconf("SC_CLK_TCK")
 
-
-def per_thread(pid: int) -> dict[str, int]:
-    """CPU ticks per thread of `pid`, keyed 'tid name'."""
-    out: dict[str, int] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                text = f.read()
-        except OSError:
-            continue
-        fields = text.rsplit(")", 1)[1].split()
-        out[f"{tid} {text[text.index('(') + 1 : text.rindex(')')]}"] = int(fields[11]) + int(
-            fields[12]
-        )
-    return out
-
-
-def diff_ms(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
-    return {k: 1e3 * (v - before.get(k, 0)) / HZ for k, v in after.items() if v != before.get(k, 0)}
+def ms_by_thread(pid: int, before: dict) -> tuple[dict[str, float], dict]:
+    """CPU ms per thread of `pid` since `before` (live_overhead's per-thread counters)."""
+    now = thread_cpu(pid)
+    return {k: 1e3 * v for k, v in cpu_by_thread(before, now).items()}, now
 
 
 def step(w: TraceWriter, i: int) -> None:
@@ -91,15 +76,15 @@ def main() -> None:
         step(w, 0)
         w.flush()
         time.sleep(3.0)  # past the first tail flush and commit: the idle loop alone
-        a = per_thread(pid)
+        a = thread_cpu(pid)
         time.sleep(args.idle_s)
-        idle = diff_ms(a, per_thread(pid))
-        a, t0 = per_thread(pid), time.perf_counter()
+        idle, a = ms_by_thread(pid, a)
+        t0 = time.perf_counter()
         for i in range(1, args.steps + 1):
             step(w, i)
             time.sleep(args.pace_ms / 1e3)
         wall = time.perf_counter() - t0
-        paced = diff_ms(a, per_thread(pid))
+        paced, _ = ms_by_thread(pid, a)
         w.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)

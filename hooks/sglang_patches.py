@@ -63,11 +63,8 @@ class Recorder(hooks_common.Recorder):
     def emit(self, writes: list[taps.TableWrite]) -> None:
         for tw in writes:
             if tw.table == "target" and self.capture_layers and tw.column_attrs is None:
-                col = rows.aux_hidden_attrs(
-                    self.capture_layers, int(tw.tok["aux_hidden"].shape[-1])
-                )
-                if self.capture_convention is not None:
-                    col["layer_id_convention"] = self.capture_convention
+                width = int(tw.tok["aux_hidden"].shape[-1])
+                col = rows.aux_hidden_attrs(self.capture_layers, width, self.capture_convention)
                 tw.column_attrs = {"tok/aux_hidden": col}
         super().emit(writes)
 
@@ -192,8 +189,8 @@ def wrap_worker_init(original: Callable) -> Callable:
                 )
                 draft = getattr(getattr(self, "_draft_worker", None), "draft_runner", None)
                 model = getattr(draft, "model", None)
-                if type(model).__name__ in audit.MTP_CLASSES:
-                    rec.static(_mtp_static(rec, self, model))
+                if type(model).__name__ in audit.MTP_CLASSES:  # its own tap: a failure names it
+                    rec.run_tap("mtp", lambda: rec.static(_mtp_static(rec, self, model)))
 
             rec.run_tap("spec_settings", tap)
         return result

@@ -16,7 +16,6 @@ written when it returns.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,8 @@ class VLLMRecorder(Recorder):
         self.collecting = False  # inside the proposer: drafter calls belong to the step
         # the rejection sampler's rule inputs of this step's verify (it runs before the
         # proposer; `_begin_step` takes them)
-        self.pending_verify: tuple[Any, Any] | None = None  # (metadata, _Later)
+        # (metadata, the verify's rows, or the function that builds them on the tap thread)
+        self.pending_verify: tuple[Any, Any] | None = None
         # `record --sample-every K`: one request in K is recorded (the K-th seen, counting
         # from the first); a step with none of them costs only this membership check
         self.sample_every = max(1, int(cfg.get("sample_every") or 1))
@@ -126,8 +126,8 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
     the recorder's tap thread (`Recorder.defer`): the top-k, the rows and the staging copy.
     `keep_at`: the batch indices kept by --sample-every, as they were when the step began
     (the serving thread has moved on by now); default: the recorder's current ones."""
-    if isinstance(step.verify_probs, _Later):  # computed ahead of this on the tap thread
-        step.verify_probs = step.verify_probs.get()
+    if callable(step.verify_probs):  # the verify's rows, built here (the step carried them)
+        step.verify_probs = step.verify_probs()
     rec.run_tap("draft", lambda: taps.finish_topk(step))
     keep = rec.keep_at if keep_at is _NOW else keep_at
     if keep is not None:
@@ -284,7 +284,7 @@ def _verify_tap(
     sampler: Any, a: dict[str, Any], raw: Any, proc: Any
 ) -> Callable[[], list[taps.VerifyProbs | None]]:
     """What the rule compared, snapshotted on the serving thread; returns the work that turns
-    it into per-request rows (`taps.verify_probs`: softmax, gathers, history counts), which
+    it into per-request rows (`taps.verify_probs`: log-sum-exp, gathers, history counts), which
     runs on the tap thread on CPU. Snapshotted here: the target's rows at the drafted
     positions raw (`raw`, a copy read before vLLM ran); after its penalties (its own
     `apply_logits_processors`, rerun on a copy now because it reads the batch's history and
@@ -335,21 +335,6 @@ def _verify_tap(
         )  # fmt: skip
 
     return rows
-
-
-class _Later:
-    """A verify's rows computed once, on whichever thread asks first: `_emit_step` on the tap
-    thread (the step carries them there), or the serving thread when the step is inline."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self._fn, self._lock, self._done, self._value = fn, threading.Lock(), False, None
-
-    def get(self) -> Any:
-        with self._lock:
-            if not self._done:
-                self._value, self._done = self._fn(), True
-                self._fn = None  # drop the snapshot's tensors
-        return self._value
 
 
 # `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
@@ -407,12 +392,11 @@ def wrap_rejection_forward(original: Callable) -> Callable:
                     "verify_probs", lambda: _verify_tap(self, a, seen["raw"], seen["proc"])
                 )
                 if rows is not None:
-                    later = _Later(lambda: rec.run_tap("verify_probs", rows))
-                    if not rec.tap_thread or seen["proc"].is_cuda:
-                        later.get()  # the step is emitted on this thread: compute them now
-                    # else the step's own hand-over carries them to the tap thread
-                    # (`_emit_step`): one hand-over per step, not two
-                    rec.pending_verify = (a["metadata"], later)
+                    later = functools.partial(rec.run_tap, "verify_probs", rows)
+                    # emitted on this thread: built now; else the step's own hand-over carries
+                    # the work to the tap thread (`_emit_step`): one hand-over per step
+                    inline = not rec.tap_thread or seen["proc"].is_cuda
+                    rec.pending_verify = (a["metadata"], later() if inline else later)
 
     return forward
 

@@ -103,14 +103,18 @@ def _sampling_columns(sampling: Sequence[dict[str, float | int]] | None) -> dict
     }
 
 
-def aux_hidden_attrs(layer_ids: Sequence[int], width: int) -> dict[str, Any]:
+def aux_hidden_attrs(
+    layer_ids: Sequence[int], width: int, convention: str | None = None
+) -> dict[str, Any]:
     """Column attributes of `target.aux_hidden`, as the reference engine writes them. Both
     engines' capture id k is the residual stream entering decoder layer k = HF
     `hidden_states[k]` (SGLang's `layers_to_capture`, vLLM's aux ids: no +1 at this point), and
-    captures are concatenated in layer order (so the slots are the sorted, distinct ids)."""
+    captures are concatenated in layer order (so the slots are the sorted, distinct ids).
+    `convention` names what the state is when it is not that (an MTP head is handed the
+    target's forward output, e.g. `mtp_target_output`)."""
     slots = sorted(set(layer_ids))
     return {
         "layer_ids": slots,
-        "layer_id_convention": "hf_hidden_states_index",
+        "layer_id_convention": convention or "hf_hidden_states_index",
         "slot_width": width // len(slots) if slots else width,
     }

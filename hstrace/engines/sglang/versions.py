@@ -86,7 +86,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         ("self", "weights"),
         (0, 5, 23),
         _END,
-        ("static.weights", "static.mtp"),
+        ("static.weights",),
     ),
     # the target's capture: one row per target class that defines the method (`CAPTURE_TARGETS`)
     *(
@@ -104,7 +104,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         ("self", "server_args", "gpu_id", "nccl_port", "target_worker"),
         _V,
         _END,
-        ("static.spec",),
+        ("static.spec", "static.mtp"),
     ),
     # main process: server-argument resolution (0.5.13+ keeps the user's value in the field and
     # the adjusted one in a side stash; this also runs on CPU, unlike the worker's __init__)

@@ -390,10 +390,7 @@ def target_rows(
     assert aux is not None
     attrs = None
     if capture_layers:
-        col = aux_hidden_attrs(capture_layers, int(aux.shape[-1]))
-        if convention is not None:
-            col["layer_id_convention"] = convention
-        attrs = {"tok/aux_hidden": col}
+        attrs = {"tok/aux_hidden": aux_hidden_attrs(capture_layers, int(aux.shape[-1]), convention)}
     ids = step.target_ids.to(torch.int64)
     pos = step.target_positions.to(torch.int64)
     writes = []

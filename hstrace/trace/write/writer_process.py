@@ -219,29 +219,30 @@ def writer_main(
         return
     try:
         replies.send(P.Ready())
-        _cheap_poll(data_r)
-        _loop(rec, shm, guard, data_r, replies)
+        _loop(rec, shm, guard, _Pipe(data_r), replies)
     finally:
         shm.close()
 
 
-def _cheap_poll(conn: Connection) -> None:
-    """`Connection.poll(0)` builds a selector at every call (~90 us: the idle loop's largest
-    cost, bench/README.md); one poll object registered once answers the same question (data
-    or end of file waiting) in a few us."""
-    if not hasattr(select, "poll"):
-        return
-    poller = select.poll()
-    poller.register(conn.fileno(), select.POLLIN)
-    general = conn.poll
+class _Pipe:
+    """The data pipe as the loop reads it. `Connection.poll(0)` builds a selector at every
+    call (~90 us: the idle loop's largest cost, bench/writer_idle.py); one poll object
+    registered once answers the same question (data or end of file waiting) in a few us."""
 
-    def poll(timeout: float | None = 0.0) -> bool:
-        return bool(poller.poll(0)) if timeout == 0 else general(timeout)
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.recv_bytes = conn.recv_bytes
+        self._poller = select.poll() if hasattr(select, "poll") else None
+        if self._poller is not None:
+            self._poller.register(conn.fileno(), select.POLLIN)
 
-    conn.poll = poll  # type: ignore[method-assign]
+    def poll(self, timeout: float = 0.0) -> bool:
+        if self._poller is None:
+            return self.conn.poll(timeout)
+        return bool(self._poller.poll(int(timeout * 1000)))
 
 
-def _loop(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
+def _loop(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) -> None:
     try:
         _serve(rec, shm, guard, data_r, replies)
     except _Moved as exc:  # what was committed is in the moved directory: say where
@@ -314,7 +315,7 @@ def _abandon(rec) -> None:
 
 
 def _consume(
-    rec, shm: RingView, data_r: Connection, replies: _Replies, end: int, write, more: bool = False
+    rec, shm: RingView, data_r: _Pipe, replies: _Replies, end: int, write, more: bool = False
 ) -> None:
     """Write one staged part, hand its ring space back whatever happened, then book-keep
     (`more`: further descriptors are waiting)."""
@@ -331,7 +332,7 @@ def _consume(
 
 
 def _take(
-    rec, shm: RingView, guard: _Guard, data_r, replies, names: dict, taken: int, upto: int
+    rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies, names: dict, taken: int, upto: int
 ) -> int:
     """Write descriptors [taken, upto) (one-part steps, ring.py), in order; returns upto."""
     while taken < upto:
@@ -344,7 +345,7 @@ def _take(
     return taken
 
 
-def _serve(rec, shm: RingView, guard: _Guard, data_r: Connection, replies: _Replies) -> None:
+def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) -> None:
     # The writer sleeps between polls rather than blocking on the pipe: a pipe write that
     # wakes a blocked reader costs the serving thread tens of microseconds (and, on a busy
     # host, often a preemption); a write to a pipe nobody waits on is a plain copy.
