@@ -13,8 +13,10 @@ qwen3_next_mtp.py)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import pytest
 import torch
 from helpers.cli import run_main
 from safetensors.torch import save_file
@@ -29,6 +31,7 @@ from hstrace.engines.vllm.mtp_load import (
     TARGET_HEAD,
     resolve_model_type,
 )
+from hstrace.errors import CheckpointError
 
 H, V, INTER, HEADS, KV, HD = 16, 64, 32, 2, 1, 8
 N_LAYERS = 2  # target decoder layers; the MTP layer of DeepSeek / GLM is model.layers.2
@@ -411,3 +414,51 @@ def test_read_reports_a_head_without_computing_it(tmp_path):
     )
     head, rep = read_mtp_checkpoint(path)
     assert head is None and rep.missing == [] and "layers.0.eh_proj.weight" in rep.loaded
+
+
+# ---- a config the reference cannot build a head from: one line, never a traceback ----------
+
+
+def test_deepseek_null_kv_lora_rank_is_a_checkpoint_error(tmp_path):
+    """`"kv_lora_rank": null` (int(None): a TypeError inside the config) is refused in one
+    line: `hstrace check` still maps the keys, the replay's loader raises CheckpointError."""
+    g = torch.Generator().manual_seed(2)
+    keys = {**target_keys(g), **ds_layer("model.layers.2.", g)}
+    path = write(tmp_path / "ds", {**DS_CONFIG, "kv_lora_rank": None}, keys)
+    head, rep = read_mtp_checkpoint(path)
+    assert head is None and rep.head_computed is False
+    assert "the DeepSeek block is not in the reference" in rep.notes[-1]
+    with pytest.raises(CheckpointError) as err:
+        load_mtp_head(path)
+    assert "\n" not in str(err.value)
+    _, doc = check(path)
+    assert doc["load_report"]["head_computed"] is False
+
+
+def test_glm_config_with_a_field_of_the_wrong_type_is_a_checkpoint_error(tmp_path):
+    """The GLM / MiMo path builds the head straight from config.json: a null where a number
+    belongs (`"rms_norm_eps": null`, float(None)) is CheckpointError naming the directory."""
+    path = write(
+        tmp_path / "glm", {**GLM_CONFIG, "rms_norm_eps": None}, glm_keys(torch.Generator())
+    )
+    with pytest.raises(CheckpointError, match=re.escape(str(path))) as err:
+        load_mtp_head(path)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"n_group": 3}, "n_group 3 equal groups"),
+        ({"n_group": 1, "topk_group": 2}, "topk_group 2"),
+        ({"scoring_func": "sqrtsoftplus"}, "scoring_func 'sqrtsoftplus'"),
+        ({"n_group": 2, "topk_group": 1}, "noaux_tc ranks a group by its two best"),
+        ({"num_experts_per_tok": 3}, "num_experts_per_tok 3"),
+    ],
+)
+def test_deepseek_routing_the_router_cannot_run_is_refused(tmp_path, fields, said):
+    g = torch.Generator().manual_seed(2)
+    keys = {**target_keys(g), **ds_layer("model.layers.2.", g)}
+    path = write(tmp_path / "ds", {**DS_CONFIG, **fields}, keys)
+    with pytest.raises(CheckpointError, match=said):
+        load_mtp_head(path)

@@ -244,6 +244,9 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+SCORING_FUNCS = ("sigmoid", "softmax")  # the MoE scoring functions `Router` computes
+
+
 @dataclass
 class MoESpec:
     """DeepSeek-V2/V3 mixture-of-experts sizes and routing (config names)."""
@@ -256,8 +259,9 @@ class MoESpec:
     topk_group: int = 1
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
-    scoring_func: str = "sigmoid"  # "sigmoid" (V3) | "softmax" (V2)
-    topk_method: str = "noaux_tc"  # noaux_tc: a per-expert bias steers the choice
+    # the defaults are `_moe_spec`'s (hstrace.drafter.mtp) for a config that omits the field
+    scoring_func: str = "softmax"  # one of SCORING_FUNCS: "sigmoid" (V3) | "softmax" (V2)
+    topk_method: str = "greedy"  # noaux_tc: a per-expert bias steers the choice
 
 
 class Router(nn.Module):
@@ -266,7 +270,8 @@ class Router(nn.Module):
     def __init__(self, hidden: int, spec: MoESpec):
         super().__init__()
         self.spec = spec
-        self.weight = nn.Parameter(torch.empty(spec.n_routed_experts, hidden))
+        # zeros, not empty: a checkpoint without the gate must not route on stale memory
+        self.weight = nn.Parameter(torch.zeros(spec.n_routed_experts, hidden))
         if spec.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(spec.n_routed_experts), requires_grad=False

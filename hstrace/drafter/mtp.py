@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from hstrace.drafter.block import (
+    SCORING_FUNCS,
     DecoderBlock,
     GQAttention,
     MLASpec,
@@ -188,7 +189,7 @@ def _moe_spec(hf: dict[str, Any]) -> MoESpec | None:
         return None
     if kinds != {True}:
         raise ValueError("MTP layers of mixed kinds (some MoE, some dense): not implemented")
-    return MoESpec(
+    spec = MoESpec(
         n_routed_experts=int(hf["n_routed_experts"]),
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         moe_intermediate_size=int(hf["moe_intermediate_size"]),
@@ -200,6 +201,38 @@ def _moe_spec(hf: dict[str, Any]) -> MoESpec | None:
         scoring_func=str(hf.get("scoring_func") or "softmax"),
         topk_method=str(hf.get("topk_method") or "greedy"),
     )
+    _check_routing(spec)
+    return spec
+
+
+def _check_routing(sp: MoESpec) -> None:
+    """Refuse, in one line, a routing the reference `Router` (block.py) cannot compute: it
+    scores with sigmoid or softmax, splits the experts into n_group equal groups, keeps the
+    topk_group best groups (noaux_tc ranks a group by its two best biased scores), then picks
+    num_experts_per_tok experts among the kept ones."""
+    if sp.scoring_func not in SCORING_FUNCS:
+        raise ValueError(
+            f"MoE scoring_func {sp.scoring_func!r}: only {' / '.join(SCORING_FUNCS)} is implemented"
+        )
+    if sp.n_group < 1 or sp.n_routed_experts % sp.n_group:
+        raise ValueError(
+            f"MoE n_routed_experts {sp.n_routed_experts} does not split into n_group "
+            f"{sp.n_group} equal groups"
+        )
+    if not 1 <= sp.topk_group <= sp.n_group:
+        raise ValueError(f"MoE topk_group {sp.topk_group} is not within n_group {sp.n_group}")
+    size = sp.n_routed_experts // sp.n_group
+    if sp.topk_method == "noaux_tc" and size < 2:
+        raise ValueError(
+            f"MoE topk_method noaux_tc ranks a group by its two best experts: "
+            f"n_routed_experts {sp.n_routed_experts} in n_group {sp.n_group} leaves groups of "
+            f"{size} expert"
+        )
+    if not 1 <= sp.num_experts_per_tok <= sp.topk_group * size:
+        raise ValueError(
+            f"MoE num_experts_per_tok {sp.num_experts_per_tok}: the {sp.topk_group} kept "
+            f"group(s) of {size} hold {sp.topk_group * size} experts"
+        )
 
 
 def _dense_fields(hf: dict[str, Any]) -> dict[str, Any]:

@@ -36,7 +36,7 @@ BLOCK_PREFIXES = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_laye
 @dataclass
 class MTPLoadReport:
     path: str
-    layout: str  # "mimo" | "deepseek"
+    layout: str  # "mimo" | "deepseek" | "qwen3_next"
     n_predict: int  # num_nextn_predict_layers
     layer_prefixes: list[str]  # the checkpoint prefix of MTP layer k
     key_map: dict[str, str | None]  # checkpoint key under an MTP prefix -> head parameter / None
@@ -153,8 +153,9 @@ QWEN3_NEXT_KEYS = {
     "pre_fc_norm_hidden.weight": "hnorm.weight",
     "norm.weight": "final_norm.weight",
 }
-# block keys the reference decoder block (dense GQA + SwiGLU) has no place for: MLA attention,
-# MoE experts and router, per-head q/k norms
+# block keys that are not the dense GQA + SwiGLU block: MLA attention, MoE experts and router,
+# per-head q/k norms. The reference computes DeepSeek-V3's MLA / MoE block when config.json
+# says so (`block_not_computed`); GLM-4.5's and Qwen3-Next's q/k norms it has no place for
 _NOT_DENSE = re.compile(
     r"(kv_a_proj_with_mqa|kv_b_proj|q_a_proj|q_b_proj|\.experts\.|mlp\.gate\.|shared_expert|"
     r"q_norm|k_norm)"
@@ -273,7 +274,7 @@ def block_not_computed(layout: Layout, raw: dict[str, Any], key_map: dict[str, A
         # (`MTPConfig.deepseek`), unscaled RoPE only; the config decides which block it is
         try:
             cfg = mtp_config(raw, "deepseek", len(layout.prefixes))
-        except (ValueError, KeyError) as exc:
+        except (ValueError, KeyError, TypeError) as exc:
             return f"the DeepSeek block is not in the reference: {exc}"
         for part, in_config, marker in (
             ("MLA attention", cfg.mla is not None, "kv_a_proj_with_mqa"),
@@ -382,8 +383,11 @@ def read_mtp_checkpoint(
         )
         return None, report
 
-    cfg = mtp_config(raw, layout.name, len(prefixes))
-    head = MTPHead(cfg).to(dtype)
+    try:
+        cfg = mtp_config(raw, layout.name, len(prefixes))
+        head = MTPHead(cfg).to(dtype)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{ckpt_dir}: {exc}") from None
     # a bias training saved on a projection the served architecture has without one (an
     # `nn.Linear(2H, H)` left at bias=True): the reference computes what training computed
     added_biases = grow_saved_biases(head, key_map, where)

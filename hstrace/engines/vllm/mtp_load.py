@@ -44,7 +44,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
+
+from hstrace.drafter.mtp_checkpoint import QWEN3_NEXT_KEYS
 
 LOADED = "loaded"
 REPLACED = "loaded, then replaced by the target's (the proposer shares embedding and head)"
@@ -64,7 +67,6 @@ LOSSY_SILENT = frozenset({FILTERED, BIAS_IGNORED, SCALE_IGNORED})
 class KeyFate:
     key: str
     fate: str  # one of the constants above
-    silent: bool  # dropped (or replaced) without an error
 
     @property
     def lost(self) -> bool:
@@ -174,12 +176,7 @@ def expected_layer_keys(model_type: str, raw: dict[str, Any], layer_idx: int) ->
 
 # Qwen3-Next keeps its NextN parts beside the layers: `mtp.{name}` (qwen3_next_mtp.py:
 # Qwen3NextMultiTokenPredictor: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, norm)
-QWEN3_NEXT_TOP = (
-    "fc.weight",
-    "pre_fc_norm_embedding.weight",
-    "pre_fc_norm_hidden.weight",
-    "norm.weight",
-)
+QWEN3_NEXT_TOP = tuple(QWEN3_NEXT_KEYS)
 
 
 @dataclass(frozen=True)
@@ -212,7 +209,9 @@ class VllmMTPLoad:
             return [f"mtp.layers.{k}." for k in range(self.n)]
         return [f"model.layers.{self.base + k}." for k in range(self.n)]
 
+    @cached_property
     def _expected(self) -> dict[str, set[str]]:
+        """Per MTP layer prefix, the keys (relative to it) the loader fills; computed once."""
         out = {}
         for k, prefix in enumerate(self.layer_prefixes()):
             idx = k if self.model_type == "qwen3_next_mtp" else self.base + k
@@ -235,66 +234,62 @@ class VllmMTPLoad:
 
     def fate(self, key: str) -> KeyFate:
         mt = self.model_type
-        expected = self._expected()
+        expected = self._expected
         if mt == "mimo_mtp":
             if not any(s in key for s in ("mtp_layers", "embed_tokens", "lm_head")):
-                return KeyFate(key, FILTERED, True)
+                return KeyFate(key, FILTERED)
             if key in ("model.embed_tokens.weight", "lm_head.weight"):
-                return KeyFate(key, LOADED, False)
+                return KeyFate(key, LOADED)
             return self._in_layers(key, expected)
         if mt == "qwen3_next_mtp":
             if not key.startswith("mtp.") and not any(
                 s in key for s in ("embed_tokens", "lm_head")
             ):
-                return KeyFate(key, FILTERED, True)
+                return KeyFate(key, FILTERED)
             if key in ("model.embed_tokens.weight", "lm_head.weight"):
-                return KeyFate(key, LOADED, False)
+                return KeyFate(key, LOADED)
             if key.endswith("rotary_emb.inv_freq"):
-                return KeyFate(key, ROTARY, True)
+                return KeyFate(key, ROTARY)
             if key.startswith("mtp.") and key[4:] in QWEN3_NEXT_TOP:
-                return KeyFate(key, LOADED, False)
+                return KeyFate(key, LOADED)
             return self._in_layers(key, expected)
         # deepseek_mtp / glm4_moe_mtp: model.layers.{N+k}.*
         if key == "model.embed_tokens.weight":
-            return KeyFate(key, LOADED, False)
+            return KeyFate(key, LOADED)
         if key == "lm_head.weight":  # glm4_moe_mtp: into model.layers.{N}.shared_head.head
-            return KeyFate(
-                key, LOADED if mt == "glm4_moe_mtp" else TARGET_HEAD, mt != "glm4_moe_mtp"
-            )
+            return KeyFate(key, LOADED if mt == "glm4_moe_mtp" else TARGET_HEAD)
         if mt == "deepseek_mtp" and "rotary_emb.inv_freq" in key:
-            return KeyFate(key, ROTARY, True)
+            return KeyFate(key, ROTARY)
         prefix = next((p for p in expected if key.startswith(p)), None)
         if prefix is None:
-            return KeyFate(key, FILTERED, True)
+            return KeyFate(key, FILTERED)
         rel = key[len(prefix) :]
         if rel == "embed_tokens.weight":
             first = prefix == self.layer_prefixes()[0]
-            return KeyFate(key, REPLACED if first else LATER_EMBED, True)
+            return KeyFate(key, REPLACED if first else LATER_EMBED)
         if rel == "shared_head.head.weight":
-            return KeyFate(key, REPLACED, True)
+            return KeyFate(key, REPLACED)
         return self._rel_fate(key, rel, expected[prefix])
 
     def _in_layers(self, key: str, expected: dict[str, set[str]]) -> KeyFate:
         prefix = next((p for p in expected if key.startswith(p)), None)
         if prefix is None:  # an MTP layer the mapper does not place (index >= n_predict)
-            return KeyFate(
-                key, BIAS_IGNORED if key.endswith(".bias") else LOAD_ERROR, key.endswith(".bias")
-            )
+            return KeyFate(key, BIAS_IGNORED if key.endswith(".bias") else LOAD_ERROR)
         return self._rel_fate(key, key[len(prefix) :], expected[prefix])
 
     def _rel_fate(self, key: str, rel: str, expected: set[str]) -> KeyFate:
         if rel in expected or self._scale_ok(rel):
-            return KeyFate(key, LOADED, False)
+            return KeyFate(key, LOADED)
         if rel.endswith(".bias"):
-            return KeyFate(key, BIAS_IGNORED, True)
+            return KeyFate(key, BIAS_IGNORED)
         if self.model_type == "glm4_moe_mtp" and rel.endswith(".weight_scale"):
-            return KeyFate(key, SCALE_IGNORED, True)
-        return KeyFate(key, LOAD_ERROR, False)
+            return KeyFate(key, SCALE_IGNORED)
+        return KeyFate(key, LOAD_ERROR)
 
     def unfilled(self, keys: list[str]) -> list[str]:
         """The parameters (as checkpoint keys) no key fills: vLLM refuses to start."""
         present = set(keys)
-        need = [p + rel for p, rels in self._expected().items() for rel in sorted(rels)]
+        need = [p + rel for p, rels in self._expected.items() for rel in sorted(rels)]
         if self.model_type == "qwen3_next_mtp":
             need += [f"mtp.{t}" for t in QWEN3_NEXT_TOP]
         if self.model_type in ("deepseek_mtp", "glm4_moe_mtp"):
@@ -315,20 +310,3 @@ class VllmMTPLoad:
 def vllm_mtp_load(raw: dict[str, Any]) -> VllmMTPLoad | None:
     mt = resolve_model_type(raw)
     return VllmMTPLoad(mt, raw) if mt is not None else None
-
-
-# ---- the MiMo helpers the recorder and older callers use ------------------------------------
-
-
-def mimo_mtp_fate(key: str, n_predict: int) -> KeyFate:
-    raw = {"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": n_predict}
-    return VllmMTPLoad("mimo_mtp", raw).fate(key)
-
-
-def mimo_mtp_unfilled(keys: list[str], n_predict: int) -> list[str]:
-    raw = {"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": n_predict}
-    return [
-        k
-        for k in VllmMTPLoad("mimo_mtp", raw).unfilled(keys)
-        if k not in ("model.embed_tokens.weight", "lm_head.weight")
-    ]
