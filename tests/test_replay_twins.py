@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.cli import EXAMPLES, REPO, TINY_WORLD, TRAINING, run_main
+from helpers.cli import EXAMPLES, REPO, TINY_WORLD, TRAINING, assert_one_line_error, run_main
 
 from hstrace import replay_trace
 from hstrace.reference.target import ReferenceTarget
@@ -200,6 +200,24 @@ def test_training_prompts_and_our_own_in_one_trace(tmp_path) -> None:
     f = next(f for f in res.findings if f.code == "aux-layer-shift")
     assert f.evidence["serving_layers"] == SHIFTED_LAYERS
     assert f.evidence["training_layers"] == TRAINED_LAYERS
+
+
+def test_a_target_too_shallow_for_the_drafter_is_bad_input(tmp_path) -> None:
+    """A --target with fewer layers than the drafter's aux layers need (the wrong model): one
+    line naming the target dir, its layer count and the drafter's layers, exit 2 (not an
+    internal failure)."""
+    target = tmp_path / "short-target"
+    shutil.copytree(TARGET, target)
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = 4
+    (target / "config.json").write_text(json.dumps(config))
+    trace = EXAMPLES / "clean.zarr"
+    args = ["replay", str(trace), "--drafter", str(DRAFTER), "--target", str(target)]
+    run = run_main(*args, cwd=tmp_path)
+    assert_one_line_error(run, str(target))
+    [line] = [x for x in run.stderr.splitlines() if x.startswith("hstrace: error:")]
+    assert "4 layers" in line and str(TRAINED_LAYERS) in line and "wrong target?" in line
+    assert "bug in hstrace" not in run.stderr
 
 
 def test_nothing_judged_is_exit_3_never_clean() -> None:

@@ -83,6 +83,14 @@ def no_wiring_fault(ev: Evidence) -> list[Finding]:
     judged_on = ev.judged()
     capture = judged_on.get("target-capture") or {}
     twins_only = bool(capture.get("against_target_forward")) and not capture["against_training"]
+    # what agrees: with no training data the serving side agrees with the target's forward;
+    # with no capture next to a training side, no agreement is claimed
+    if twins_only:
+        agree = "serving and the target's forward agree"
+    elif not capture and judged_on:
+        agree = "no divergence in the stages judged"
+    else:
+        agree = "serving and training agree"
     for name, value, label in (
         (
             "acc0_training",
@@ -115,12 +123,12 @@ def no_wiring_fault(ev: Evidence) -> list[Finding]:
             else "the drafter is not weak by the healthy position-0 range 0.55-0.75"
         )
         summary = (
-            f"serving and training agree; {verdict}: step-0 accuracy against the target's own "
+            f"{agree}; {verdict}: step-0 accuracy against the target's own "
             f"argmax (target space, what greedy serving accepts) is {judged:.0%}"
         )
     elif context:
         summary = (
-            "serving and training agree; the drafter's greedy-serving accuracy (against the "
+            f"{agree}; the drafter's greedy-serving accuracy (against the "
             "target's own argmax) was not measured (give --target DIR), so no judgement of "
             "the drafter"
         )
@@ -135,16 +143,8 @@ def no_wiring_fault(ev: Evidence) -> list[Finding]:
         basis = f"{twins} request(s) judged against the target's forward on the served tokens"
         if trained:
             basis += f" and {trained} against their training samples"
-        else:  # no training data at all: the agreement is with the target's forward
-            summary = summary.replace(
-                "serving and training agree", "serving and the target's forward agree", 1
-            )
         summary += f"; {basis}"
         evidence["judged"] = judged_on
-    if not capture and judged_on:  # nothing next to a training side: no agreement claimed
-        summary = summary.replace(
-            "serving and training agree", "no divergence in the stages judged", 1
-        )
     if ev.not_judged:
         summary += "; not judged: " + "; ".join(
             f"{n['what'].split(' (')[0]} ({n['why']})" for n in ev.not_judged

@@ -158,14 +158,12 @@ def drafter_aux_layers(cfg: Any, dialect: str | None, num_layers: int) -> tuple[
 
 
 def twin_gap(r: ServingRequest) -> str | None:
-    """Why a request cannot get a reference twin (None: it can)."""
+    """Why a request with recorded aux rows cannot get a reference twin (None: it can)."""
     if r.position_base:
         return (
             "recorded without its first tokens (armed mid-request): the target forward needs "
             "the whole sequence"
         )
-    if not r.aux_rows:
-        return "no recorded aux rows to compare"
     if len(r.tokens) < 3:
         return "fewer than 3 tokens"
     return None
@@ -186,11 +184,16 @@ def reference_twins(
     """(serving index, its twin `TrainingSample`, the match) for each request: the target's
     states h_l(t) at `layers` on the request's own tokens. The twin's `index` counts on from
     `first_index` (after the training samples)."""
+    from hstrace.errors import HstraceError
     from hstrace.training import BEFORE_LAYER, TrainingSample
 
     top = int(target.num_layers)
     if not layers or max(layers) > top or min(layers) < 0:
-        raise ValueError(f"aux layers {layers} are outside the target's 0..{top}")
+        # bad input (the drafter was trained on another, deeper model), not a bug in hstrace
+        raise HstraceError(
+            f"--target {getattr(target, 'path', '?')} has {top} layers (states 0..{top}), "
+            f"but the drafter names aux layers {layers}: wrong target?"
+        )
     out = []
     for k, (i, r) in enumerate(requests):
         ids = torch.as_tensor(np.asarray(r.tokens)).long()

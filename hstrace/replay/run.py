@@ -469,10 +469,11 @@ def _twins(
     untwinned: dict[str, str] = {}
     can = []
     for i, r in lacking:
+        if not r.aux_rows:  # a request with no capture has no slots to judge anyway
+            continue
         gap = twin_gap(r)
         if gap is not None:
-            if r.aux_rows:  # (a request with no capture has no slots to judge anyway)
-                untwinned[r.name] = f"no training twin; {gap}"
+            untwinned[r.name] = f"no training twin; {gap}"
             continue
         can.append((i, r))
     if not can:

@@ -37,6 +37,22 @@ METRIC_LABELS: dict[str, str] = {
 }
 
 
+# The same metrics when no training data was given and every request was judged against its
+# reference twin (`inputs.against_kind == "target"`): the "training" side is the target's
+# forward on the served tokens, not training tensors.
+TWIN_METRIC_LABELS: dict[str, str] = {
+    "acc0_training": "step-0 acc, target's forward on served tokens (argmax == next token)",
+    "acc0_training_teacher": "step-0 acc, target's forward on served tokens (library teacher, draft vocab)",
+}
+
+
+def metric_labels(result: ReplayResult) -> dict[str, str]:
+    """`METRIC_LABELS`, each saying what its metric was computed on for this result."""
+    if result.inputs.get("against_kind") == "target":
+        return {**METRIC_LABELS, **TWIN_METRIC_LABELS}
+    return METRIC_LABELS
+
+
 RANK_COLUMNS = (
     "rank",
     "steps (target / draft_extend / verify)",
@@ -190,7 +206,7 @@ def render_terminal(result: ReplayResult, console: Console | None = None) -> Non
     metrics = Table(title="metrics")
     metrics.add_column("metric")
     metrics.add_column("value", justify="right")
-    for key, label in METRIC_LABELS.items():
+    for key, label in metric_labels(result).items():
         if key in result.metrics and result.metrics[key] is not None:
             metrics.add_row(label, _fmt(result.metrics[key]))
     console.print(metrics)
@@ -283,7 +299,7 @@ def render_markdown(result: ReplayResult) -> str:
         lines.append("")
         lines += _impact_markdown(result)
     lines += ["## Metrics", "", "| metric | value |", "| --- | --- |"]
-    for key, label in METRIC_LABELS.items():
+    for key, label in metric_labels(result).items():
         if key in result.metrics and result.metrics[key] is not None:
             lines.append(row(label, _fmt(result.metrics[key])))
     lines.append("")
