@@ -387,8 +387,9 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
         return lambda: rec.run_tap("verify_probs", rows_fn)
 
     def topk(step: taps.Step) -> None:
-        for call in step.calls:
-            call.topk = taps.draft_topk(logits.detach(), d2t)
+        for call in step.calls:  # what compute_logits' tap keeps, then the tap thread's top-k
+            call.logits, call.d2t = logits.detach(), d2t
+        taps.finish_topk(step)
 
     def rows(step: taps.Step) -> list:
         verifying = [i for i, n in enumerate(step.num_draft_tokens) if n > 0]
@@ -400,7 +401,7 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
 
     for _ in range(20):  # warm up the writer (first writes fix columns, grow arrays)
         step = collect()
-        step.verify_probs = snapshot().get()
+        step.verify_probs = snapshot()()
         topk(step)
         rec.emit(rows(step))
     names = ("collect", "verify_snapshot", "verify_rows", "topk", "rows", "staging")
@@ -629,6 +630,25 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             arm: _median_by_name(rounds) for arm, rounds in cpu.items() if rounds
         },
         "disarm_s_median": round(statistics.median(disarm_s), 3) if disarm_s else None,
+        # every timed round's CPU summed, per engine step of those rounds (a round is a few
+        # ticks per thread: per round, the counters' 10 ms tick is the resolution)
+        "cpu_ms_per_engine_step_by_thread": {
+            arm: _per_step(rounds, drafts[arm] / args.prompts)
+            for arm, rounds in cpu.items()
+            if rounds
+        },
+    }
+
+
+def _per_step(rounds: list[dict[str, float]], steps: float) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for r in rounds:
+        for name, s in r.items():
+            total[name] = total.get(name, 0.0) + s
+    return {
+        n: round(1e3 * v / steps, 3)
+        for n, v in sorted(total.items(), key=lambda kv: -kv[1])
+        if steps > 0 and v > 0
     }
 
 

@@ -282,7 +282,7 @@ def _rule(sampler: Any, draft_probs: Any, sm: Any) -> int:
 
 def _verify_tap(
     sampler: Any, a: dict[str, Any], raw: Any, proc: Any
-) -> Callable[[], list[taps.VerifyProbs | None]]:
+) -> Callable[[], taps.VerifyProbs]:
     """What the rule compared, snapshotted on the serving thread; returns the work that turns
     it into per-request rows (`taps.verify_probs`: log-sum-exp, gathers, history counts), which
     runs on the tap thread on CPU. Snapshotted here: the target's rows at the drafted
@@ -306,17 +306,23 @@ def _verify_tap(
         pen_logit = pen.gather(1, ids.to(pen.device)).reshape(-1)
     else:
         pen_logit = None  # the identity: gathered from `raw` off this thread
-    greedy = sm.all_greedy
+    greedy, n_req = sm.all_greedy, len(meta.num_draft_tokens)
     temperature = None if greedy or sm.temperature is None else sm.temperature
     params = {
-        "temperature": torch.zeros(len(meta.num_draft_tokens)) if greedy else temperature,
+        "temperature": torch.zeros(n_req) if greedy else temperature,
         "top_p": sm.top_p,
         "top_k": sm.top_k,
         "repetition_penalty": sm.repetition_penalties,
         "frequency_penalty": sm.frequency_penalties,
         "presence_penalty": sm.presence_penalties,
     }
-    params = {k: None if v is None else v.detach().float().cpu().clone() for k, v in params.items()}
+    # one copy of every parameter in force ([P, B] float32): vLLM updates its batch in place
+    present = [k for k, v in params.items() if v is not None]
+    stacked = (
+        torch.stack([params[k].detach().reshape(-1)[:n_req].float() for k in present]).cpu()
+        if present
+        else None
+    )
     penalties = not sm.no_penalties and sm.prompt_token_ids is not None
     prompt_ids = sm.prompt_token_ids.cpu().clone() if penalties else None
     output_ids = [list(h) for h in sm.output_token_ids] if penalties else None
@@ -325,12 +331,15 @@ def _verify_tap(
     draft_probs = draft_probs.detach().clone() if draft_probs is not None else None
     rule = _rule(sampler, draft_probs, sm)
 
-    def rows() -> list[taps.VerifyProbs | None]:
+    def rows() -> taps.VerifyProbs:
         pen = pen_logit
         if pen is None:
             pen = raw.gather(1, ids.to(raw.device)).reshape(-1)
+        resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
+        if stacked is not None:
+            resolved.update(zip(present, stacked.unbind(0), strict=True))
         return taps.verify_probs(
-            draft_ids, num_draft, raw, pen, proc, draft_probs, params, rule,
+            draft_ids, num_draft, raw, pen, proc, draft_probs, resolved, rule,
             prompt_ids=prompt_ids, output_ids=output_ids,
         )  # fmt: skip
 

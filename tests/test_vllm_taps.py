@@ -273,18 +273,19 @@ def test_verify_rule_inputs_per_drafted_token_and_their_absence() -> None:
         prompt_ids=prompt,
         output_ids=[[], [21, 21, 7]],
     )
-    assert probs[0] is None
-    b = probs[1]
-    assert b.rule == taps.RULE_ONE_HOT and b.params["temperature"] == 0.5
-    assert b.params["top_p"] != b.params["top_p"]  # NaN: not in force
+    assert probs.num_draft_tokens == [0, 3]
+    assert probs.select([0]).tok["p_target"].numel() == 0  # A verified nothing
+    b = probs.select([1])
+    assert b.req["rule"].tolist() == [taps.RULE_ONE_HOT] and b.req["temperature"].tolist() == [0.5]
+    assert torch.isnan(b.req["top_p"]).all()  # not in force
     want = proc.softmax(-1)[torch.arange(3), torch.tensor([21, 22, 23])]
-    assert b.per_token["p_target"] == pytest.approx(want.tolist())
-    assert b.per_token["q_draft"] == [1.0, 1.0, 1.0]
-    assert b.per_token["logit_raw"] == [2.0, 1.0, 0.5]
-    assert b.per_token["logit_pen"] == [2.0, 1.0, 0.5]
-    assert b.per_token["logit_proc"] == [4.0, 2.0, 1.0]
-    assert b.per_token["target_argmax"] == [21, 21, 21]
-    assert b.per_token["seen_prompt"] == [0, 1, 0] and b.per_token["n_out"] == [2, 0, 0]
+    assert b.tok["p_target"].tolist() == pytest.approx(want.tolist())
+    assert b.tok["q_draft"].tolist() == [1.0, 1.0, 1.0]
+    assert b.tok["logit_raw"].tolist() == [2.0, 1.0, 0.5]
+    assert b.tok["logit_pen"].tolist() == [2.0, 1.0, 0.5]
+    assert b.tok["logit_proc"].tolist() == [4.0, 2.0, 1.0]
+    assert b.tok["target_argmax"].tolist() == [21, 21, 21]
+    assert b.tok["seen_prompt"].tolist() == [0, 1, 0] and b.tok["n_out"].tolist() == [2, 0, 0]
     step = mixed_step()
     step.verify_probs = probs
     verify = taps.verify_rows(step, [1])
@@ -360,3 +361,56 @@ def test_new_request_reads_the_resolved_sampling_params() -> None:
     )
     w = taps.requests_rows([taps.new_request(pooled)])
     assert w is not None and torch.isnan(w.req["temperature"]).all()
+
+
+def test_the_tap_threads_batched_work_equals_the_per_call_and_per_request_work() -> None:
+    """What the tap thread batches gives the rows the plain per-call / per-request work gives:
+    one top-k over the step's stacked draft logits split back (each call's `draft_topk`, bit
+    for bit); a verify of requests 0 and 2 with a prefill between them (rows by index, not
+    one slice), with the rule columns of exactly those requests' drafted tokens."""
+    g = torch.Generator().manual_seed(3)
+    step = taps.Step(
+        req_ids=["a", "p", "c"],
+        num_draft_tokens=[2, 0, 2],
+        draft_token_ids=torch.tensor([5, 6, 7, 8]),
+        sampled=[[5, 9, -1], [4, -1, -1], [3, -1, -1]],
+        target_ids=torch.arange(100, 108),
+        target_positions=torch.arange(8),
+        target_aux=torch.randn(8, K * H, generator=g),
+        query_start=[0, 3, 5, 8],
+    )
+    for rows in (8, 3, 3):  # the first pass reads every target row; the chain one a request
+        call = taps.DraftCall(torch.zeros(rows, dtype=torch.int64), torch.zeros(rows), None)
+        # three sampled rows each, over a draft vocabulary wider than TOPK (k = 8 kept)
+        call.logits, call.d2t = torch.randn(3, 40, generator=g), None
+        step.calls.append(call)
+    want = [taps.draft_topk(c.logits, None) for c in step.calls]
+    taps.finish_topk(step)
+    for call, w in zip(step.calls, want, strict=True):
+        assert call.logits is None and all(torch.equal(call.topk[n], w[n]) for n in w)
+    chain = taps.draft_rows(step, [3, 2, 3])[1]
+    assert torch.equal(chain.tok["topk_draft_ids"], want[1]["topk_draft_ids"])
+
+    raw = torch.randn(4, V, generator=g)
+    step.verify_probs = taps.verify_probs(
+        step.draft_token_ids, [2, 0, 2], raw, raw[:, 0], raw * 2.0, None,
+        {"temperature": torch.tensor([0.5, 0.7, 0.0])}, taps.RULE_ONE_HOT,
+    )  # fmt: skip
+    t_prefill, t_verify = taps.target_rows(step, [2, 4, 5])
+    assert t_verify.tok["input_ids"].tolist() == [100, 101, 102, 105, 106, 107]
+    assert torch.equal(t_verify.tok["aux_hidden"], step.target_aux[[0, 1, 2, 5, 6, 7]])
+    assert t_prefill.tok["input_ids"].tolist() == [103, 104]
+    assert t_verify.req["req_key"].tolist() == [request_key("a"), request_key("c")]
+    v = taps.verify_rows(step, [0, 2])
+    assert v.other["proposed"]["ids"].tolist() == [5, 6, 7, 8]
+    assert v.req["rule"].tolist() == [taps.RULE_ONE_HOT, taps.RULE_GREEDY]  # c at T = 0
+    assert v.req["temperature"].tolist() == pytest.approx([0.5, 0.0])
+    assert v.other["proposed"]["logit_raw"].tolist() == raw.gather(1, torch.tensor(
+        [[5], [6], [7], [8]])).reshape(-1).tolist()  # fmt: skip
+    # one request of the three (record --sample-every): its rows, cut from the columns
+    only_c = taps.verify_rows(taps.restrict(step, [2]), [0])
+    assert only_c.req["rule"].tolist() == [taps.RULE_GREEDY]
+    assert (
+        only_c.other["proposed"]["logit_raw"].tolist()
+        == v.other["proposed"]["logit_raw"][2:].tolist()
+    )

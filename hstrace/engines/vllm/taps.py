@@ -28,6 +28,29 @@ TOPK = 8  # draft top-k recorded per sampled row (vLLM computes the full draft l
 PLACEHOLDER = -1  # vLLM's rejected / padding slot in sampled_token_ids
 
 
+# Every torch call on the tap thread gives up the GIL and takes it back from the serving
+# thread (a hand-over each way): calls that would change nothing are not made.
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` on the CPU as `dtype` (itself when it already is)."""
+    if not t.is_cpu:
+        t = t.cpu()
+    return t if t.dtype is dtype else t.to(dtype)
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """`t` as float32 where it is (a CUDA tensor stays on its device)."""
+    return t if t.dtype is torch.float32 else t.float()
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)
+
+
+def _first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """The first `n` rows of `t` (itself when it has exactly those)."""
+    return t if t.shape[0] == n else t[:n]
+
+
 @dataclass
 class NewRequest:
     rid: str
@@ -52,10 +75,21 @@ class DraftCall:
 
 
 def finish_topk(step: Step) -> None:
-    """The draft top-k of every call whose logits were kept, then the logits dropped."""
-    for call in step.calls:
-        if call.topk is None and call.logits is not None:
+    """The draft top-k of every call whose logits were kept, then the logits dropped: one
+    `draft_topk` over the step's calls stacked (same drafter, same vocabulary), split back."""
+    todo = [c for c in step.calls if c.topk is None and c.logits is not None]
+    if len(todo) > 1 and all(
+        c.d2t is todo[0].d2t and c.logits.shape[1:] == todo[0].logits.shape[1:] for c in todo
+    ):
+        sizes = [int(c.logits.shape[0]) for c in todo]
+        both = draft_topk(torch.cat([c.logits for c in todo]), todo[0].d2t)
+        parts = {name: col.split(sizes) for name, col in both.items()}
+        for i, call in enumerate(todo):
+            call.topk = {name: part[i] for name, part in parts.items()}
+    else:
+        for call in todo:
             call.topk = draft_topk(call.logits, call.d2t)
+    for call in step.calls:
         call.logits = call.d2t = None
 
 
@@ -75,9 +109,19 @@ class Step:
     query_start: list[int] | None = None  # [B+1] row offsets per request
     sample_rows: list[int] | None = None  # row of each request the first pass samples from
     calls: list[DraftCall] = field(default_factory=list)
-    # from the rejection sampler (run before the proposer in the same step): per request of
-    # the batch, what its verify rule used (None: not tapped)
-    verify_probs: list[VerifyProbs | None] | None = None
+    # from the rejection sampler (run before the proposer in the same step): what each
+    # request's verify rule used, as columns over the batch (None: not tapped)
+    verify_probs: VerifyProbs | None = None
+    _keys: torch.Tensor | None = field(default=None, repr=False)
+
+    def keys(self, members: list[int] | None = None) -> torch.Tensor:
+        """The `req_key` column of the requests at `members` (default: the whole batch),
+        hashed once per step."""
+        if self._keys is None:
+            self._keys = request_keys(self.req_ids)
+        if members is None or members == list(range(len(self.req_ids))):
+            return self._keys
+        return self._keys.index_select(0, torch.tensor(members, dtype=torch.int64))
 
 
 # The verify rule a request was judged by (`verify.req.rule`).
@@ -107,15 +151,38 @@ PROPOSED_INT = ("target_argmax", "seen_prompt", "n_out")
 
 @dataclass
 class VerifyProbs:
-    """One request's verify as the rejection sampler saw it: its rule, the sampling
-    parameters it resolved, and per drafted token the target's raw logit, its logit and
-    probability after the engine's transforms (penalties, temperature, top-k/top-p), the
-    draft's probability (1 for a one-hot draft), the processed argmax, and the history the
+    """One verify as the rejection sampler saw it, for every request of the batch, as columns:
+    per request (`req`, [B]) its rule and the sampling parameters it resolved; per drafted
+    token (`tok`, [N] = sum(num_draft_tokens), request by request) the target's raw logit, its
+    logit and probability after the engine's transforms (penalties, temperature, top-k/top-p),
+    the draft's probability (1 for a one-hot draft), the processed argmax, and the history the
     penalties count (token in the prompt 0/1, its count in the committed output; -1 unknown)."""
 
-    rule: int
-    params: dict[str, float]
-    per_token: dict[str, list[float]]
+    num_draft_tokens: list[int]
+    req: dict[str, torch.Tensor]  # "rule" (int64), SAMPLING_PARAMS (float32)
+    tok: dict[str, torch.Tensor]  # PROPOSED_FLOAT (float32), PROPOSED_INT (int64)
+
+    def select(self, members: list[int]) -> VerifyProbs:
+        """The rows of the requests at batch indices `members`, in that order."""
+        n = self.num_draft_tokens
+        if members == list(range(len(n))):
+            return self
+        starts = [0]
+        for k in n:
+            starts.append(starts[-1] + k)
+        at = torch.tensor(members, dtype=torch.int64)
+        rows = _ranges([(starts[i], starts[i + 1]) for i in members])
+        return VerifyProbs(
+            [n[i] for i in members],
+            {name: col.index_select(0, at) for name, col in self.req.items()},
+            {name: col.index_select(0, rows) for name, col in self.tok.items()},
+        )
+
+
+def _ranges(spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The row indices of the half-open spans, in order (int64)."""
+    parts = [torch.arange(a, b, dtype=torch.int64) for a, b in spans if b > a]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def draft_topk(
@@ -124,28 +191,37 @@ def draft_topk(
     """Top-k of vLLM's draft logits. `compute_logits` returns them in the target vocabulary
     (draft id i scattered to i + d2t[i], -inf elsewhere); read back the draft-space logits so
     both id spaces and the log-probs over the draft vocabulary are exact."""
-    logits_full = logits_full.float()
+    logits_full = _f32(logits_full)  # on its device: CUDA logits are never copied whole
     if d2t is not None:
-        targets = torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
+        targets = _on(_draft_targets(d2t), logits_full.device)
         # index_select, not advanced indexing: the latter is a parallel TensorIterator kernel,
         # milliseconds per call on a busy CPU (measured: bench/live_overhead.py)
-        draft = logits_full.index_select(1, targets.to(logits_full.device))
+        draft = logits_full.index_select(1, targets)
     else:
         targets, draft = None, logits_full
     k = min(k, draft.shape[-1])
     lse = torch.logsumexp(draft, dim=-1)
     values, idx = draft.topk(k, dim=-1)
-    mapped = (
-        targets.to(idx.device).index_select(0, idx.reshape(-1)).reshape(idx.shape)
-        if targets is not None
-        else idx
-    )
+    mapped = targets.take(idx) if targets is not None else idx
     return {
-        "topk_draft_ids": idx.to(torch.int64),
-        "topk_target_ids": mapped.to(torch.int64),
-        "topk_logprobs": values - lse[:, None],
+        "topk_draft_ids": idx,  # int64, as topk returns them
+        "topk_target_ids": mapped,
+        "topk_logprobs": values.sub_(lse.unsqueeze(1)),
         "lse": lse,
     }
+
+
+_TARGETS: list[Any] = []  # [d2t, its version, its target ids]: one drafter per process
+
+
+def _draft_targets(d2t: torch.Tensor) -> torch.Tensor:
+    """Draft id i -> target id i + d2t[i] (the drafter's buffer: computed once, not per step)."""
+    cached = _TARGETS
+    if cached and cached[0] is d2t and cached[1] == d2t._version:
+        return cached[2]
+    targets = torch.arange(d2t.numel(), device=d2t.device) + d2t.to(torch.int64)
+    cached[:] = [d2t, d2t._version, targets]
+    return targets
 
 
 def _expand_topk(
@@ -153,6 +229,13 @@ def _expand_topk(
 ) -> dict[str, torch.Tensor]:
     """Top-k columns for every row of a draft extend: real where vLLM computed logits (the
     sampled rows), ids -1 / log-prob -inf / lse NaN elsewhere (as SGLang's rows)."""
+    if (
+        topk is not None
+        and len(rows) == n_rows
+        and topk["topk_draft_ids"].shape == (n_rows, k)
+        and rows == list(range(n_rows))
+    ):  # every row sampled (a chain step): the columns as they are
+        return {name: _as(col, _TOPK_DTYPES[name]) for name, col in topk.items()}
     ids = torch.full((n_rows, k), -1, dtype=torch.int64)
     tids = torch.full((n_rows, k), -1, dtype=torch.int64)
     lps = torch.full((n_rows, k), float("-inf"), dtype=torch.float32)
@@ -160,15 +243,22 @@ def _expand_topk(
     if topk is not None and rows:
         at = torch.tensor(rows, dtype=torch.int64)
         kk = topk["topk_draft_ids"].shape[-1]
-        ids[:, :kk].index_copy_(0, at, topk["topk_draft_ids"].cpu())
-        tids[:, :kk].index_copy_(0, at, topk["topk_target_ids"].cpu())
-        lps[:, :kk].index_copy_(0, at, topk["topk_logprobs"].float().cpu())
-        lse.index_copy_(0, at, topk["lse"].float().cpu())
+        for out, name in (
+            (ids, "topk_draft_ids"),
+            (tids, "topk_target_ids"),
+            (lps, "topk_logprobs"),
+        ):
+            (out if kk == k else out[:, :kk]).index_copy_(0, at, _as(topk[name], out.dtype))
+        lse.index_copy_(0, at, _as(topk["lse"], torch.float32))
     return {"topk_draft_ids": ids, "topk_target_ids": tids, "topk_logprobs": lps, "lse": lse}
 
 
-def _param(x: list[float] | None, i: int) -> float:
-    return float("nan") if x is None else float(x[i])
+_TOPK_DTYPES = {
+    "topk_draft_ids": torch.int64,
+    "topk_target_ids": torch.int64,
+    "topk_logprobs": torch.float32,
+    "lse": torch.float32,
+}
 
 
 def verify_probs(
@@ -182,93 +272,99 @@ def verify_probs(
     rule: int,
     prompt_ids: torch.Tensor | None = None,
     output_ids: list[list[int]] | None = None,
-) -> list[VerifyProbs | None]:
-    """What one verify's rule used, per request of the batch (None: no drafts). `raw_logits`
-    and `proc_logits` are the target's rows at the drafted positions before and after the
+) -> VerifyProbs:
+    """What one verify's rule used, as columns over the batch. `raw_logits` and
+    `proc_logits` are the target's rows at the drafted positions before and after the
     engine's transforms ([N, V], N = sum(num_draft_tokens)); `params` the per-request sampling
     tensors ([B] or None); `prompt_ids` ([B, P], padded with V) and `output_ids` the history
     the engine's penalties count (None when it applies none)."""
-    ids = draft_ids.to(torch.int64).reshape(-1, 1)
-    vocab = int(raw_logits.shape[-1])
-    safe = ids.clamp(0, vocab - 1)
-    z = raw_logits.float().gather(1, safe.to(raw_logits.device)).reshape(-1).cpu()
-    proc = proc_logits.float()
-    zp = proc.gather(1, safe.to(proc.device)).reshape(-1).cpu()
-    zpen = pen_logit.float().reshape(-1).cpu()
+    ids = draft_ids.reshape(-1, 1)
+    n_req, n_tok = len(num_draft_tokens), int(ids.shape[0])
+    if sum(num_draft_tokens) != n_tok:
+        raise ValueError(f"{n_tok} drafted tokens for num_draft_tokens {num_draft_tokens}")
+    # computed where the rows are (CUDA rows are never copied whole); columns end on the CPU
+    dev = raw_logits.device
+    safe = _on(ids, dev)
+    safe = (safe if safe.dtype is torch.int64 else safe.long()).clamp(0, raw_logits.shape[-1] - 1)
+    z = _f32(raw_logits).gather(1, safe).view(-1)
+    proc = _f32(_on(proc_logits, dev))
+    zp = proc.gather(1, safe).view(-1)
     # p(token) = exp(z - logsumexp(z)): the softmax row itself is never needed (a full-vocab
     # softmax per verify was the tap thread's costliest call, bench/live_overhead.py)
-    lse = torch.logsumexp(proc, dim=-1).reshape(-1).cpu()
-    p = (zp - lse).exp()
-    argmax = proc.argmax(dim=-1).reshape(-1).cpu()
+    p = (zp - torch.logsumexp(proc, dim=-1)).exp_()
     if draft_probs is None:
         q = torch.ones_like(p)
     else:
-        q = draft_probs.float().gather(1, safe.to(draft_probs.device)).reshape(-1).cpu()
-    flat = ids.reshape(-1).cpu().tolist()
-    values = {k: None if v is None else v.reshape(-1).tolist() for k, v in params.items()}
-    out: list[VerifyProbs | None] = []
-    start = 0
-    for i, n in enumerate(num_draft_tokens):
-        if n == 0:
-            out.append(None)
-            continue
-        toks = flat[start : start + n]
-        if prompt_ids is not None and output_ids is not None:
-            prompt = set(prompt_ids[i].tolist())
+        q = _f32(_on(draft_probs, dev)).gather(1, safe).view(-1)
+    pen = _as(pen_logit, torch.float32)
+    tok = {
+        "p_target": _as(p, torch.float32),
+        "q_draft": _as(q, torch.float32),
+        "logit_raw": _as(z, torch.float32),
+        "logit_pen": pen if pen.dim() == 1 else pen.reshape(-1),
+        "logit_proc": _as(zp, torch.float32),
+        "target_argmax": _as(proc.argmax(dim=-1), torch.int64),
+    }
+    if prompt_ids is not None and output_ids is not None:
+        flat = ids.reshape(-1).tolist()
+        seen, n_out, start = [], [], 0
+        for i, n in enumerate(num_draft_tokens):
+            toks = flat[start : start + n]
+            prompt = set(prompt_ids[i].tolist()) if n else set()
             hist = list(output_ids[i]) if i < len(output_ids) else []
-            seen = [int(t in prompt) for t in toks]
-            n_out = [hist.count(t) for t in toks]
-        else:
-            seen, n_out = [-1] * n, [-1] * n
-        sl = slice(start, start + n)
-        temperature = values.get("temperature")
-        greedy_row = temperature is not None and float(temperature[i]) < 1e-5
-        out.append(
-            VerifyProbs(
-                rule=RULE_GREEDY if greedy_row and rule != RULE_SYNTHETIC else rule,
-                params={k: _param(v, i) for k, v in values.items()},
-                per_token={
-                    "p_target": p[sl].tolist(),
-                    "q_draft": q[sl].tolist(),
-                    "logit_raw": z[sl].tolist(),
-                    "logit_pen": zpen[sl].tolist(),
-                    "logit_proc": zp[sl].tolist(),
-                    "target_argmax": argmax[sl].tolist(),
-                    "seen_prompt": seen,
-                    "n_out": n_out,
-                },
-            )
-        )
-        start += n
-    return out
+            seen += [int(t in prompt) for t in toks]
+            n_out += [hist.count(t) for t in toks]
+            start += n
+        tok["seen_prompt"] = torch.tensor(seen, dtype=torch.int64)
+        tok["n_out"] = torch.tensor(n_out, dtype=torch.int64)
+    else:  # one column of -1 for both (the writer only reads it)
+        tok["seen_prompt"] = tok["n_out"] = torch.full((n_tok,), -1, dtype=torch.int64)
+    req = {"rule": torch.full((n_req,), rule, dtype=torch.int64)}
+    unknown = None
+    for name in SAMPLING_PARAMS:
+        value = params.get(name)
+        if value is None:  # one column of NaN for every parameter not in force
+            if unknown is None:
+                unknown = torch.full((n_req,), float("nan"), dtype=torch.float32)
+            req[name] = unknown
+            continue
+        value = _as(value, torch.float32)
+        if value.dim() != 1:
+            value = value.reshape(-1)
+        if value.shape[0] != n_req:
+            if value.shape[0] < n_req:
+                raise ValueError(f"{name}: {value.shape[0]} values for {n_req} requests")
+            value = value[:n_req]
+        req[name] = value
+    # a request at temperature 0 is judged greedily, whatever the batch's rule
+    if params.get("temperature") is not None and rule != RULE_SYNTHETIC:
+        req["rule"].masked_fill_(req["temperature"] < 1e-5, RULE_GREEDY)
+    return VerifyProbs(list(num_draft_tokens), req, tok)
 
 
 def _verify_sampling_columns(
     step: Step, members: list[int]
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The rule columns of a verify: per request (`rule`, the sampling parameters) and per
-    drafted token; NaN / -1 where the sampler was not tapped (the columns are always there:
-    a trace's columns are fixed by its first write)."""
-    req: dict[str, list] = {"rule": [], **{k: [] for k in SAMPLING_PARAMS}}
-    tok: dict[str, list] = {k: [] for k in (*PROPOSED_FLOAT, *PROPOSED_INT)}
+    drafted token; NaN / -1 where the sampler was not tapped, or tapped another batch (the
+    columns are always there: a trace's columns are fixed by its first write)."""
     probs = step.verify_probs
-    for i in members:
-        n = step.num_draft_tokens[i]
-        vp = probs[i] if probs is not None and i < len(probs) else None
-        if vp is not None and len(vp.per_token["p_target"]) != n:
-            vp = None
-        req["rule"].append(-1 if vp is None else vp.rule)
-        for k in SAMPLING_PARAMS:
-            req[k].append(float("nan") if vp is None else vp.params.get(k, float("nan")))
-        for k in PROPOSED_FLOAT:
-            tok[k].extend([float("nan")] * n if vp is None else vp.per_token[k])
-        for k in PROPOSED_INT:
-            tok[k].extend([-1] * n if vp is None else vp.per_token[k])
-    req_t = {"rule": torch.tensor(req["rule"], dtype=torch.int64)}
-    req_t |= {k: torch.tensor(req[k], dtype=torch.float32) for k in SAMPLING_PARAMS}
-    tok_t = {k: torch.tensor(tok[k], dtype=torch.float32) for k in PROPOSED_FLOAT}
-    tok_t |= {k: torch.tensor(tok[k], dtype=torch.int64) for k in PROPOSED_INT}
-    return req_t, tok_t
+    if probs is not None and probs.num_draft_tokens == list(step.num_draft_tokens):
+        if members != [i for i, n in enumerate(probs.num_draft_tokens) if n > 0]:
+            chosen = probs.select(members)
+            return chosen.req, chosen.tok
+        # every request with drafts (a step's verify): their rows are all the token rows
+        at = torch.tensor(members, dtype=torch.int64)
+        req = probs.req
+        if len(members) != len(probs.num_draft_tokens):
+            req = {name: col.index_select(0, at) for name, col in req.items()}
+        return req, probs.tok
+    n_req, n_tok = len(members), sum(step.num_draft_tokens[i] for i in members)
+    req = {"rule": torch.full((n_req,), -1, dtype=torch.int64)}
+    req |= {k: torch.full((n_req,), float("nan")) for k in SAMPLING_PARAMS}
+    tok = {k: torch.full((n_tok,), float("nan")) for k in PROPOSED_FLOAT}
+    tok |= {k: torch.full((n_tok,), -1, dtype=torch.int64) for k in PROPOSED_INT}
+    return req, tok
 
 
 def new_request(nr: Any) -> NewRequest:
@@ -307,9 +403,7 @@ def restrict(step: Step, keep: list[int]) -> Step:
         new_requests=step.new_requests,  # already only the kept ones (the hooks choose)
         draft_token_ids=drafts,
         sampled=[step.sampled[i] for i in keep] if step.sampled is not None else None,
-        verify_probs=[step.verify_probs[i] for i in keep]
-        if step.verify_probs is not None
-        else None,
+        verify_probs=step.verify_probs.select(keep) if step.verify_probs is not None else None,
     )
     if qs is None or step.target_ids is None:
         return out
@@ -362,8 +456,20 @@ def requests_rows(new: list[NewRequest]) -> TableWrite | None:
 def _rows_of(step: Step, members: list[int]) -> torch.Tensor:
     qs = step.query_start
     assert qs is not None
-    parts = [torch.arange(qs[i], qs[i + 1], dtype=torch.int64) for i in members]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    return _ranges([(qs[i], qs[i + 1]) for i in members])
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _take(x: torch.Tensor, dim: int, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows of `x` (along `dim`) in the half-open spans, in order: one slice when they
+    follow each other (a decode batch: every request), else one `index_select`."""
+    if all(spans[j][1] == spans[j + 1][0] for j in range(len(spans) - 1)) and spans:
+        start, n = spans[0][0], spans[-1][1] - spans[0][0]
+        return x if start == 0 and n == x.shape[dim] else x.narrow(dim, start, n)
+    return x.index_select(dim, _ranges(spans).to(x.device))
 
 
 def target_rows(
@@ -391,26 +497,26 @@ def target_rows(
     attrs = None
     if capture_layers:
         attrs = {"tok/aux_hidden": aux_hidden_attrs(capture_layers, int(aux.shape[-1]), convention)}
-    ids = step.target_ids.to(torch.int64)
-    pos = step.target_positions.to(torch.int64)
+    ids = _as(step.target_ids, torch.int64)
+    pos = _as(step.target_positions, torch.int64)
     writes = []
     for mode in (0, 1):
         members = [i for i in range(n_req) if (ndraft[i] > 0) == (mode == 1)]
         if not members:
             continue
-        rows = _rows_of(step, members).to(ids.device)
+        spans = [(qs[i], qs[i + 1]) for i in members]
         writes.append(
             TableWrite(
                 "target",
                 step={"mode": mode},
                 req={
-                    "req_key": request_keys([step.req_ids[i] for i in members]),
+                    "req_key": step.keys(members),
                     "n_tok": torch.tensor([lens[i] for i in members], dtype=torch.int64),
                 },
                 tok={
-                    "input_ids": ids.index_select(0, rows),
-                    "positions": pos.index_select(-1, rows),
-                    "aux_hidden": aux.index_select(0, rows.to(aux.device)),
+                    "input_ids": _take(ids, 0, spans),
+                    "positions": _contiguous(_take(pos, -1, spans)),
+                    "aux_hidden": _take(aux, 0, spans),
                 },
                 column_attrs=attrs,
             )
@@ -445,30 +551,33 @@ def verify_rows(step: Step, members: list[int]) -> TableWrite:
     starts = [0]
     for n in ndraft:
         starts.append(starts[-1] + n)
-    drafts = step.draft_token_ids.to(torch.int64).cpu()
-    accept, bonus, proposed, accepted = [], [], [], []
+    accept, bonus, accepted = [], [], []
     for i in members:
         row = [t for t in step.sampled[i] if t != PLACEHOLDER]
         if not row:
             raise ValueError(f"request {step.req_ids[i]} has no sampled token after a verify")
         accept.append(len(row) - 1)
         bonus.append(row[-1])
-        proposed.append(drafts[starts[i] : starts[i + 1]])
-        accepted.append(torch.tensor(row[:-1], dtype=torch.int64))
+        accepted += row[:-1]
+    drafts = _as(step.draft_token_ids, torch.int64)
     rule_req, rule_tok = _verify_sampling_columns(step, members)
+    n_accepted = torch.tensor(accept, dtype=torch.int64)
     return TableWrite(
         "verify",
         req={
-            "req_key": request_keys([step.req_ids[i] for i in members]),
-            "accept_len": torch.tensor(accept, dtype=torch.int64),
+            "req_key": step.keys(members),
+            "accept_len": n_accepted,
             "bonus_id": torch.tensor(bonus, dtype=torch.int64),
             "n_proposed": torch.tensor([ndraft[i] for i in members], dtype=torch.int64),
-            "n_accepted": torch.tensor(accept, dtype=torch.int64),
+            "n_accepted": n_accepted,
             **rule_req,
         },
         other={
-            "proposed": {"ids": torch.cat(proposed), **rule_tok},
-            "accepted": {"ids": torch.cat(accepted)},
+            "proposed": {
+                "ids": _take(drafts, 0, [(starts[i], starts[i + 1]) for i in members]),
+                **rule_tok,
+            },
+            "accepted": {"ids": torch.tensor(accepted, dtype=torch.int64)},
         },
     )
 
@@ -478,7 +587,7 @@ def draft_rows(step: Step, lens: list[int]) -> list[TableWrite]:
     sampled row, the target's positions, the aux concat before fc) and the K-1 chain steps."""
     if not step.calls:
         return []
-    keys = request_keys(step.req_ids)
+    keys = step.keys()
     n_tok = int(step.target_ids.shape[0])  # type: ignore[union-attr]
     first = step.calls[0]
     sample_rows = step.sample_rows or []
@@ -486,25 +595,28 @@ def draft_rows(step: Step, lens: list[int]) -> list[TableWrite]:
         "draft_extend",
         req={"req_key": keys, "n_tok": torch.tensor(lens, dtype=torch.int64)},
         tok={
-            "input_ids": first.input_ids[:n_tok].to(torch.int64),
-            "positions": first.positions[:n_tok].to(torch.int64),
+            "input_ids": _as(_first(first.input_ids, n_tok), torch.int64),
+            "positions": _as(_first(first.positions, n_tok), torch.int64),
             "hidden_in": step.target_aux,
             **_expand_topk(first.topk, n_tok, sample_rows, TOPK),
         },
     )
     out = [ext]
     batch = len(step.req_ids)
+    every, ones = list(range(batch)), torch.ones(batch, dtype=torch.int64)
     for k, call in enumerate(step.calls[1:], start=1):
-        topk = _expand_topk(call.topk, batch, list(range(batch)), TOPK)
+        topk = _expand_topk(call.topk, batch, every, TOPK)
         out.append(
             TableWrite(
                 "draft_step",
                 step={"step_index": k},
-                req={"req_key": keys, "n_tok": torch.ones(batch, dtype=torch.int64)},
+                req={"req_key": keys, "n_tok": ones},
                 tok={
-                    "input_ids": call.input_ids[:batch].to(torch.int64),
-                    "positions": call.positions[:batch].to(torch.int64),
-                    "hidden_in": call.hidden_in[:batch] if call.hidden_in is not None else None,
+                    "input_ids": _as(_first(call.input_ids, batch), torch.int64),
+                    "positions": _as(_first(call.positions, batch), torch.int64),
+                    "hidden_in": _first(call.hidden_in, batch)
+                    if call.hidden_in is not None
+                    else None,
                     **topk,
                 },
             )
