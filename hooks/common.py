@@ -89,10 +89,16 @@ class Recorder:
         self._finalizers = False
         self._deferred: Any = None  # the tap thread's queue (`defer`), started on first use
         self.tap_thread = True  # a session may ask for the step's work inline (bench's variant)
+        # Paced (an engine whose hooks say when a step has handed back: `step_ended`): the tap
+        # thread starts a step's rows then, not while the step's own Python still runs; both
+        # share this process's GIL, and every hand-over of it delays serving
+        self.paced = False
+        self._step_ended = threading.Event()
 
     # ---- off the serving thread -----------------------------------------------------------------
 
     DEFER_DEPTH = 8  # steps handed over and not yet written; a full queue stalls serving (block)
+    PACE_WAIT_S = 0.02  # the longest a paced tap thread waits for `step_ended` (then it starts)
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run `fn` (a step's top-k, row building and staging) on this process's tap thread,
@@ -109,7 +115,13 @@ class Recorder:
                         target=self._tap_loop, name="hstrace-taps", daemon=True
                     ).start()
             q = self._deferred
+        if self.paced:
+            self._step_ended.clear()
         q.put(fn)
+
+    def step_ended(self) -> None:
+        """The engine's step has handed back (its serving thread, armed only)."""
+        self._step_ended.set()
 
     def _tap_loop(self) -> None:
         from hstrace.trace.write import placement
@@ -119,6 +131,8 @@ class Recorder:
         q = self._deferred
         while True:
             fn = q.get()
+            if self.paced and q.empty():  # behind (steps waiting): no wait
+                self._step_ended.wait(self.PACE_WAIT_S)
             try:
                 fn()  # its taps run under run_tap: a failure disables one and is recorded
             except Exception as exc:  # never let the tap thread die

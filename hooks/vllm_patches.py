@@ -184,6 +184,27 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
     return propose_draft_token_ids
 
 
+def wrap_sample_tokens(original: Callable) -> Callable:
+    """V1 `GPUModelRunner.sample_tokens` (sampling, then the drafts, then bookkeeping): its
+    return is the step's end, the tap thread's cue (`Recorder.paced`). Started at the
+    hand-over instead (mid-step), the tap thread's Python took the GIL from the bookkeeping;
+    started at the next forward, from the forward (bench/live_overhead.py, bench/README.md)."""
+    rec = REC
+    if rec is not None:
+        rec.paced = True  # the cue will come
+
+    @functools.wraps(original)
+    def sample_tokens(self, *args, **kwargs):
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rec = REC
+            if rec is not None and rec.armed:
+                rec.step_ended()
+
+    return sample_tokens
+
+
 SPEC_METHODS = ("eagle3", "mtp")  # the proposer methods recorded (same machinery)
 
 
@@ -774,6 +795,7 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "GPUModelRunner._setup_eagle3_aux_hidden_state_outputs": wrap_setup_aux,
     "SpecDecodeBaseProposer.load_model": wrap_proposer_load_model,
     "GPUModelRunner.propose_draft_token_ids": wrap_propose_draft_token_ids,
+    "GPUModelRunner.sample_tokens": wrap_sample_tokens,
     "SpecDecodeBaseProposer.propose": wrap_propose,
     "Eagle3LlamaForCausalLM.forward": wrap_drafter_forward,
     "Eagle3LlamaForCausalLM.compute_logits": wrap_compute_logits,

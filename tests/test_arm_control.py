@@ -252,3 +252,35 @@ def test_an_audit_item_that_is_not_json_data_is_refused_once_not_kept(dormant, t
     assert box["session"].ok
     with open_trace(out) as tr:
         assert tr.meta["static"]["weights"] == {"loaded": ["fc.weight"]}
+
+
+def test_a_paced_tap_thread_starts_a_step_when_the_engine_says_it_ended(monkeypatch) -> None:
+    """Paced (vLLM V1: `sample_tokens` returned), the tap thread waits for the step's end
+    before building its rows, not while the step's own Python still runs; a step that finds
+    others queued behind it (the thread is behind) does not wait. A cue that never comes
+    delays the rows by at most PACE_WAIT_S, never drops them."""
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.paced = True
+    monkeypatch.setattr(Recorder, "PACE_WAIT_S", 30.0)  # any wait seen below is the cue's
+    ran: list[str] = []
+    rec.defer(lambda: ran.append("one"))
+    time.sleep(0.2)
+    assert ran == []  # handed over, and waiting for the step's end
+    rec.step_ended()
+    rec.drain()
+    assert ran == ["one"]
+    # behind: a step with another queued after it starts without a cue; the last one waits
+    block = threading.Event()
+    rec.defer(block.wait)  # occupies the thread once its cue comes
+    rec.step_ended()
+    rec.defer(lambda: ran.append("two"))
+    rec.defer(lambda: ran.append("three"))
+    block.set()
+    deadline = time.monotonic() + 10
+    while "two" not in ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert ran == ["one", "two"]  # "two" did not wait; "three" waits for its step's end
+    rec.step_ended()
+    rec.drain()
+    assert ran == ["one", "two", "three"]

@@ -75,6 +75,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         _END,
         ("requests", "verify"),
     ),
+    # the runner's step handed back (drafts proposed, bookkeeping done): when the tap thread
+    # starts the step's rows (`Recorder.paced`), so it does not contend for the GIL with the
+    # step's own Python
+    PatchPoint(f"{_RUNNER}.sample_tokens", ("self", "grammar_output"), _V, _END, ("pace",)),
     # the proposer: the exact aux concat (before fc) and the draft chain
     PatchPoint(
         f"{_PROPOSER}.propose",
