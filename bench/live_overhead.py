@@ -315,7 +315,20 @@ def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     `_verify_tap`'s snapshot; the step carries it). On the tap thread (`Recorder.defer`):
     verify_rows (the verify's per-request rows), topk (of the kept draft logits), rows (row
     building), staging (the writer's copy into its ring). hstrace's own functions; the
-    engine's tensors are stand-ins of the same shapes, made before the clock starts."""
+    engine's tensors are stand-ins of the same shapes, made before the clock starts. One
+    torch thread, as in vLLM's CPU worker bound to one core (with two, each small kernel's
+    thread team waits for a descheduled thread on a busy host: milliseconds of noise)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _hook_cost_per_step(batch, tmp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     import torch
     from hstrace.hooks import vllm_patches as vp
 
@@ -802,7 +815,6 @@ def main() -> None:
             "engine_ms_per_step_without": round(1e3 * wall_per_round / steps_per_round, 2),
             "trace_bytes_last_run": trace_bytes,
         }
-    import torch
 
     load_at_cost = os.getloadavg()
     cost = hook_cost_per_step(args.prompts, work)
@@ -825,9 +837,7 @@ def main() -> None:
                 "tap_thread_ms_per_step": round(tap_thread_ms, 3),
                 "serving_thread_share_of_a_step": round(serving_ms / step_ms, 4),
                 "tap_thread_share_of_a_step": round(tap_thread_ms / step_ms, 4),
-                # parallel torch kernels (indexing, gather, log-sum-exp, top-k) wait for their
-                # sibling thread on a loaded machine: the stage medians are a quiet run's only
-                "hook_cost_torch_threads": torch.get_num_threads(),
+                "hook_cost_torch_threads": 1,  # as the worker's (hook_cost_per_step)
                 "load_avg_at_hook_cost": load_at_cost,
                 "dormant_patch_point_ns": round(dormant_check_ns(), 1),
                 "tensor_parallel_size": TP,

@@ -1,0 +1,127 @@
+"""The vLLM tap thread's work for one step, alone in this process: no server, no writer.
+
+    $(bash scripts/vllm-venv.sh | tail -1) bench/tap_work.py [--steps 500] [--batch 8] \
+        [--drafter eagle3|mtp] [--profile]
+
+What `hooks/vllm_patches.py: _emit_step` does on the tap thread for each step (the verify's
+rule inputs, one top-k over the step's draft logits, the rows of every table), on stand-ins of
+the world's shapes (`live_overhead.WORLD`: hidden, aux slots, K, both vocabularies) and the
+verify snapshot `_verify_tap` takes on the serving thread under vLLM's own sampling objects.
+The rows are built and dropped (`Recorder.emit` is a no-op here: the writer's staging is
+`live_overhead`'s `staging` stage). One torch thread, as in vLLM's CPU worker bound to one
+core; the steps are made before the clock starts and the collector is frozen, so the figure
+is the tap thread's own CPU. Before/after a change: run it twice, alternating, with the other
+tree first on `PYTHONPATH` (`git archive REV hstrace hooks` plus its built extensions).
+
+Prints one JSON object: ms per step (median, min), and with --profile the calls that cost
+most (every torch call on the tap thread gives the GIL to the serving thread and takes it back:
+their number is the figure to watch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import json
+import pstats
+import statistics
+import time
+
+import live_overhead as lo
+import torch
+from hstrace.hooks import vllm_patches as vp
+
+from hstrace.engines.vllm import taps
+
+
+def steps_of(n: int, batch: int) -> tuple[vp.VLLMRecorder, list[taps.Step]]:
+    w = lo.WORLD
+    H, K, VD, V, T = w.hidden, w.k, w.draft_vocab, w.vocab, batch * (w.k + 1)
+    d2t = torch.zeros(VD, dtype=torch.int64) if VD < V else None
+    qs = [(K + 1) * i for i in range(batch + 1)]
+    g = torch.Generator().manual_seed(0)
+    logits = torch.full((batch, V), float("-inf"))
+    logits[:, :VD] = torch.randn(batch, VD, generator=g)
+    sampler, a, proc = lo.verify_step(batch, T)
+    rec = vp.VLLMRecorder({"out": "unused", "streams": lo.STREAMS}, (0, 32, 0))
+    rec.capture_layers = list(w.capture)
+    rec.capture_convention = "mtp_target_output" if w.spec["method"] == "mtp" else None
+    rec.emit = lambda writes: None  # rows built, not staged
+    meta = a["metadata"]
+    out = []
+    for _ in range(n):  # what the serving thread hands over (copies, as its wrappers take)
+        step = taps.Step(
+            req_ids=[f"r{i}" for i in range(batch)],
+            num_draft_tokens=[K] * batch,
+            draft_token_ids=torch.randint(0, V, (K * batch,), generator=g),
+            sampled=[[1] * K + [-1] for _ in range(batch)],
+            target_ids=torch.randint(0, V, (T,), generator=g),
+            target_positions=torch.arange(T),
+            target_aux=torch.randn(T, w.slots * H, generator=g),
+            query_start=qs,
+            sample_rows=[q - 2 for q in qs[1:]],
+        )
+        for k in range(K):
+            rows = T if k == 0 else batch
+            call = taps.DraftCall(
+                torch.randint(0, V, (rows,), generator=g),
+                torch.arange(rows),
+                None if k == 0 else torch.randn(batch, H, generator=g),
+            )
+            call.logits, call.d2t = logits.clone(), d2t  # compute_logits' tap keeps these
+            step.calls.append(call)
+        raw = a["logits"].index_select(0, meta.target_logits_indices.to(torch.int64)).float()
+        step.verify_probs = vp._verify_tap(sampler, a, raw, proc)
+        out.append(step)
+    return rec, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=500)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--drafter", choices=sorted(lo.WORLDS), default="eagle3")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args()
+    lo.WORLD = lo.WORLDS[args.drafter]
+    torch.set_num_threads(1)
+    warm = 50
+    rec, steps = steps_of(args.steps + warm, args.batch)
+    gc.collect()
+    gc.freeze()
+    for step in steps[:warm]:
+        vp._emit_step(rec, step, None)
+    prof = cProfile.Profile() if args.profile else None
+    times = []
+    for step in steps[warm:]:
+        t0 = time.perf_counter()
+        if prof is not None:
+            prof.enable()
+        vp._emit_step(rec, step, None)
+        if prof is not None:
+            prof.disable()
+        times.append(time.perf_counter() - t0)
+    result: dict = {
+        "drafter": args.drafter,
+        "batch": args.batch,
+        "steps": args.steps,
+        "ms_per_step_median": round(1e3 * statistics.median(times), 3),
+        "ms_per_step_min": round(1e3 * min(times), 3),
+        "taps_disabled": sorted(rec.disabled),  # a tap that raised would make it look cheap
+    }
+    if prof is not None:
+        st = pstats.Stats(prof)
+        top = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:15]  # by own time
+        torch_calls = sum(v[1] for fn, v in st.stats.items() if fn[0] == "~" and "torch" in fn[2])
+        result["torch_calls_per_step"] = round(torch_calls / args.steps, 1)
+        result["calls_per_step_by_own_time"] = {
+            f"{fn[0].rsplit('/', 1)[-1]}:{fn[2]}": round(v[1] / args.steps, 2) for fn, v in top
+        }
+    print(json.dumps(result, indent=1))
+    if rec.disabled:
+        raise SystemExit(f"taps disabled: {sorted(rec.disabled)}")
+
+
+if __name__ == "__main__":
+    main()
