@@ -305,7 +305,7 @@ def _verify_tap(
     sampler: Any, a: dict[str, Any], raw: Any, proc: Any
 ) -> Callable[[], taps.VerifyProbs]:
     """What the rule compared, snapshotted on the serving thread; returns the work that turns
-    it into per-request rows (`taps.verify_probs`: log-sum-exp, gathers, history counts), which
+    it into batch columns (`taps.verify_probs`: log-sum-exp, gathers, history counts), which
     runs on the tap thread on CPU. Snapshotted here: the target's rows at the drafted
     positions raw (`raw`, a copy read before vLLM ran); after its penalties (its own
     `apply_logits_processors`, rerun on a copy now because it reads the batch's history and

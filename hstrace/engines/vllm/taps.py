@@ -37,9 +37,13 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype is dtype else t.to(dtype)
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as `dtype` where it is (a CUDA tensor stays on its device: the writer copies)."""
+    return t if t.dtype is dtype else t.to(dtype)
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
-    """`t` as float32 where it is (a CUDA tensor stays on its device)."""
-    return t if t.dtype is torch.float32 else t.float()
+    return _cast(t, torch.float32)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -163,19 +167,20 @@ class VerifyProbs:
     tok: dict[str, torch.Tensor]  # PROPOSED_FLOAT (float32), PROPOSED_INT (int64)
 
     def select(self, members: list[int]) -> VerifyProbs:
-        """The rows of the requests at batch indices `members`, in that order."""
+        """The rows of the requests at batch indices `members`, in that order (the token
+        columns as they are when those requests hold every drafted token: a step's verify)."""
         n = self.num_draft_tokens
         if members == list(range(len(n))):
             return self
         starts = [0]
         for k in n:
             starts.append(starts[-1] + k)
+        spans = [(starts[i], starts[i + 1]) for i in members]
         at = torch.tensor(members, dtype=torch.int64)
-        rows = _ranges([(starts[i], starts[i + 1]) for i in members])
         return VerifyProbs(
             [n[i] for i in members],
             {name: col.index_select(0, at) for name, col in self.req.items()},
-            {name: col.index_select(0, rows) for name, col in self.tok.items()},
+            {name: _take(col, 0, spans) for name, col in self.tok.items()},
         )
 
 
@@ -350,15 +355,8 @@ def _verify_sampling_columns(
     columns are always there: a trace's columns are fixed by its first write)."""
     probs = step.verify_probs
     if probs is not None and probs.num_draft_tokens == list(step.num_draft_tokens):
-        if members != [i for i, n in enumerate(probs.num_draft_tokens) if n > 0]:
-            chosen = probs.select(members)
-            return chosen.req, chosen.tok
-        # every request with drafts (a step's verify): their rows are all the token rows
-        at = torch.tensor(members, dtype=torch.int64)
-        req = probs.req
-        if len(members) != len(probs.num_draft_tokens):
-            req = {name: col.index_select(0, at) for name, col in req.items()}
-        return req, probs.tok
+        chosen = probs.select(members)
+        return chosen.req, chosen.tok
     n_req, n_tok = len(members), sum(step.num_draft_tokens[i] for i in members)
     req = {"rule": torch.full((n_req,), -1, dtype=torch.int64)}
     req |= {k: torch.full((n_req,), float("nan")) for k in SAMPLING_PARAMS}
@@ -497,8 +495,8 @@ def target_rows(
     attrs = None
     if capture_layers:
         attrs = {"tok/aux_hidden": aux_hidden_attrs(capture_layers, int(aux.shape[-1]), convention)}
-    ids = _as(step.target_ids, torch.int64)
-    pos = _as(step.target_positions, torch.int64)
+    ids = _cast(step.target_ids, torch.int64)
+    pos = _cast(step.target_positions, torch.int64)
     writes = []
     for mode in (0, 1):
         members = [i for i in range(n_req) if (ndraft[i] > 0) == (mode == 1)]
@@ -595,8 +593,8 @@ def draft_rows(step: Step, lens: list[int]) -> list[TableWrite]:
         "draft_extend",
         req={"req_key": keys, "n_tok": torch.tensor(lens, dtype=torch.int64)},
         tok={
-            "input_ids": _as(_first(first.input_ids, n_tok), torch.int64),
-            "positions": _as(_first(first.positions, n_tok), torch.int64),
+            "input_ids": _cast(_first(first.input_ids, n_tok), torch.int64),
+            "positions": _cast(_first(first.positions, n_tok), torch.int64),
             "hidden_in": step.target_aux,
             **_expand_topk(first.topk, n_tok, sample_rows, TOPK),
         },
@@ -612,8 +610,8 @@ def draft_rows(step: Step, lens: list[int]) -> list[TableWrite]:
                 step={"step_index": k},
                 req={"req_key": keys, "n_tok": ones},
                 tok={
-                    "input_ids": _as(_first(call.input_ids, batch), torch.int64),
-                    "positions": _as(_first(call.positions, batch), torch.int64),
+                    "input_ids": _cast(_first(call.input_ids, batch), torch.int64),
+                    "positions": _cast(_first(call.positions, batch), torch.int64),
                     "hidden_in": _first(call.hidden_in, batch)
                     if call.hidden_in is not None
                     else None,
