@@ -306,6 +306,62 @@ def verify_step(batch: int, logits_rows: int) -> tuple:
     return RejectionSampler(Sampler()), a, proc
 
 
+def stand_in_sources(batch: int, generator: Any = None) -> dict[str, Any]:
+    """The engine's tensors of one decode step of `batch` verifying requests on WORLD's shapes
+    (stand-ins: random ids and states of the right shapes and dtypes), as the step, proposer
+    and drafter wrappers find them: the target's ids, positions and captured states, and per
+    drafter forward its input ids, positions and hidden states."""
+    import torch
+
+    w = WORLD
+    H, K, V, T = w.hidden, w.k, w.vocab, batch * (w.k + 1)
+    g = generator
+    return {
+        "draft_token_ids": torch.randint(0, V, (K * batch,), generator=g),
+        "target_ids": torch.randint(0, V, (T,), generator=g),
+        "target_positions": torch.arange(T),
+        "target_aux": torch.randn(T, w.slots * H, generator=g),
+        "calls": [
+            (
+                torch.randint(0, V, (T if k == 0 else batch,), generator=g),
+                torch.arange(T if k == 0 else batch),
+                torch.randn(batch, H, generator=g),
+            )
+            for k in range(K)
+        ],
+        "sampled": torch.tensor([[1] * K + [-1]] * batch),
+    }
+
+
+def stand_in_step(batch: int, src: dict[str, Any], copy: bool) -> Any:
+    """The `taps.Step` the serving thread hands the tap thread for `src` (`stand_in_sources`).
+    `copy`: the copies the wrappers take (`hooks/vllm_patches.py`: ids, positions and hidden
+    states cloned; EAGLE-3's aux states are a fresh `torch.cat`, kept, MTP's a view of the
+    target's output, copied), what `hook_cost_per_step` times; without, the step holds src's
+    own tensors (`tap_work.py`, fresh sources per step). The first drafter forward takes no
+    hidden states of its own (it reads the target's)."""
+    from hstrace.engines.vllm import taps
+
+    K = WORLD.k
+    mtp = WORLD.spec["method"] == "mtp"
+    take = (lambda t: t.detach().clone()) if copy else (lambda t: t)
+    qs = [(K + 1) * i for i in range(batch + 1)]
+    step = taps.Step(
+        req_ids=[f"r{i}" for i in range(batch)],
+        num_draft_tokens=[K] * batch,
+        draft_token_ids=src["draft_token_ids"].detach().cpu(),
+        sampled=[list(r) for r in src["sampled"].tolist()],
+        target_ids=take(src["target_ids"]),
+        target_positions=take(src["target_positions"]),
+        target_aux=take(src["target_aux"]) if mtp else src["target_aux"],
+        query_start=qs,
+        sample_rows=[q - 2 for q in qs[1:]],
+    )
+    for k, (ids, pos, hid) in enumerate(src["calls"]):
+        step.calls.append(taps.DraftCall(take(ids), take(pos), None if k == 0 else take(hid)))
+    return step
+
+
 def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     """The hooks' own work for one decode step of `batch` verifying requests on WORLD's shapes
     (hidden H, `slots` captured states per token, K drafter forwards, the draft and target
@@ -336,59 +392,23 @@ def _hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     from hstrace.trace import create_trace
 
     w = WORLD
-    H, K, VD, V, T = w.hidden, w.k, w.draft_vocab, w.vocab, batch * (w.k + 1)
+    K, VD, V, T = w.k, w.draft_vocab, w.vocab, batch * (w.k + 1)
     d2t = torch.zeros(VD, dtype=torch.int64) if VD < V else None  # MTP: no vocab map
     out = tmp / "cost.zarr"
     create_trace(out, engine={"name": "vllm", "version": "0.32.0"}, command_line=[], static={})
     rec = vp.VLLMRecorder({"out": str(out), "streams": STREAMS}, (0, 32, 0))
     rec.capture_layers = list(w.capture)
     rec.capture_convention = "mtp_target_output" if w.spec["method"] == "mtp" else None
-    qs = [(K + 1) * i for i in range(batch + 1)]
-    # the engine's tensors of one step (stand-ins of the right shapes, made untimed)
-    src = {
-        "draft_token_ids": torch.randint(0, V, (K * batch,)),
-        "target_ids": torch.randint(0, V, (T,)),
-        "target_positions": torch.arange(T),
-        "target_aux": torch.randn(T, w.slots * H),
-        "calls": [
-            (
-                torch.randint(0, V, (T if k == 0 else batch,)),
-                torch.arange(T if k == 0 else batch),
-                torch.randn(batch, H),
-            )
-            for k in range(K)
-        ],
-        "sampled": torch.tensor([[1] * K + [-1]] * batch),
-    }
+    src = stand_in_sources(batch)  # the engine's tensors of one step, made untimed
     logits = torch.full((batch, V), float("-inf"))
     logits[:, :VD] = torch.randn(batch, VD)
+    qs = [(K + 1) * i for i in range(batch + 1)]
     lens = [qs[i + 1] - qs[i] for i in range(batch)]
-    mtp = w.spec["method"] == "mtp"
     sampler, a, proc = verify_step(batch, T)
 
     def collect() -> taps.Step:
         """What the step, proposer and drafter wrappers copy (vllm_patches)."""
-        step = taps.Step(
-            req_ids=[f"r{i}" for i in range(batch)],
-            num_draft_tokens=[K] * batch,
-            draft_token_ids=src["draft_token_ids"].detach().cpu(),
-            sampled=[list(r) for r in src["sampled"].tolist()],
-            target_ids=src["target_ids"].detach().clone(),
-            target_positions=src["target_positions"].detach().clone(),
-            # EAGLE-3: a fresh torch.cat, kept; MTP: a view of the target's output, copied
-            target_aux=src["target_aux"].detach().clone() if mtp else src["target_aux"],
-            query_start=qs,
-            sample_rows=[q - 2 for q in qs[1:]],
-        )
-        for k, (ids, pos, hid) in enumerate(src["calls"]):
-            step.calls.append(
-                taps.DraftCall(
-                    ids.detach().clone(),
-                    pos.detach().clone(),
-                    None if k == 0 else hid.detach().clone(),
-                )
-            )
-        return step
+        return stand_in_step(batch, src, copy=True)
 
     def snapshot() -> Any:
         """`wrap_rejection_forward` on the serving thread: begin()'s copy of the raw rows at

@@ -37,9 +37,8 @@ from hstrace.engines.vllm import taps
 
 def steps_of(n: int, batch: int) -> tuple[vp.VLLMRecorder, list[taps.Step]]:
     w = lo.WORLD
-    H, K, VD, V, T = w.hidden, w.k, w.draft_vocab, w.vocab, batch * (w.k + 1)
+    VD, V, T = w.draft_vocab, w.vocab, batch * (w.k + 1)
     d2t = torch.zeros(VD, dtype=torch.int64) if VD < V else None
-    qs = [(K + 1) * i for i in range(batch + 1)]
     g = torch.Generator().manual_seed(0)
     logits = torch.full((batch, V), float("-inf"))
     logits[:, :VD] = torch.randn(batch, VD, generator=g)
@@ -50,27 +49,10 @@ def steps_of(n: int, batch: int) -> tuple[vp.VLLMRecorder, list[taps.Step]]:
     rec.emit = lambda writes: None  # rows built, not staged
     meta = a["metadata"]
     out = []
-    for _ in range(n):  # what the serving thread hands over (copies, as its wrappers take)
-        step = taps.Step(
-            req_ids=[f"r{i}" for i in range(batch)],
-            num_draft_tokens=[K] * batch,
-            draft_token_ids=torch.randint(0, V, (K * batch,), generator=g),
-            sampled=[[1] * K + [-1] for _ in range(batch)],
-            target_ids=torch.randint(0, V, (T,), generator=g),
-            target_positions=torch.arange(T),
-            target_aux=torch.randn(T, w.slots * H, generator=g),
-            query_start=qs,
-            sample_rows=[q - 2 for q in qs[1:]],
-        )
-        for k in range(K):
-            rows = T if k == 0 else batch
-            call = taps.DraftCall(
-                torch.randint(0, V, (rows,), generator=g),
-                torch.arange(rows),
-                None if k == 0 else torch.randn(batch, H, generator=g),
-            )
+    for _ in range(n):  # what the serving thread hands over (fresh stand-ins per step)
+        step = lo.stand_in_step(batch, lo.stand_in_sources(batch, g), copy=False)
+        for call in step.calls:
             call.logits, call.d2t = logits.clone(), d2t  # compute_logits' tap keeps these
-            step.calls.append(call)
         raw = a["logits"].index_select(0, meta.target_logits_indices.to(torch.int64)).float()
         step.verify_probs = vp._verify_tap(sampler, a, raw, proc)
         out.append(step)
