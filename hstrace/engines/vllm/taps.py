@@ -30,16 +30,14 @@ PLACEHOLDER = -1  # vLLM's rejected / padding slot in sampled_token_ids
 
 # Every torch call on the tap thread gives up the GIL and takes it back from the serving
 # thread (a hand-over each way): calls that would change nothing are not made.
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`t` on the CPU as `dtype` (itself when it already is)."""
-    if not t.is_cpu:
-        t = t.cpu()
-    return t if t.dtype is dtype else t.to(dtype)
-
-
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`t` as `dtype` where it is (a CUDA tensor stays on its device: the writer copies)."""
     return t if t.dtype is dtype else t.to(dtype)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` on the CPU as `dtype` (itself when it already is)."""
+    return _cast(t if t.is_cpu else t.cpu(), dtype)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
