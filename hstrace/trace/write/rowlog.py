@@ -64,7 +64,7 @@ from zarr.codecs import BloscCodec
 from zarr.core.sync import sync
 from zarr.storage import LocalStore
 
-from hstrace.trace.codecs import blosc_into, blosc_planes
+from hstrace.trace.codecs import blosc_into, blosc_planes, blosc_tail
 from hstrace.trace.codecs.blosc_into import aligned_buffer, padded
 from hstrace.trace.liveshard import live_layout
 from hstrace.trace.schema import unit_rows
@@ -609,6 +609,7 @@ class RowLog:
         self._writing: deque[tuple[Future, Any, Any]] = deque()
         self._shard: _Shard | None = None
         self._shard_no = -1
+        self._tails = blosc_tail.TailFrames(CNAME, CLEVEL, Blosc.SHUFFLE)
 
     @property
     def stored(self) -> int:
@@ -686,6 +687,7 @@ class RowLog:
         chunk_no = self.encoded // self.chunk_rows
         self._ensure_capacity(self.encoded + self.chunk_rows)
         buf, block, self.buf, self.block, self.fill = self.buf, self.block, None, None, 0
+        self._tails.reset()  # the next tail is of another buffer
         self.encoded += self.chunk_rows
         if self.dir is None:
             start = chunk_no * self.chunk_rows
@@ -806,10 +808,14 @@ class RowLog:
 
     def _encode_tail(self) -> tuple[Any, int]:
         """The partly filled chunk, padded with zeros, as a frame; (frame, its unit). c-blosc,
-        not the byte planes: LZ codes the padding to next to nothing, Huffman to a bit a byte."""
+        not the byte planes: LZ codes the padding to next to nothing, Huffman to a bit a byte;
+        put together from the blocks of the last one where it can (blosc_tail.py)."""
         self._ensure_capacity(self.encoded + self.fill)
-        self.buf[self.fill :] = 0
-        data = ENCODER.codec(self.dtype.itemsize, False).encode(self.buf)
+        if ENCODER.into:  # c-blosc's own call: the frame from the blocks that changed
+            data = self._tails.frame(self.buf, self.fill * self.row_items * self.dtype.itemsize)
+        else:
+            self.buf[self.fill :] = 0
+            data = ENCODER.codec(self.dtype.itemsize, False).encode(self.buf)
         return data, self.encoded // self.unit
 
     def _shard_of(self, unit_no: int) -> _Shard:
