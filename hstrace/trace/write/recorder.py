@@ -107,6 +107,7 @@ class TableLog:
             self.offs.append(np.zeros((1, len(self.off_axes)), np.int64))
         self.steps = 0
         self.rows = {axis: 0 for axis in spec}  # rows of each axis in complete steps
+        self._layout: list | None = None
 
     def logs(self) -> dict[str, RowLog]:
         """Every array's RowLog, keyed as in the commit record ("offsets", "axis/column")."""
@@ -114,6 +115,17 @@ class TableLog:
         for axis, cols in self.cols.items():
             out.update({f"{axis}/{c}": log for c, log in cols.items()})
         return out
+
+    def layout(self) -> list[list[tuple[RowLog, np.dtype, int, tuple[int, ...], int]]]:
+        """Per axis in spec order, per column: (log, dtype, items per row, row shape, item
+        size): a step's columns as the writer process lays them out of the ring."""
+        if self._layout is None:
+            self._layout = [
+                [(log, log.dtype, log.row_items, log.row_shape, log.dtype.itemsize)
+                 for log in cols.values()]
+                for cols in self.cols.values()
+            ]  # fmt: skip
+        return self._layout
 
     def append(self, axis_rows: dict[str, dict[str, np.ndarray]], now: float) -> None:
         """Append one part of a step: for each axis present, rows of every column."""
@@ -261,6 +273,10 @@ class RankRecorder:
         """Monotonic time at which the oldest unwritten row reaches the tail-flush age."""
         ages = [log.dirty_since for log in self._all_logs() if log.dirty_since is not None]
         return min(ages) + self.tail_flush_s if ages else None
+
+    def scan_due(self, now: float) -> bool:
+        """Whether `tick` would look over the columns now (else it returns at once)."""
+        return not 0 <= now - self.last_scan < SCAN_INTERVAL_S
 
     def tick(self, now: float | None = None, backlog: bool = False, due: bool = False) -> None:
         """Tail-flush columns whose oldest staged row is too old; commit what became durable.

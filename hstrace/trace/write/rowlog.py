@@ -652,6 +652,13 @@ class RowLog:
             return
         if self.dirty_since is None:
             self.dirty_since = time.monotonic() if now is None else now
+        fill = self.fill
+        if self.buf is not None and fill + n < self.chunk_rows:  # the usual step: no chunk ends
+            self.buf[fill : fill + n] = rows
+            self.fill = fill + n
+            if self._inflight:
+                self._drain(block=False)
+            return
         i = 0
         while i < n:
             if self.buf is None:

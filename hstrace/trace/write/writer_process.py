@@ -319,16 +319,22 @@ def _consume(
 ) -> None:
     """Write one staged part, hand its ring space back whatever happened, then book-keep
     (`more`: further descriptors are waiting)."""
+    far = shm.far_behind(end)
     try:
         write()
     except HstraceError as exc:  # keep recording other tables; the error is in the trace
         rec.note_error("writer", str(exc))
     finally:
-        replies.end(end)
-        shm.consumed(end)
+        shm.consumed(end)  # the producer reads this word as it stages (no syscall)
+        # The pipe is what a producer waiting for room sleeps on: written once a batch of
+        # steps is done, or at each step while the ring is nearly full.
+        if not more or far:
+            replies.end(end)
     behind = shm.behind(end)
-    rowlog.set_behind(behind, far=shm.far_behind(end))
-    rec.tick(backlog=behind or more or data_r.poll(0))
+    rowlog.set_behind(behind, far=far)
+    now = time.monotonic()
+    if rec.scan_due(now):
+        rec.tick(now, backlog=behind or more or data_r.poll(0))
 
 
 def _take(
@@ -438,18 +444,17 @@ def _write_step(rec, shm: RingView, base: int, table: str | None, counts: tuple[
     """A one-part step: every column of every axis, in spec order, each at a 64-byte aligned
     offset after the previous one (ProcessSink.write_step's layout)."""
     t = _table(rec, table)
-    rows: dict[str, dict[str, np.ndarray]] = {}
     offset = base
-    for (axis, cols), n in zip(t.cols.items(), counts, strict=True):
-        rows[axis] = {}
-        for col, log in cols.items():
-            count = n * log.row_items
-            rows[axis][col] = np.frombuffer(
-                shm.buf, dtype=log.dtype, count=count, offset=offset
-            ).reshape(n, *log.row_shape)
-            offset += -(-count * log.dtype.itemsize // ALIGN) * ALIGN
     now = time.monotonic()
-    t.append(rows, now)
+    buf = shm.buf
+    # Each column's rows straight into its log: the views take the log's own dtype and row
+    # shape, which is all TableLog.append would check.
+    for logs, n in zip(t.layout(), counts, strict=True):
+        for log, dtype, items, shape, itemsize in logs:
+            count = n * items
+            if n:
+                log.append(np.frombuffer(buf, dtype, count, offset).reshape(n, *shape), now)
+            offset += -(-count * itemsize // ALIGN) * ALIGN
     t.end_step(dict(zip(t.cols, counts, strict=True)), now)
 
 
