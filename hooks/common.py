@@ -166,7 +166,6 @@ class Recorder:
                     import atexit
                     import multiprocessing.util
 
-                    _unpin(self._writer.writer_pid)
                     if not self._finalizers:  # once per process, whatever the sessions
                         self._finalizers = True
                         atexit.register(self.close)
@@ -345,22 +344,6 @@ class Recorder:
             except Exception:
                 print(f"hstrace: tap {name} disabled: {message}", file=sys.stderr)
             return None
-
-
-def _unpin(pid: int | None) -> None:
-    """Engines pin their model thread to a core (vLLM's CPU worker binds its OpenMP threads);
-    a writer process started from it inherits that affinity and would compete for the serving
-    core. Give it the CPUs of the engine process that started this one instead."""
-    import os
-
-    if pid is None or not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        mine, parent = os.sched_getaffinity(0), os.sched_getaffinity(os.getppid())
-        if parent - mine:
-            os.sched_setaffinity(pid, parent)
-    except OSError:
-        pass
 
 
 # ---- installing wrappers: now, or right after the module is imported ------------------------

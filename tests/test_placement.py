@@ -60,3 +60,30 @@ def test_move_here_binds_only_the_calling_thread() -> None:
     t.join()
     assert seen["worker"] == {min(before)}
     assert set(os.sched_getaffinity(0)) == before
+
+
+@linux
+def test_a_thread_an_openmp_bind_pinned_before_the_bootstrap_still_sees_its_parents_cpus(
+    monkeypatch,
+) -> None:
+    """vLLM's CPU worker starts with OMP_PLACES/OMP_PROC_BIND set: `import torch` binds its main
+    thread before hstrace's plugin runs, so its own mask would leave nothing spare."""
+    monkeypatch.delenv("HSTRACE_RECORD_CPUS", raising=False)
+    parent = set(os.sched_getaffinity(os.getppid()))
+    if len(parent) < 2:
+        pytest.skip("needs a parent on two CPUs or more")
+    one = min(parent)
+    before = set(os.sched_getaffinity(0))
+    monkeypatch.setattr(placement, "_given", None)
+    os.sched_setaffinity(0, {one})  # what the OpenMP runtime did on import
+    try:
+        for name in placement.OMP_BIND:
+            monkeypatch.delenv(name, raising=False)
+        placement.remember_given()
+        assert placement.spare_cpus() == {one}  # no bind named: only what it was given
+        monkeypatch.setattr(placement, "_given", None)
+        monkeypatch.setenv("OMP_PLACES", f"{{{one}}}")
+        placement.remember_given()
+        assert placement.spare_cpus() == parent - {one}
+    finally:
+        os.sched_setaffinity(0, before)

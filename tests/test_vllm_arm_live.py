@@ -16,6 +16,7 @@ Run under the engine semaphore: `/work/locks/engine-run $(bash scripts/vllm-venv
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -53,6 +54,30 @@ def send(prompts: list[list[int]]) -> list[list[int]]:
     return armed.send(PORT, str(TINY / "target"), prompts, NEW_TOKENS)
 
 
+def thread_masks(root: int) -> dict[str, set[int]]:
+    """{"process comm/thread comm": CPUs allowed} for every thread of the server's processes."""
+    kids: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except OSError:
+            continue
+        kids.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    masks: dict[str, set[int]] = {}
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo += kids.get(pid, [])
+        try:
+            name = open(f"/proc/{pid}/comm").read().strip()
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                thread = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+                masks.setdefault(f"{name}/{thread}", set()).update(os.sched_getaffinity(int(tid)))
+        except OSError:
+            continue
+    return masks
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("arm")
@@ -78,6 +103,7 @@ def served(tmp_path_factory):
             a = hstrace("arm", str(run), "--out", str(tmp / "a.zarr"))
             got["armed_hellos"] = wait_armed(run, True)
             got["armed"] = send(prompts)
+            got["masks"] = thread_masks(proc.pid)
             dis = subprocess.run(
                 [sys.executable, "-m", "hstrace", "disarm", str(run)],
                 capture_output=True,
@@ -141,6 +167,17 @@ def test_arm_then_disarm_records_a_clean_trace(served) -> None:
     assert res.verdict.code == "no-wiring-fault", res.verdict.summary
     assert res.exit_code == 0
     assert res.metrics["engine_vs_reference"]["top1_agreement"] >= 0.99
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: nothing to move to")
+def test_recording_runs_off_the_cores_the_model_thread_is_bound_to(served) -> None:
+    """vLLM binds its worker's model thread (`auto`: core 0) when `import torch` loads OpenMP,
+    before hstrace's plugin runs; the tap thread and the writer still go to the other cores."""
+    masks = served["masks"]
+    model = masks["VLLM::Worker/VLLM::Worker"]
+    assert model != set(os.sched_getaffinity(0)), masks  # vLLM did bind it
+    for name in ("VLLM::Worker/hstrace-taps", "hstrace-writer/hstrace-writer"):
+        assert masks.get(name) and not masks[name] & model, (name, masks)
 
 
 def test_outputs_armed_equal_outputs_dormant(served) -> None:

@@ -8,10 +8,11 @@ both would compete with the model for its own core while the reserved ones sit i
 2-core tiny world, armed serving ran at 0.39x dormant with them there (bench/live_overhead.py).
 
 `spare_cpus()`: the CPUs named by `HSTRACE_RECORD_CPUS` (`"1"`, `"2,3"`, `"8-15"`: a team that
-keeps cores for recording says which); else the CPUs this process was given (its mask when hstrace's bootstrap ran, before
-the engine bound anything; else every online CPU) less the engine thread's mask; all of them
-when nothing is left over (tensor parallel ranks bound to every core). Linux only; elsewhere
-nothing moves.
+keeps cores for recording says which); else the CPUs this process was given less the engine
+thread's mask; all of them when nothing is left over (tensor parallel ranks bound to every
+core). Given: its mask when hstrace's bootstrap ran; its parent's where an OpenMP bind in its
+environment bound it on `import torch`, before any plugin (vLLM's CPU worker); else every
+online CPU. Linux only; elsewhere nothing moves.
 """
 
 from __future__ import annotations
@@ -23,11 +24,26 @@ import sys
 _given: set[int] | None = None
 
 
+# An OpenMP runtime told to bind (vLLM's CPU worker sets these for each rank it starts) binds the
+# thread that loads it: `import torch` in a worker binds its main thread, before any plugin runs.
+OMP_BIND = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
 def remember_given() -> None:
-    """Called by the hooks' bootstrap, first thing in every server process."""
+    """Called by the hooks' bootstrap, first thing in every server process. Where an OpenMP bind
+    is set, the engine may have bound this thread already: the CPUs this process was started
+    with are then its parent's (a worker's engine process), when they include this thread's."""
     global _given
     if _given is None and hasattr(os, "sched_getaffinity"):
-        _given = set(os.sched_getaffinity(0))
+        given = set(os.sched_getaffinity(0))
+        if any(os.environ.get(name) for name in OMP_BIND):
+            try:
+                parent = set(os.sched_getaffinity(os.getppid()))
+            except OSError:
+                parent = set()
+            if given <= parent:
+                given = parent
+        _given = given
 
 
 def parse_cpus(text: str) -> set[int]:

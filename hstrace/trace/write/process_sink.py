@@ -210,6 +210,8 @@ class ProcessSink(Sink):
         raw = ("1" if raw_beyond_budget else "b") if raw_when_behind else "0"
         args += [str(max(0, int(compress_threads))), raw]
         env = dict(os.environ)
+        for name in placement.OMP_BIND:  # an OpenMP runtime it loads would bind it back there
+            env.pop(name, None)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
         # subprocess rather than multiprocessing's spawn, which would re-import the parent's
         # __main__ (a server launcher, a test runner, a user script).
