@@ -126,7 +126,7 @@ class Recorder:
     def _tap_loop(self) -> None:
         from hstrace.trace.write import placement
 
-        placement.move_here(placement.spare_cpus())  # not on the serving thread's own cores
+        placement.move_here(placement.tap_cpus())  # beside the serving thread unless named
         placement.name_thread("hstrace-taps")
         q = self._deferred
         while True:

@@ -23,10 +23,13 @@ def test_cpu_lists_parse_as_taskset_writes_them() -> None:
 
 @linux
 def test_named_cpus_win_and_a_bad_name_moves_nothing(monkeypatch) -> None:
+    monkeypatch.delenv("HSTRACE_RECORD_CPUS", raising=False)
+    assert placement.tap_cpus() is None  # beside the serving thread unless named
     monkeypatch.setenv("HSTRACE_RECORD_CPUS", "0")
-    assert placement.spare_cpus() == {0}
+    assert placement.spare_cpus() == {0} and placement.tap_cpus() == {0}
     monkeypatch.setenv("HSTRACE_RECORD_CPUS", "zero")
     assert placement.spare_cpus() is None  # the server never fails over it
+    assert placement.tap_cpus() is None
 
 
 @linux

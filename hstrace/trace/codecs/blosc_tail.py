@@ -87,6 +87,12 @@ class TailFrames:
                 z = self._zero.setdefault(key, (frame, blocks))
         return z
 
+    def _whole(self, buf: np.ndarray, flat: np.ndarray, zero_from: int) -> bytes:
+        """The fallback: the whole chunk compressed, zeros from `zero_from` on; nothing kept."""
+        flat[zero_from:] = 0
+        self.reset()
+        return _compress(buf.reshape(-1), *self.codec)
+
     def frame(self, buf: np.ndarray, filled: int) -> bytes:
         """The Blosc frame of `buf` (a C-contiguous chunk) with every byte from `filled` on
         zero. Writes those zeros into buf where the frame reads them."""
@@ -97,9 +103,7 @@ class TailFrames:
         start = len(self.kept)
         zero = self._zero_chunk(n, buf.dtype) if nblocks > 1 else None
         if zero is None or start > filled // TAIL_BLOCKSIZE:
-            flat[filled:] = 0
-            self.reset()
-            return _compress(buf.reshape(-1), *self.codec)
+            return self._whole(buf, flat, filled)
         end = min(n, touched * TAIL_BLOCKSIZE)
         flat[filled:end] = 0
         fresh: list[bytes] = []
@@ -110,9 +114,7 @@ class TailFrames:
             frame = _compress(flat[lo * TAIL_BLOCKSIZE : end].view(buf.dtype), *self.codec)
             cut = _blocks(frame)
             if cut is None or frame[:4] != zero[0][:4]:  # stored as is, or another header
-                flat[end:] = 0
-                self.reset()
-                return _compress(buf.reshape(-1), *self.codec)
+                return self._whole(buf, flat, end)
             fresh = cut[start - lo :]
         blocks = [*self.kept, *fresh, *zero[1][touched:]]
         at = _HEADER + 4 * nblocks
@@ -121,9 +123,7 @@ class TailFrames:
             starts[j] = at
             at += len(b)
         if at > n + blosc_into.MAX_OVERHEAD:  # c-blosc would store this chunk as it is
-            flat[end:] = 0
-            self.reset()
-            return _compress(buf.reshape(-1), *self.codec)
+            return self._whole(buf, flat, end)
         self.kept.extend(fresh[: filled // TAIL_BLOCKSIZE - start])
         head = zero[0][:12] + struct.pack("<I", at)
         return b"".join([head, starts.tobytes(), *blocks])

@@ -1,18 +1,21 @@
-"""Where recording work runs: off the cores the engine's own threads are bound to.
+"""Where recording work runs: the writer process off the cores the engine's model thread is bound
+to; the tap thread beside the serving thread.
 
 vLLM's CPU worker binds the thread that runs the model to its cores (`VLLM_CPU_OMP_THREADS_BIND`;
-`auto` binds rank 0 of a one-rank server to core 0 and reserves the rest for the API server),
-and a thread or a process inherits the CPU mask of the thread that creates it. hstrace's tap
-thread is created on the serving thread and its writer process from the engine's process, so
-both would compete with the model for its own core while the reserved ones sit idle: on the
-2-core tiny world, armed serving ran at 0.39x dormant with them there (bench/live_overhead.py).
+`auto` binds rank 0 of a one-rank server to core 0 and leaves the rest to the engine core and
+the API server), and a thread or a process inherits the CPU mask of the thread that creates
+it. The bind is OpenMP's: vLLM sets `OMP_PLACES`/`OMP_PROC_BIND` for the worker it starts, and
+`import torch` binds the worker's main thread before any plugin runs.
 
-`spare_cpus()`: the CPUs named by `HSTRACE_RECORD_CPUS` (`"1"`, `"2,3"`, `"8-15"`: a team that
-keeps cores for recording says which); else the CPUs this process was given less the engine
-thread's mask; all of them when nothing is left over (tensor parallel ranks bound to every
-core). Given: its mask when hstrace's bootstrap ran; its parent's where an OpenMP bind in its
-environment bound it on `import torch`, before any plugin (vLLM's CPU worker); else every
-online CPU. Linux only; elsewhere nothing moves.
+`spare_cpus()` (the writer process): the CPUs named by `HSTRACE_RECORD_CPUS` (`"1"`, `"2,3"`,
+`"8-15"`: a team that keeps cores for recording says which); else the CPUs this process was
+given less the model thread's mask; all of them when nothing is left over (tensor parallel
+ranks bound to every core). Given: its mask when hstrace's bootstrap ran; its parent's where an
+OpenMP bind is set in its environment (the worker's engine process); else every online CPU.
+`tap_cpus()` (the tap thread): the named CPUs, else it stays where the serving thread runs.
+Linux only; elsewhere nothing moves. Measured on the vLLM CPU tiny world (2 cores, bench/README.md
+"seventh pass"): the writer on the other core and the tap thread beside the serving thread,
+against both beside it and both on the other core.
 """
 
 from __future__ import annotations
@@ -60,16 +63,32 @@ def parse_cpus(text: str) -> set[int]:
     return cpus
 
 
+def named_cpus() -> set[int] | None:
+    """The CPUs `HSTRACE_RECORD_CPUS` names, or None (unset, unreadable: nothing moves)."""
+    named = os.environ.get("HSTRACE_RECORD_CPUS")
+    if not named or not hasattr(os, "sched_getaffinity"):
+        return None
+    try:
+        return parse_cpus(named)
+    except ValueError:
+        return None  # the launcher validates it; a server never fails over it
+
+
+def tap_cpus() -> set[int] | None:
+    """Where the tap thread runs: the named CPUs, else (None) where the thread that serves runs.
+    It is a thread of the serving interpreter: only one of them runs Python at a time, and on
+    another core it takes the GIL back and forth with the serving thread's polling loop
+    (vLLM CPU tiny world: 1.8-2.1 ms of tap CPU per engine step beside the serving thread,
+    3.9-4.6 ms on the other core; bench/README.md, issue 29 seventh pass)."""
+    return named_cpus()
+
+
 def spare_cpus() -> set[int] | None:
-    """The CPUs recording work should run on, or None where affinity cannot be read."""
+    """Where the writer process runs, or None where affinity cannot be read."""
     if not hasattr(os, "sched_getaffinity"):
         return None
-    named = os.environ.get("HSTRACE_RECORD_CPUS")
-    if named:
-        try:
-            return parse_cpus(named)
-        except ValueError:
-            return None  # the launcher validates it; a server never fails over it
+    if os.environ.get("HSTRACE_RECORD_CPUS"):
+        return named_cpus()
     given = _given if _given is not None else set(range(os.cpu_count() or 1))
     engine = set(os.sched_getaffinity(os.getpid()))  # the main thread: the one that serves
     return (given - engine) or given

@@ -282,7 +282,7 @@ class RankRecorder:
         """Tail-flush columns whose oldest staged row is too old; commit what became durable.
         Rate-limited to a scan per SCAN_INTERVAL_S unless `due` (next_deadline has passed)."""
         now = time.monotonic() if now is None else now
-        if not due and 0 <= now - self.last_scan < SCAN_INTERVAL_S:
+        if not due and not self.scan_due(now):
             return
         self.last_scan = now
         max_age = self.tail_flush_s * (BACKLOG_AGE_FACTOR if backlog else 1.0)
