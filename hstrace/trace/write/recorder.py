@@ -116,15 +116,14 @@ class TableLog:
             out.update({f"{axis}/{c}": log for c, log in cols.items()})
         return out
 
-    def layout(self) -> list[list[tuple[RowLog, np.dtype, int, tuple[int, ...], int]]]:
-        """Per axis in spec order, per column: (log, dtype, items per row, row shape, item
-        size): a step's columns as the writer process lays them out of the ring."""
+    def layout(self) -> list[list[tuple[RowLog, int]]]:
+        """Per axis in spec order, per column: (log, bytes per row): a step's columns as the
+        writer process lays them out of the ring (cached: the columns are fixed at the first
+        write)."""
         if self._layout is None:
             self._layout = [
-                [(log, log.dtype, log.row_items, log.row_shape, log.dtype.itemsize)
-                 for log in cols.values()]
-                for cols in self.cols.values()
-            ]  # fmt: skip
+                [(log, log.row_bytes) for log in cols.values()] for cols in self.cols.values()
+            ]
         return self._layout
 
     def append(self, axis_rows: dict[str, dict[str, np.ndarray]], now: float) -> None:

@@ -561,7 +561,7 @@ class RowLog:
         self.row_shape = tuple(int(x) for x in row_shape)
         self.dtype = np.dtype(dtype)  # native: little-endian hosts, as zarr's bytes codec
         self.row_items = math.prod(self.row_shape)
-        row_bytes = self.dtype.itemsize * self.row_items
+        self.row_bytes = row_bytes = self.row_items * self.dtype.itemsize
         chunk_rows, shard_rows = unit_rows(row_bytes)
         self.chunk_rows = chunk_rows
         self._chunk_bytes = chunk_rows * row_bytes
@@ -588,6 +588,7 @@ class RowLog:
         )
         self._made: set[str] = set()
         self.buf: np.ndarray | None = None  # the chunk being filled (allocated on first rows)
+        self._bytes: memoryview | None = None  # buf's bytes (append_from copies into them)
         # Shards: buf lives in page-aligned memory after _HEAD bytes (block), and chunks are
         # compressed into reused page-aligned buffers (outs), for O_DIRECT writes.
         self.block: np.ndarray | None = None
@@ -662,7 +663,7 @@ class RowLog:
         i = 0
         while i < n:
             if self.buf is None:
-                self.buf, self.block = self._free.pop() if self._free else self._new_buf()
+                self._take_buf(*(self._free.pop() if self._free else self._new_buf()))
             k = min(self.chunk_rows - self.fill, n - i)
             self.buf[self.fill : self.fill + k] = rows[i : i + k]
             self.fill += k
@@ -670,6 +671,28 @@ class RowLog:
             if self.fill == self.chunk_rows:
                 self._submit()
         self._drain(block=False)
+
+    def append_from(self, src: memoryview, offset: int, n: int, now: float) -> None:
+        """Append n rows laid out at src[offset:] in this log's dtype and row shape (the
+        writer process's ring): the usual step, which ends no chunk, is one byte copy."""
+        fill = self.fill
+        dst = self._bytes
+        if dst is not None and 0 < n and fill + n < self.chunk_rows:
+            if self.dirty_since is None:
+                self.dirty_since = now
+            size = self.row_bytes
+            dst[fill * size : (fill + n) * size] = src[offset : offset + n * size]
+            self.fill = fill + n
+            if self._inflight:
+                self._drain(block=False)
+            return
+        rows = np.frombuffer(src, self.dtype, n * self.row_items, offset)
+        self.append(rows.reshape(n, *self.row_shape), now)
+
+    def _take_buf(self, buf: np.ndarray | None, block: np.ndarray | None) -> None:
+        """Start filling buf (None: no chunk in hand)."""
+        self.buf, self.block = buf, block
+        self._bytes = None if buf is None else memoryview(buf.reshape(-1).view(np.uint8))
 
     def _new_buf(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(a chunk buffer, the aligned block it sits in after _HEAD bytes, or None)."""
@@ -693,7 +716,8 @@ class RowLog:
         """Hand the full chunk in buf to the encoder (or to zarr when not a local store)."""
         chunk_no = self.encoded // self.chunk_rows
         self._ensure_capacity(self.encoded + self.chunk_rows)
-        buf, block, self.buf, self.block, self.fill = self.buf, self.block, None, None, 0
+        buf, block, self.fill = self.buf, self.block, 0
+        self._take_buf(None, None)
         self._tails.reset()  # the next tail is of another buffer
         self.encoded += self.chunk_rows
         if self.dir is None:
@@ -885,6 +909,6 @@ class RowLog:
         self.fill = 0
         self._set_rows(self.flushed)
         self.capacity = self.flushed
-        self.buf = self.block = None
+        self._take_buf(None, None)
         self._free.clear()
         self._outs.clear()

@@ -446,15 +446,14 @@ def _write_step(rec, shm: RingView, base: int, table: str | None, counts: tuple[
     t = _table(rec, table)
     offset = base
     now = time.monotonic()
-    buf = shm.buf
-    # Each column's rows straight into its log: the views take the log's own dtype and row
+    # Each column's rows straight from the ring into its log, in the log's own dtype and row
     # shape, which is all TableLog.append would check.
-    for logs, n in zip(t.layout(), counts, strict=True):
-        for log, dtype, items, shape, itemsize in logs:
-            count = n * items
-            if n:
-                log.append(np.frombuffer(buf, dtype, count, offset).reshape(n, *shape), now)
-            offset += -(-count * itemsize // ALIGN) * ALIGN
+    with memoryview(shm.buf) as src:
+        for logs, n in zip(t.layout(), counts, strict=True):
+            for log, row_bytes in logs:
+                if n:
+                    log.append_from(src, offset, n, now)
+                offset += -(-n * row_bytes // ALIGN) * ALIGN
     t.end_step(dict(zip(t.cols, counts, strict=True)), now)
 
 
