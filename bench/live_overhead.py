@@ -575,26 +575,9 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                     drafts[arm] += spec_steps(port) - d0
                     continue
                 out = work / f"{arm}-{i}.zarr"
-                ready, box = threading.Event(), {}
-
-                def session(out=out, ready=ready, box=box, arm=arm):
-                    try:
-                        box["s"] = control.arm(
-                            str(run),
-                            out,
-                            STREAMS,
-                            armed=lambda s: ready.set(),
-                            tap_thread=arm == "armed",
-                        )
-                    finally:
-                        ready.set()
-
                 r0 = recording_cpu(proc.pid)
                 t0 = time.perf_counter()
-                t = threading.Thread(target=session, daemon=True)
-                t.start()
-                if not ready.wait(120):
-                    raise SystemExit("arming timed out")
+                session = ArmedSession(run, out, tap_thread=arm == "armed")
                 arm_s.append(time.perf_counter() - t0)
                 # untimed: the session's first steps (each table's first write plans its
                 # columns, the writer creates its arrays) are a per-session cost, not a step's
@@ -607,11 +590,8 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 cpu[arm].append(cpu_by_thread(c0, thread_cpu(proc.pid)))
                 drafts[arm] += spec_steps(port) - d0
                 t1 = time.perf_counter()
-                control.disarm(str(run))
-                t.join(120)
+                session.end(f"armed round {i}")
                 disarm_s.append(time.perf_counter() - t1)
-                if "s" not in box or not box["s"].ok:
-                    raise SystemExit(f"armed round {i}: session did not end cleanly: {box}")
                 trace_bytes.append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
                 for name, n in verify_rules(out).items():
                     rules[name] = rules.get(name, 0) + n
@@ -679,12 +659,42 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     }
 
 
+class ArmedSession:
+    """One recording session of the running server, armed from a thread of this process
+    (`control.arm` returns when it is disarmed); `end` disarms it and checks it closed clean."""
+
+    def __init__(self, run: Path, out: Path, tap_thread: bool = True) -> None:
+        from hstrace.engines import control
+
+        self.run, self.box, ready = run, {}, threading.Event()
+
+        def session() -> None:
+            try:
+                self.box["s"] = control.arm(
+                    str(run), out, STREAMS, armed=lambda s: ready.set(), tap_thread=tap_thread
+                )
+            finally:
+                ready.set()
+
+        self.thread = threading.Thread(target=session, daemon=True)
+        self.thread.start()
+        if not ready.wait(120):
+            raise SystemExit("arming timed out")
+
+    def end(self, what: str) -> None:
+        from hstrace.engines import control
+
+        control.disarm(str(self.run))
+        self.thread.join(120)
+        if "s" not in self.box or not self.box["s"].ok:
+            raise SystemExit(f"{what}: the session did not end cleanly: {self.box}")
+
+
 def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -> dict:
     """The same server, recording as a user would: one session armed for `--long-rounds`
     rounds back to back (its tail flushes, chunk encodes and commits fall inside them), against
     as many dormant rounds, `--long-cycles` times, the order alternating. The short rounds
     above start a session each and last less than one tail-flush period."""
-    from hstrace.engines import control
 
     if not args.long_rounds:
         return {}
@@ -695,21 +705,7 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
     for c in range(args.long_cycles):
         got: dict[str, float] = {}
         for arm in ("armed", "dormant") if c % 2 == 0 else ("dormant", "armed"):
-            t = box = None
-            if arm == "armed":
-                ready, box = threading.Event(), {}
-                out = work / f"long-{c}.zarr"
-
-                def session(out=out, ready=ready, box=box):
-                    try:
-                        box["s"] = control.arm(str(run), out, STREAMS, armed=lambda s: ready.set())
-                    finally:
-                        ready.set()
-
-                t = threading.Thread(target=session, daemon=True)
-                t.start()
-                if not ready.wait(120):
-                    raise SystemExit("arming timed out")
+            session = ArmedSession(run, work / f"long-{c}.zarr") if arm == "armed" else None
             round_tps(port, prompts, args.warm_tokens)  # untimed, both sides
             settle(proc.pid)
             d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
@@ -720,11 +716,8 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
             drafts[arm] += spec_steps(port) - d0
             got[arm] = args.long_rounds * args.prompts * args.new_tokens / wall
             tps[arm].append(got[arm])
-            if t is not None:
-                control.disarm(str(run))
-                t.join(120)
-                if "s" not in box or not box["s"].ok:
-                    raise SystemExit(f"long session {c} did not end cleanly: {box}")
+            if session is not None:
+                session.end(f"long session {c}")
                 shutil.rmtree(work / f"long-{c}.zarr", ignore_errors=True)
         ratios.append(got["armed"] / got["dormant"])
     return {
