@@ -268,6 +268,12 @@ class RankRecorder:
             self._logs = [log for t in self.tables.values() for log in t.logs().values()]
         return self._logs
 
+    def drain(self) -> None:
+        """Write what the encoder and the I/O thread finished meanwhile (the idle loop)."""
+        for log in self._all_logs():
+            if log.in_flight:
+                log.drain()
+
     def next_deadline(self) -> float | None:
         """Monotonic time at which the oldest unwritten row reaches the tail-flush age."""
         ages = [log.dirty_since for log in self._all_logs() if log.dirty_since is not None]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import gc
 import json
 import math
 import os
@@ -25,8 +26,12 @@ from hstrace.trace.write import rowlog
 from hstrace.trace.write.protocol import ALIGN
 from hstrace.trace.write.ring import RingView
 
-# Sleep between polls of an idle pipe: starts short, doubles while idle, up to the max.
-IDLE_POLL_MIN_S = 0.001
+# Sleep between polls of an idle pipe: starts short, doubles while idle, up to the max. At a
+# server's pace (a step every 10 ms) a batch of steps is followed by 4 ms then 8: two wakes
+# that find nothing where a 1 ms start made four, 8 % of the writer's CPU (bench/README.md,
+# writer_idle.py --against). A producer waiting for room is no later for it: the longest
+# sleep is the max, as before.
+IDLE_POLL_MIN_S = 0.004
 IDLE_POLL_MAX_S = 0.01
 # While idle, the trace directory is checked at most this often (each write checks it first).
 GUARD_IDLE_S = 0.1
@@ -217,6 +222,11 @@ def writer_main(
     except (HstraceError, OSError) as exc:
         replies.send(P.Failed(str(exc)))
         return
+    # What lives as long as the session (modules, zarr's objects, each table's columns, frozen
+    # again as each table is made) is left out of the cyclic collector's full passes: those
+    # walked all of it while recording, about 6 % of this process's CPU (a
+    # `perf` profile of the writer at a server's pace, bench/writer_idle.py --tiny-world-rows).
+    gc.freeze()
     try:
         replies.send(P.Ready())
         _loop(rec, shm, guard, _Pipe(data_r), replies)
@@ -314,11 +324,9 @@ def _abandon(rec) -> None:
     rec.commit(clean_close=False)
 
 
-def _consume(
-    rec, shm: RingView, data_r: _Pipe, replies: _Replies, end: int, write, more: bool = False
-) -> None:
-    """Write one staged part, hand its ring space back whatever happened, then book-keep
-    (`more`: further descriptors are waiting)."""
+def _consume(rec, shm: RingView, data_r: _Pipe, replies: _Replies, end: int, write) -> None:
+    """Write one staged part (a pipe message's), hand its ring space back whatever happened,
+    then book-keep."""
     far = shm.far_behind(end)
     try:
         write()
@@ -326,29 +334,48 @@ def _consume(
         rec.note_error("writer", str(exc))
     finally:
         shm.consumed(end)  # the producer reads this word as it stages (no syscall)
-        # The pipe is what a producer waiting for room sleeps on: written once a batch of
-        # steps is done, or at each step while the ring is nearly full.
-        if not more or far:
-            replies.end(end)
-    behind = shm.behind(end)
-    rowlog.set_behind(behind, far=far)
-    now = time.monotonic()
-    if rec.scan_due(now):
-        rec.tick(now, backlog=behind or more or data_r.poll(0))
+        replies.end(end)  # the pipe a producer waiting for room sleeps on
+    _booked(rec, shm, data_r, end, far)
 
 
 def _take(
     rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies, names: dict, taken: int, upto: int
 ) -> int:
-    """Write descriptors [taken, upto) (one-part steps, ring.py), in order; returns upto."""
+    """Write descriptors [taken, upto) (one-part steps, ring.py), in order; returns upto.
+
+    The trace directory is checked once for the batch, before its first write, as for a pipe
+    message: every step of the batch was published before that check. The book-keeping after
+    a step (ring space handed back, the behind flags, the scan for tail flushes) is done once
+    for the batch too, except that a producer about to wait for room gets its space at once."""
+    if taken >= upto:
+        return taken
+    guard.check()
+    end = 0
     while taken < upto:
-        guard.check()  # before every step, as for a pipe message: never write into a new trace
         tid, offset, end, counts = shm.descriptor(taken)
         taken += 1
         shm.taken(taken)  # the slot's words are read: the producer may reuse it
-        write = partial(_write_step, rec, shm, offset, names.get(tid), counts)
-        _consume(rec, shm, data_r, replies, end, write, more=taken < upto)
+        far = shm.far_behind(end)
+        try:
+            _write_step(rec, shm, offset, names.get(tid), counts)
+        except HstraceError as exc:  # keep recording other tables; the error is in the trace
+            rec.note_error("writer", str(exc))
+        finally:
+            shm.consumed(end)  # the producer reads this word as it stages (no syscall)
+            if far or taken == upto:  # the pipe a producer waiting for room sleeps on
+                replies.end(end)
+    _booked(rec, shm, data_r, end, far=shm.far_behind(end))
     return taken
+
+
+def _booked(rec, shm: RingView, data_r: _Pipe, end: int, far: bool) -> None:
+    """After writing what was staged before counter `end`: say whether the writer is behind,
+    and look for tail flushes when a scan is due."""
+    behind = shm.behind(end)
+    rowlog.set_behind(behind, far=far)
+    now = time.monotonic()
+    if rec.scan_due(now):
+        rec.tick(now, backlog=behind or data_r.poll(0))
 
 
 def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) -> None:
@@ -370,11 +397,10 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) 
                 continue
             replies.flush_end()
             now = time.monotonic()
-            if now - checked >= GUARD_IDLE_S:  # every write checks; idle, a few times a second
+            if now - checked >= GUARD_IDLE_S:  # every batch checks; idle, a few times a second
                 guard.check()
                 checked = now
-            for log in rec._all_logs():
-                log.drain()  # chunks the encoder finished meanwhile
+            rec.drain()  # chunks the encoder finished meanwhile
             deadline = rec.next_deadline()
             if deadline is not None and now >= deadline:
                 rec.tick(now, due=True)  # not rate-limited: the loop would spin until it ran
@@ -412,6 +438,7 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) 
                 rec.table(msg.name, msg.spec, msg.column_attrs)
             except HstraceError as exc:  # its rows are refused (and noted) as they arrive
                 rec.note_error("writer", str(exc))
+            gc.freeze()  # see writer_main
         elif isinstance(msg, P.Static):
             rec.update_static(msg.items)
         elif isinstance(msg, P.Error):
