@@ -95,16 +95,6 @@ def world_steps(n: int, batch: int, drafter: str) -> list[list]:
     return out
 
 
-def emit(w: TraceWriter, writes: list) -> None:
-    """`Recorder.emit`'s calls of the writer (hooks/common.py)."""
-    for tw in writes:
-        axes = {"step": tw.step, "req": tw.req, "tok": tw.tok, **tw.other}
-        kwargs = {axis: cols for axis, cols in axes.items() if cols}
-        if tw.column_attrs:
-            kwargs["column_attrs"] = tw.column_attrs
-        w.write(tw.table, **kwargs)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--idle-s", type=float, default=4.0)
@@ -116,12 +106,15 @@ def main() -> None:
     ap.add_argument("--against", default="", help="a checkout whose writer runs side by side")
     args = ap.parse_args()
     world = world_steps(args.steps + 1, args.batch, args.drafter) if args.tiny_world_rows else None
+    if world is not None:
+        from hstrace.hooks.common import write_rows  # what Recorder.emit calls for each table
 
     def one(w: TraceWriter, i: int) -> None:
         if world is None:
             step(w, i)
         else:
-            emit(w, world[i])
+            for tw in world[i]:
+                write_rows(w, tw)
 
     work = tempfile.mkdtemp(prefix="hstrace-writer-idle-")
     try:

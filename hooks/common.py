@@ -54,6 +54,16 @@ def refuse(cfg: Mapping[str, Any], message: str) -> None:
 # ---- the per-process recorder ---------------------------------------------------------------
 
 
+def write_rows(w: Any, tw: TableWrite) -> None:
+    """One table's rows of a step into the trace writer `w` (`TraceWriter.write`)."""
+    # only the axes this table has (verify has no `tok`, requests no per-step cols)
+    axes = {"step": tw.step, "req": tw.req, "tok": tw.tok, **tw.other}
+    kwargs: dict[str, Any] = {axis: cols for axis, cols in axes.items() if cols}
+    if tw.column_attrs:
+        kwargs["column_attrs"] = tw.column_attrs
+    w.write(tw.table, **kwargs)
+
+
 class Recorder:
     """Per-process state: the config, the lazily opened writer (only processes that record a
     row or an audit item open one), disabled taps.
@@ -314,14 +324,8 @@ class Recorder:
                 return
             w = self.writer()
             for tw in writes:
-                if tw.table not in self.streams:
-                    continue
-                # only the axes this table has (verify has no `tok`, requests no per-step cols)
-                axes = {"step": tw.step, "req": tw.req, "tok": tw.tok, **tw.other}
-                kwargs: dict[str, Any] = {axis: cols for axis, cols in axes.items() if cols}
-                if tw.column_attrs:
-                    kwargs["column_attrs"] = tw.column_attrs
-                w.write(tw.table, **kwargs)
+                if tw.table in self.streams:
+                    write_rows(w, tw)
 
     def run_tap(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one tap; an exception disables it (recorded in the trace) and never reaches the

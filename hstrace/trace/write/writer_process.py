@@ -33,7 +33,8 @@ from hstrace.trace.write.ring import RingView
 # sleep is the max, as before.
 IDLE_POLL_MIN_S = 0.004
 IDLE_POLL_MAX_S = 0.01
-# While idle, the trace directory is checked at most this often (each write checks it first).
+# While idle, the trace directory is checked at most this often (each batch of writes checks it
+# first).
 GUARD_IDLE_S = 0.1
 
 # glibc serves blocks of at least its mmap threshold from their own mappings, but raises the
@@ -324,17 +325,23 @@ def _abandon(rec) -> None:
     rec.commit(clean_close=False)
 
 
-def _consume(rec, shm: RingView, data_r: _Pipe, replies: _Replies, end: int, write) -> None:
-    """Write one staged part (a pipe message's), hand its ring space back whatever happened,
-    then book-keep."""
-    far = shm.far_behind(end)
+def _handed(rec, shm: RingView, replies: _Replies, end: int, write, reply: bool) -> None:
+    """Write one staged part, then hand its ring space back whatever happened (`reply`: on the
+    pipe too, which a producer waiting for room sleeps on)."""
     try:
         write()
     except HstraceError as exc:  # keep recording other tables; the error is in the trace
         rec.note_error("writer", str(exc))
     finally:
         shm.consumed(end)  # the producer reads this word as it stages (no syscall)
-        replies.end(end)  # the pipe a producer waiting for room sleeps on
+        if reply:
+            replies.end(end)
+
+
+def _consume(rec, shm: RingView, data_r: _Pipe, replies: _Replies, end: int, write) -> None:
+    """Write one staged part (a pipe message's) and book-keep."""
+    far = shm.far_behind(end)
+    _handed(rec, shm, replies, end, write, reply=True)
     _booked(rec, shm, data_r, end, far)
 
 
@@ -345,8 +352,9 @@ def _take(
 
     The trace directory is checked once for the batch, before its first write, as for a pipe
     message: every step of the batch was published before that check. The book-keeping after
-    a step (ring space handed back, the behind flags, the scan for tail flushes) is done once
-    for the batch too, except that a producer about to wait for room gets its space at once."""
+    a step (ring space handed back on the pipe, the behind flags, the scan for tail flushes) is
+    done once for the batch too, except that a producer about to wait for room gets its space
+    at once."""
     if taken >= upto:
         return taken
     guard.check()
@@ -355,15 +363,8 @@ def _take(
         tid, offset, end, counts = shm.descriptor(taken)
         taken += 1
         shm.taken(taken)  # the slot's words are read: the producer may reuse it
-        far = shm.far_behind(end)
-        try:
-            _write_step(rec, shm, offset, names.get(tid), counts)
-        except HstraceError as exc:  # keep recording other tables; the error is in the trace
-            rec.note_error("writer", str(exc))
-        finally:
-            shm.consumed(end)  # the producer reads this word as it stages (no syscall)
-            if far or taken == upto:  # the pipe a producer waiting for room sleeps on
-                replies.end(end)
+        write = partial(_write_step, rec, shm, offset, names.get(tid), counts)
+        _handed(rec, shm, replies, end, write, reply=taken == upto or shm.far_behind(end))
     _booked(rec, shm, data_r, end, far=shm.far_behind(end))
     return taken
 
