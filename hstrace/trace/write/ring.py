@@ -144,6 +144,7 @@ class RingView:
             self.buf, dtype=np.int64, count=TRAILER_WORDS, offset=self.size
         )
         self._head = self._trailer[HEAD : HEAD + 1]
+        self.bytes_read = 0  # of the parts taken so far (part_read): the producer's rate
         self._desc = np.frombuffer(
             self.buf, dtype=np.int64, count=DESC_SLOTS * DESC_WORDS, offset=self.size + ALIGN
         )
@@ -160,6 +161,12 @@ class RingView:
         if not 0 <= n <= DESC_AXES:
             raise ValueError(f"descriptor {j}: {n} axes")
         return w[0], w[1], w[2], tuple(w[4 : 4 + n])
+
+    def part_read(self, offset: int, end: int) -> None:
+        """Count a part the writer takes: ring bytes [offset, end's position), a part ending at
+        the ring's end ending at its size (a part never wraps and is at most half the ring; the
+        head counter itself also jumps over padding and restarts, so it is not the rate)."""
+        self.bytes_read += (end - offset) % self.size
 
     def taken(self, j: int) -> None:
         """Publish that descriptors before j are read: their slots may be reused."""

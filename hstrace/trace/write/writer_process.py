@@ -26,13 +26,20 @@ from hstrace.trace.write import rowlog
 from hstrace.trace.write.protocol import ALIGN
 from hstrace.trace.write.ring import RingView
 
-# Sleep between polls of an idle pipe: starts short, doubles while idle, up to the max. At a
-# server's pace (a step every 10 ms) a batch of steps is followed by 4 ms then 8: two wakes
-# that find nothing where a 1 ms start made four, 8 % of the writer's CPU (bench/README.md,
-# writer_idle.py --against). A producer waiting for room is no later for it: the longest
-# sleep is the max, as before.
-IDLE_POLL_MIN_S = 0.004
-IDLE_POLL_MAX_S = 0.01
+# Sleep between polls of an idle pipe. Each wake costs the writer's core about as much as
+# taking a step (measured on this project's 2-vCPU host: 30-80 us of CPU for a bare
+# `time.sleep` wake-up, and the batch's book-keeping after it), so after a batch of steps the
+# writer sleeps long enough to find a few: at a server's pace (a step every 10 ms) 20 ms takes
+# two steps a wake where 4 ms then 8 took one after two wakes, a quarter less writer CPU
+# (bench/README.md, writer_idle.py --against). The sleep is cut short where the producer
+# stages bytes fast (a big batch on a GPU): at the rate of the last batch, a sleep fills at
+# most SLEEP_RING_SHARE of the ring (never less than IDLE_POLL_MIN_S). While idle the sleep
+# doubles up to the max: a producer waiting for room waits at most that long for the writer
+# to wake (it waits only when the ring is full, when the writer is busy, not asleep).
+IDLE_POLL_MIN_S = 0.002
+IDLE_POLL_BATCH_S = 0.02
+IDLE_POLL_MAX_S = 0.04
+SLEEP_RING_SHARE = 1 / 16
 # While idle, the trace directory is checked at most this often (each batch of writes checks it
 # first).
 GUARD_IDLE_S = 0.1
@@ -361,6 +368,7 @@ def _take(
     end = 0
     while taken < upto:
         tid, offset, end, counts = shm.descriptor(taken)
+        shm.part_read(offset, end)
         taken += 1
         shm.taken(taken)  # the slot's words are read: the producer may reuse it
         write = partial(_write_step, rec, shm, offset, names.get(tid), counts)
@@ -379,11 +387,29 @@ def _booked(rec, shm: RingView, data_r: _Pipe, end: int, far: bool) -> None:
         rec.tick(now, backlog=behind or data_r.poll(0))
 
 
+class _Pacer:
+    """The sleep after a batch of work: IDLE_POLL_BATCH_S, cut short so that, at the rate the
+    producer staged bytes since the last batch, a sleep fills at most SLEEP_RING_SHARE of the
+    ring. `read`: bytes of the parts taken so far (RingView.bytes_read)."""
+
+    def __init__(self, ring_bytes: int, read: int, now: float) -> None:
+        self.budget = ring_bytes * SLEEP_RING_SHARE
+        self.read, self.at = read, now
+
+    def after_batch(self, read: int, now: float) -> float:
+        staged, dt = read - self.read, now - self.at
+        self.read, self.at = read, now
+        if staged <= 0 or dt <= 0:
+            return IDLE_POLL_BATCH_S
+        return min(IDLE_POLL_BATCH_S, max(IDLE_POLL_MIN_S, self.budget * dt / staged))
+
+
 def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) -> None:
     # The writer sleeps between polls rather than blocking on the pipe: a pipe write that
     # wakes a blocked reader costs the serving thread tens of microseconds (and, on a busy
     # host, often a preemption); a write to a pipe nobody waits on is a plain copy.
-    pause = IDLE_POLL_MIN_S
+    pacer = _Pacer(shm.size, shm.bytes_read, time.monotonic())
+    pause = IDLE_POLL_BATCH_S
     names: dict[int, str] = {}  # table id -> name (protocol.Table)
     taken = 0  # descriptors written so far
     checked = 0.0  # when the idle loop last looked at the trace directory (_Guard)
@@ -394,7 +420,7 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) 
         if not data_r.poll(0):
             if taken < published:
                 taken = _take(rec, shm, guard, data_r, replies, names, taken, published)
-                pause = IDLE_POLL_MIN_S
+                pause = pacer.after_batch(shm.bytes_read, time.monotonic())
                 continue
             replies.flush_end()
             now = time.monotonic()
@@ -410,7 +436,7 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) 
             time.sleep(pause if deadline is None else min(pause, deadline - now))
             pause = min(2 * pause, IDLE_POLL_MAX_S)
             continue
-        pause = IDLE_POLL_MIN_S
+        pause = pacer.after_batch(shm.bytes_read, time.monotonic())
         try:
             buf = data_r.recv_bytes()
         except (EOFError, OSError):
@@ -427,6 +453,8 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) 
         except P.NotPlainData as exc:  # the item is lost, said in the trace; recording goes on
             rec.note_error("writer", str(exc))
             continue
+        if isinstance(msg, (P.Step, P.Part)):
+            shm.part_read(msg.offset, msg.end)
         if isinstance(msg, P.Step):  # a whole step in one part, laid out in spec order
             write = partial(_write_step, rec, shm, msg.offset, names.get(msg.table_id), msg.counts)
             _consume(rec, shm, data_r, replies, msg.end, write)
