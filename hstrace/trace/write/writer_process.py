@@ -26,16 +26,16 @@ from hstrace.trace.write import rowlog
 from hstrace.trace.write.protocol import ALIGN
 from hstrace.trace.write.ring import RingView
 
-# Sleep between polls of an idle pipe. Each wake costs the writer's core about as much as
-# taking a step (measured on this project's 2-vCPU host: 30-80 us of CPU for a bare
-# `time.sleep` wake-up, and the batch's book-keeping after it), so after a batch of steps the
-# writer sleeps long enough to find a few: at a server's pace (a step every 10 ms) 20 ms takes
-# two steps a wake where 4 ms then 8 took one after two wakes, a quarter less writer CPU
-# (bench/README.md, writer_idle.py --against). The sleep is cut short where the producer
-# stages bytes fast (a big batch on a GPU): at the rate of the last batch, a sleep fills at
-# most SLEEP_RING_SHARE of the ring (never less than IDLE_POLL_MIN_S). While idle the sleep
-# doubles up to the max: a producer waiting for room waits at most that long for the writer
-# to wake (it waits only when the ring is full, when the writer is busy, not asleep).
+# Sleep between polls of an idle pipe. Each wake has a cost of its own (30-80 us of CPU for a
+# bare `time.sleep` wake-up on this project's 2-vCPU host, then the batch's book-keeping), so
+# after a batch of steps the writer sleeps long enough to find a few: at a server's pace (a
+# step every 10 ms) 20 ms takes two steps a wake, where 4 ms then 8 took one after two wakes.
+# Measured: 15-27 % less writer CPU per step, and the live bench's short rounds 0.95 against
+# 0.88 (bench/README.md, eleventh pass). The sleep is cut short where the producer stages
+# bytes fast (a big batch on a GPU): at the rate of the last batch, a sleep fills at most
+# SLEEP_RING_SHARE of the ring (never less than IDLE_POLL_MIN_S). While idle the sleep doubles
+# up to the max: a producer waiting for room waits at most that long for the writer to wake
+# (it waits only when the ring is full, when the writer is busy, not asleep).
 IDLE_POLL_MIN_S = 0.002
 IDLE_POLL_BATCH_S = 0.02
 IDLE_POLL_MAX_S = 0.04
