@@ -801,11 +801,6 @@ class RowLog:
             if out is not None:
                 self._outs.append(out)
 
-    @property
-    def in_flight(self) -> bool:
-        """Chunks handed to the encoder or the I/O thread and not yet taken back."""
-        return bool(self._inflight or self._writing)
-
     def drain(self) -> None:
         """Write whatever the encoder has finished (the writer calls this when idle)."""
         if self._inflight:
