@@ -388,9 +388,10 @@ def _booked(rec, shm: RingView, data_r: _Pipe, end: int, far: bool) -> None:
 
 
 class _Pacer:
-    """The sleep after a batch of work: IDLE_POLL_BATCH_S, cut short so that, at the rate the
-    producer staged bytes since the last batch, a sleep fills at most SLEEP_RING_SHARE of the
-    ring. `read`: bytes of the parts taken so far (RingView.bytes_read)."""
+    """The sleep after a batch of work (all the descriptors and pipe messages handled between
+    two idle moments): IDLE_POLL_BATCH_S, cut short so that, at the rate the producer staged
+    bytes since the last batch, a sleep fills at most SLEEP_RING_SHARE of the ring. `read`:
+    bytes of the parts taken so far (RingView.bytes_read)."""
 
     def __init__(self, ring_bytes: int, read: int, now: float) -> None:
         self.budget = ring_bytes * SLEEP_RING_SHARE
@@ -410,6 +411,7 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) 
     # host, often a preemption); a write to a pipe nobody waits on is a plain copy.
     pacer = _Pacer(shm.size, shm.bytes_read, time.monotonic())
     pause = IDLE_POLL_BATCH_S
+    worked = False  # descriptors or pipe messages handled since the loop last went idle
     names: dict[int, str] = {}  # table id -> name (protocol.Table)
     taken = 0  # descriptors written so far
     checked = 0.0  # when the idle loop last looked at the trace directory (_Guard)
@@ -420,10 +422,12 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) 
         if not data_r.poll(0):
             if taken < published:
                 taken = _take(rec, shm, guard, data_r, replies, names, taken, published)
-                pause = pacer.after_batch(shm.bytes_read, time.monotonic())
+                worked = True
                 continue
             replies.flush_end()
             now = time.monotonic()
+            if worked:  # the rate over the whole burst: a GPU step comes as several messages
+                pause, worked = pacer.after_batch(shm.bytes_read, now), False
             if now - checked >= GUARD_IDLE_S:  # every batch checks; idle, a few times a second
                 guard.check()
                 checked = now
@@ -436,7 +440,7 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) 
             time.sleep(pause if deadline is None else min(pause, deadline - now))
             pause = min(2 * pause, IDLE_POLL_MAX_S)
             continue
-        pause = pacer.after_batch(shm.bytes_read, time.monotonic())
+        worked = True
         try:
             buf = data_r.recv_bytes()
         except (EOFError, OSError):
