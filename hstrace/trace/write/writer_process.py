@@ -30,12 +30,13 @@ from hstrace.trace.write.ring import RingView
 # bare `time.sleep` wake-up on this project's 2-vCPU host, then the batch's book-keeping), so
 # after a batch of steps the writer sleeps long enough to find a few: at a server's pace (a
 # step every 10 ms) 20 ms takes two steps a wake, where 4 ms then 8 took one after two wakes.
-# Measured: 15-27 % less writer CPU per step, and the live bench's short rounds 0.95 against
-# 0.88 (bench/README.md, eleventh pass). The sleep is cut short where the producer stages
-# bytes fast (a big batch on a GPU): at the rate of the last batch, a sleep fills at most
-# SLEEP_RING_SHARE of the ring (never less than IDLE_POLL_MIN_S). While idle the sleep doubles
-# up to the max: a producer waiting for room waits at most that long for the writer to wake
-# (it waits only when the ring is full, when the writer is busy, not asleep).
+# Measured: 15-27 % less writer CPU per step, side by side on the same steps (bench/README.md,
+# eleventh pass; the live figures and their caveats are there). The sleep is cut short where
+# the producer stages bytes fast (a big batch on a GPU): at the rate of the last batch, a
+# sleep fills at most SLEEP_RING_SHARE of the ring (never less than IDLE_POLL_MIN_S). While
+# idle the sleep doubles up to the max: a producer waiting for room waits at most that long
+# for the writer to wake (it waits only when the ring is full, when the writer is busy, not
+# asleep).
 IDLE_POLL_MIN_S = 0.002
 IDLE_POLL_BATCH_S = 0.02
 IDLE_POLL_MAX_S = 0.04
