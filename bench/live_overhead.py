@@ -25,6 +25,13 @@ rounds back to back, one session armed for the whole armed block (as a user reco
 flushes every 2 s, chunk encodes and commits fall inside it; a short round above lasts less
 than one tail-flush period), against N dormant rounds, C times, the order alternating.
 
+`--work handover|collect|none` (default `rows`, a recording): the armed rounds take each step
+only so far (`hstrace.engines.protocol.WORK_LEVELS`): handed to the tap thread, which drops it;
+collected on the serving thread and dropped there; or armed with every per-step patch point
+returning as if dormant. Run side by side with `rows`, the levels split the cost between the
+serving thread's copies, the hand-over to the tap thread, and the tap thread's rows and the
+writer (bench/README.md, thirteenth pass). Those sessions write the static audit, no step rows.
+
 Second figure: the same launch served with recording and without hooks, one server at a time
 (`--two-server-cycles` with/without pairs, `--rounds` timed rounds each): server-to-server
 variance is larger than the effect, which is why the first figure exists.
@@ -577,7 +584,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 out = work / f"{arm}-{i}.zarr"
                 r0 = recording_cpu(proc.pid)
                 t0 = time.perf_counter()
-                session = ArmedSession(run, out, tap_thread=arm == "armed")
+                session = ArmedSession(run, out, tap_thread=arm == "armed", work=args.work)
                 arm_s.append(time.perf_counter() - t0)
                 # untimed: the session's first steps (each table's first write plans its
                 # columns, the writer creates its arrays) are a per-session cost, not a step's
@@ -663,7 +670,7 @@ class ArmedSession:
     """One recording session of the running server, armed from a thread of this process
     (`control.arm` returns when it is disarmed); `end` disarms it and checks it closed clean."""
 
-    def __init__(self, run: Path, out: Path, tap_thread: bool = True) -> None:
+    def __init__(self, run: Path, out: Path, tap_thread: bool = True, work: str = "rows") -> None:
         from hstrace.engines import control
 
         self.run, self.box, ready = run, {}, threading.Event()
@@ -671,7 +678,12 @@ class ArmedSession:
         def session() -> None:
             try:
                 self.box["s"] = control.arm(
-                    str(run), out, STREAMS, armed=lambda s: ready.set(), tap_thread=tap_thread
+                    str(run),
+                    out,
+                    STREAMS,
+                    armed=lambda s: ready.set(),
+                    tap_thread=tap_thread,
+                    work=work,
                 )
             finally:
                 ready.set()
@@ -705,7 +717,11 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
     for c in range(args.long_cycles):
         got: dict[str, float] = {}
         for arm in ("armed", "dormant") if c % 2 == 0 else ("dormant", "armed"):
-            session = ArmedSession(run, work / f"long-{c}.zarr") if arm == "armed" else None
+            session = (
+                ArmedSession(run, work / f"long-{c}.zarr", work=args.work)
+                if arm == "armed"
+                else None
+            )
             round_tps(port, prompts, args.warm_tokens)  # untimed, both sides
             settle(proc.pid)
             d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
@@ -820,6 +836,15 @@ def main() -> None:
         help="pin the server (every process) to these CPUs, e.g. 0 (taskset)",
     )
     ap.add_argument(
+        "--work",
+        choices=["rows", "handover", "collect", "none"],  # hstrace.engines.protocol.WORK_LEVELS
+        default="rows",
+        help="how far the armed rounds take each step (rows: a recording; handover: collected "
+        "and handed to the tap thread, which drops it; collect: collected, dropped on the "
+        "serving thread; none: armed, the patch points return as if dormant): what each stage "
+        "costs serving",
+    )
+    ap.add_argument(
         "--record-cpus",
         default="",
         help="HSTRACE_RECORD_CPUS for the server: where the writer and the tap thread run",
@@ -911,6 +936,7 @@ def main() -> None:
         json.dumps(
             {
                 "drafter": args.drafter,
+                "work": args.work,  # what the armed rounds did with each step (--work)
                 "speculative_config": WORLD.spec,
                 "sampling": SAMPLING,
                 "prompts_per_round": args.prompts,

@@ -99,11 +99,15 @@ class Recorder:
         self._finalizers = False
         self._deferred: Any = None  # the tap thread's queue (`defer`), started on first use
         self.tap_thread = True  # a session may ask for the step's work inline (bench's variant)
+        self.work = "rows"  # how far a step goes (protocol.WORK_LEVELS; the bench's switch)
         # Paced (an engine whose hooks say when a step has handed back: `step_ended`): the tap
         # thread starts a step's rows then, not while the step's own Python still runs; both
         # share this process's GIL, and every hand-over of it delays serving
         self.paced = False
         self._step_ended = threading.Event()
+
+    # the `work` levels (protocol.WORK_LEVELS) an engine's hooks honour: only a recording here
+    WORK_LEVELS: tuple[str, ...] = ("rows",)
 
     # ---- off the serving thread -----------------------------------------------------------------
 
@@ -222,6 +226,11 @@ class Recorder:
         `on_full`, optional `requests` (the limit). Writes the kept static audit at once (the
         audit of a model loaded long before), then lets the patch points record. Returns what
         the client merges into the trace: this process's rank and its front-end facts."""
+        work = session.get("work") or "rows"
+        if work not in self.WORK_LEVELS:
+            raise ValueError(
+                f"work {work!r}: this engine's hooks take {', '.join(self.WORK_LEVELS)}"
+            )
         with self.session_lock:
             if self.armed or self.session_open:
                 raise RuntimeError("already armed")
@@ -236,6 +245,7 @@ class Recorder:
             self.requests_limit = session.get("requests")
             self.limit_rids = set()
             self.tap_thread = bool(session.get("tap_thread", True))
+            self.work = work
             self.on_arm()
             if self.kept_static or self.kept_errors:
                 w = self.writer()

@@ -23,7 +23,7 @@ from typing import Any
 from hstrace.hooks import control, load_weights
 from hstrace.hooks.common import Recorder, bind_args, install_points
 
-from hstrace.engines import load_audit
+from hstrace.engines import load_audit, protocol
 from hstrace.engines.support import Version
 from hstrace.engines.vllm import audit, taps, taps_v2
 from hstrace.engines.vllm.versions import SUPPORT
@@ -31,6 +31,9 @@ from hstrace.findings import from_fact
 
 
 class VLLMRecorder(Recorder):
+    # protocol.WORK_LEVELS, all of them, in V1's wrappers (a V2 runner's process: rows only)
+    WORK_LEVELS: tuple[str, ...] = tuple(protocol.WORK_LEVELS)
+
     def __init__(self, cfg: dict[str, Any], version: Version) -> None:
         super().__init__(cfg, version)
         self.seen_rids: set[str] = set()
@@ -163,6 +166,8 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
         rec = REC
         if rec is None or not rec.armed or "step" in rec.disabled:  # dormant: this check only
             return original(self, *args, **kwargs)
+        if rec.work == "none":  # the bench's floor (protocol.WORK_LEVELS)
+            return original(self, *args, **kwargs)
         rec.stepping = True  # a disarm waits for this step to be handed over
         try:
             rec.current = rec.run_tap(
@@ -172,10 +177,14 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
                 result = original(self, *args, **kwargs)
             finally:
                 step, rec.current, rec.collecting = rec.current, None, False
-            if step is not None and rec.tap_thread and _on_cpu(step):  # the rest off this thread
+            if step is None or rec.work == "collect":  # the bench's: dropped here
+                pass
+            elif rec.work == "handover":  # the bench's: the tap thread wakes and drops it
+                rec.defer(lambda: step)
+            elif rec.tap_thread and _on_cpu(step):  # the rest off this thread
                 keep = rec.keep_at
                 rec.defer(lambda: _emit_step(rec, step, keep))
-            elif step is not None:  # CUDA: another thread's stream would not wait for the
+            else:  # CUDA: another thread's stream would not wait for the
                 _emit_step(rec, step)  # copies queued on this one (unverified without a GPU)
         finally:
             rec.stepping = False
@@ -385,7 +394,7 @@ def wrap_rejection_forward(original: Callable) -> Callable:
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         rec = REC
-        if rec is None or not rec.armed or "verify_probs" in rec.disabled:
+        if rec is None or not rec.armed or "verify_probs" in rec.disabled or rec.work == "none":
             return original(self, *args, **kwargs)
         a = bind_args(original, (self, *args), kwargs)
         seen: dict[str, Any] = {}
@@ -736,6 +745,8 @@ def wrap_v2_load_model(original: Callable) -> Callable:
     def load_model(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         rec = REC
+        if rec is not None:  # the V2 wrappers take no `work` level but a recording's
+            rec.WORK_LEVELS = ("rows",)
         if rec is not None and getattr(self, "use_aux_hidden_state_outputs", False):
             rec.run_tap("aux_layers", lambda: _aux_layers_tap(rec, self, "v2"))
         return result

@@ -20,7 +20,7 @@ from hstrace.hooks import control
 from hstrace.hooks.common import Recorder
 
 from hstrace.engines import control as client
-from hstrace.engines.protocol import dormant_env
+from hstrace.engines.protocol import WORK_LEVELS, dormant_env
 from hstrace.engines.rows import requests_write
 from hstrace.errors import HstraceError, TraceError
 from hstrace.trace import open_trace
@@ -164,6 +164,22 @@ def test_one_session_at_a_time(dormant, tmp_path) -> None:
     client.disarm(str(run))
     t.join(30)
     assert not rec.armed
+
+
+def test_a_work_level_the_hooks_do_not_take_is_refused_and_leaves_them_dormant(
+    dormant, tmp_path
+) -> None:
+    """The bench's `work` levels (protocol.WORK_LEVELS) are the vLLM V1 hooks'; hooks that
+    take only a recording refuse the others by name, never record something else instead."""
+    rec, run, _ = dormant
+    assert set(Recorder.WORK_LEVELS) < set(WORK_LEVELS)
+    with pytest.raises(HstraceError, match=r"work 'collect': this engine's hooks take rows"):
+        client.arm(str(run), tmp_path / "w.zarr", ["requests"], work="collect")
+    assert not rec.armed and not rec.session_open and rec.work == "rows"
+    t, box = arm_in_thread(run, tmp_path / "rows.zarr", work="rows")  # the default still arms
+    assert "error" not in box and rec.armed and rec.work == "rows"
+    client.disarm(str(run))
+    t.join(30)
 
 
 def test_server_given_as_a_pid_names_its_run_dir(tmp_path) -> None:

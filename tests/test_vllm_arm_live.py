@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import pytest
 from helpers.vllm_live import (
@@ -39,12 +40,14 @@ from helpers.armed import hstrace_cli as hstrace  # noqa: E402
 from helpers.armed import wait_armed  # noqa: E402
 
 from hstrace import replay_trace  # noqa: E402
+from hstrace.engines import control  # noqa: E402
 from hstrace.engines.control import wait_sockets  # noqa: E402
 from hstrace.engines.protocol import dormant_env  # noqa: E402
 from hstrace.engines.server import stop_server, wait_healthy  # noqa: E402
 from hstrace.trace import open_trace  # noqa: E402
 from hstrace.training import open_training  # noqa: E402
 
+STREAMS = ["draft_extend", "draft_step", "requests", "target", "verify"]
 SAMPLES = 4
 NEW_TOKENS = 24
 PORT = 18441
@@ -76,6 +79,30 @@ def thread_masks(root: int) -> dict[str, set[int]]:
         except OSError:
             continue
     return masks
+
+
+def session_at(run, out, level: str, prompts: list[list[int]]) -> dict:
+    """One session armed at `work` level `level` (from a thread: `control.arm` holds the lease
+    until the disarm), two prompts sent, then `hstrace.engines.control.disarm`."""
+    box: dict = {}
+    ready = threading.Event()
+
+    def go() -> None:
+        try:
+            box["session"] = control.arm(
+                str(run), out, STREAMS, armed=lambda s: ready.set(), work=level
+            )
+        except BaseException as exc:  # the test reads it
+            box["error"] = exc
+        ready.set()
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    assert ready.wait(60) and "error" not in box, box
+    box["answers"] = send(prompts[:2])
+    control.disarm(str(run))
+    t.join(120)
+    return box
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +156,10 @@ def served(tmp_path_factory):
             c.wait(60)
             got["after_kill"] = wait_armed(run, False)
             got["serving_after_kill"] = send(prompts[:1])
+
+            # 5. the bench's levels (bench/live_overhead.py --work): no step rows, same outputs
+            for level in ("handover", "collect", "none"):
+                got[f"work_{level}"] = session_at(run, tmp / f"w-{level}.zarr", level, prompts)
         finally:
             stop_server(proc)
     got["log"] = (tmp / "server.log").read_text(errors="replace")
@@ -204,3 +235,20 @@ def test_a_killed_arming_client_leaves_no_hooks_armed(served) -> None:
     # `hello` says armed until the close is on disk (the 01:26 run stopped the server mid-close)
     with open_trace(served["tmp"] / "c.zarr") as tr:
         assert tr.rank(0).clean_close  # the process closed what it recorded
+
+
+@pytest.mark.parametrize("level", ["handover", "collect", "none"])
+def test_the_benchs_work_levels_write_no_step_rows_and_change_no_answer(served, level) -> None:
+    """`work` below "rows" (bench/live_overhead.py --work): the session arms every process,
+    ends clean on the disarm, keeps the load-time audit, writes no step row and no tap error,
+    and serving answers what it answers dormant."""
+    box = served[f"work_{level}"]
+    assert "error" not in box and box["session"].ok, box
+    assert box["answers"] == served["dormant"][:2]
+    with open_trace(served["tmp"] / f"w-{level}.zarr") as tr:
+        rank = tr.rank(0)
+        assert rank.clean_close and not rank.errors, rank.errors
+        for name in STREAMS:
+            table = rank.table(name)
+            assert table is None or table.num_steps == 0, (level, name)
+        assert tr.meta["static"]["capture"]["layers_to_capture"] == [2, 4, 5]

@@ -190,3 +190,23 @@ def test_an_mtp_speculator_is_recorded_from_last_hidden_states() -> None:
     assert attrs["slot_width"] == H
     with pytest.raises(ValueError, match="no aux hidden states"):
         taps_v2.target_step(batch, [])
+
+
+def test_a_v2_runners_process_refuses_the_benchs_work_levels() -> None:
+    """The bench's `work` levels below a recording are V1's (`wrap_propose_draft_token_ids`):
+    once a V2 runner has loaded in a process its recorder refuses them by name, so a bench
+    session never records rows while saying it dropped them."""
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.engines.protocol import WORK_LEVELS
+
+    rec = vp.VLLMRecorder({"dormant": True, "streams": []}, (0, 33, 0))
+    assert rec.WORK_LEVELS == tuple(WORK_LEVELS)  # V1's process: every level
+    vp.REC = rec
+    try:
+        vp.wrap_v2_load_model(lambda self: None)(SimpleNamespace())
+    finally:
+        vp.REC = None
+    with pytest.raises(ValueError, match=r"work 'collect': this engine's hooks take rows$"):
+        rec.arm({"out": "unused", "streams": [], "work": "collect"})
+    assert not rec.armed

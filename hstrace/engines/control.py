@@ -124,11 +124,13 @@ def arm(
     duration_s: float | None = None,
     armed: Callable[[Session], None] | None = None,
     tap_thread: bool = True,
+    work: str = "rows",
 ) -> Session:
     """Arm every process of SERVER into a new trace at `out`, hold the lease until every
     process says its session ended (limit reached, `hstrace disarm`, or KeyboardInterrupt
     here: then this disarms), and write how it ended into the trace. `armed` is called once
-    every process is armed (tests and the bench send traffic from it)."""
+    every process is armed (tests and the bench send traffic from it). `tap_thread` and `work`
+    are the bench's (`bench/live_overhead.py`; `protocol.WORK_LEVELS`)."""
     from hstrace.trace import create_trace
 
     if out.exists():
@@ -155,6 +157,7 @@ def arm(
             "requests": requests,
             "duration": duration_s,
             "tap_thread": tap_thread,  # False: a step's rows built inline (bench's variant)
+            "work": work,  # protocol.WORK_LEVELS: anything but "rows" is the bench's
         }
         live: list[Connection] = []
         for conn, hello in zip(conns, hellos, strict=True):

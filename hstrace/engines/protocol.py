@@ -57,12 +57,22 @@ def write_sitecustomize(directory: str) -> str:
 # may arm it). One JSON object a line each way:
 #   {"cmd": "hello"}  -> {"pid", "engine", "version", "armed", "title", "audit"} (`title`: the
 #        process title; `audit`: the static items it keeps for the next session)
-#   {"cmd": "arm", "out", "streams", "on_full", "requests"?, "duration"?}
+#   {"cmd": "arm", "out", "streams", "on_full", "requests"?, "duration"?, "tap_thread"?,
+#    "work"?}
 #        -> {"armed": true, "pid", "rank", "main_static"} | {"error"}; the connection is then the
 #           session's lease: closed by the client (or its death) = disarm; when the session
 #           ends for any reason the process sends {"event": "disarmed", "reason"} on it.
 #   {"cmd": "disarm"} -> {"disarmed": true | false}
 SOCKET_SUFFIX = ".sock"
+# How far an armed session takes each step (`work`; the bench's measurement of what each
+# stage costs serving, bench/live_overhead.py --work). Anything but "rows" writes no step rows,
+# only the session's static audit: never for a recording a user keeps.
+WORK_LEVELS = {
+    "rows": "collected, handed to the tap thread, rows built and written (a recording)",
+    "handover": "collected and handed to the tap thread, which drops it",
+    "collect": "collected on the serving thread (its copies and snapshots), then dropped there",
+    "none": "armed, every per-step patch point returning as if dormant",
+}
 
 
 def dormant_env(engine: str, run_dir: str, status: str | None = None) -> str:
