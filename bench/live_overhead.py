@@ -375,6 +375,27 @@ def stand_in_step(batch: int, src: dict[str, Any], copy: bool) -> Any:
     return step
 
 
+def vllm_binds() -> list[tuple[Any, tuple, dict]]:
+    """The serving thread's three `bind_args` calls a step, on vLLM 0.32.0's own functions,
+    with the arguments passed the way its runner passes them (positionally to
+    `propose_draft_token_ids` and the rejection sampler, by name to the proposer's `propose`)."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    x = object()
+    propose = (
+        "num_speculative_tokens", "target_token_ids", "target_positions", "target_hidden_states",
+        "next_token_ids", "token_indices_to_sample", "sampling_metadata", "common_attn_metadata",
+        "mm_embed_inputs", "num_rejected_tokens_gpu", "slot_mappings",
+    )  # fmt: skip
+    return [
+        (RejectionSampler.forward, (x,) * 5, {}),
+        (GPUModelRunner.propose_draft_token_ids, (x,) * 10, {}),
+        (SpecDecodeBaseProposer.propose, (x,), dict.fromkeys(propose, x)),
+    ]
+
+
 def hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     """The hooks' own work for one decode step of `batch` verifying requests on WORLD's shapes
     (hidden H, `slots` captured states per token, K drafter forwards, the draft and target
@@ -419,8 +440,13 @@ def _hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
     lens = [qs[i + 1] - qs[i] for i in range(batch)]
     sampler, a, proc = verify_step(batch, T)
 
+    binds = vllm_binds()
+
     def collect() -> taps.Step:
-        """What the step, proposer and drafter wrappers copy (vllm_patches)."""
+        """What the step, proposer and drafter wrappers copy (vllm_patches), and the three
+        wrappers' binding of vLLM's arguments by name (`bind_args`, called as vLLM calls)."""
+        for fn, args, kwargs in binds:
+            vp.bind_args(fn, args, kwargs)
         return stand_in_step(batch, src, copy=True)
 
     def snapshot() -> Any:

@@ -10,6 +10,7 @@ its pure row builders and audit (`taps`, `audit`) and its wrappers (`hstrace.hoo
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -28,8 +29,38 @@ from hstrace.engines.support import PatchPoint, Version
 
 
 def bind_args(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """A wrapped call's arguments by parameter name (patch points bind by name)."""
-    return inspect.signature(original).bind(*args, **kwargs).arguments
+    """A wrapped call's arguments by parameter name (patch points bind by name). Runs on the
+    serving thread about three times a step: `inspect.signature` is read once per function
+    (15 us a call otherwise), and a call whose arguments all name a parameter of their own is
+    mapped without `Signature.bind` (5 us): the same names and values, not in the signature's
+    order. A call the function would refuse (an argument missing) is the engine's to fail."""
+    sig, positional, named = _parameters(original)
+    if len(args) <= len(positional) and (
+        not kwargs or (named.issuperset(kwargs) and not kwargs.keys() & positional[: len(args)])
+    ):
+        bound = dict(zip(positional, args, strict=False))  # the trailing ones left out
+        if kwargs:
+            bound.update(kwargs)
+        return bound
+    return sig.bind(*args, **kwargs).arguments
+
+
+@functools.lru_cache(maxsize=256)
+def _parameters(fn: Callable) -> tuple[inspect.Signature, tuple[str, ...], frozenset[str]]:
+    """`fn`'s signature, its leading positional parameters' names (up to a `*args`), and every
+    name an argument may be passed by (not `**kwargs`' own)."""
+    sig = inspect.signature(fn)
+    positional: list[str] = []
+    for p in sig.parameters.values():
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        positional.append(p.name)
+    named = frozenset(
+        p.name
+        for p in sig.parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )
+    return sig, tuple(positional), named
 
 
 # ---- the status protocol: the launcher's side channel (one JSON object a line) --------------

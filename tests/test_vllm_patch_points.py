@@ -104,3 +104,51 @@ def test_signature_drift_is_recorded_and_left_unpatched(tmp_path) -> None:
     rec.close()
     mismatch = open_trace(tmp_path / "t.zarr").meta["static"]["patch_mismatch"]
     assert mismatch[point.target]["found"] == ["self", "input_ids", "hidden_states"]
+
+
+def _f(self, a, b, c=1, *rest, d, e=2, **kw):  # every kind of parameter
+    pass
+
+
+def _g(self, a, b, c=None, d=None):
+    pass
+
+
+def _h(a, /, b, *, c):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("fn", "args", "kwargs"),
+    [
+        (_f, (0, 1, 2), {"d": 4}),
+        (_f, (0, 1, 2, 3, 4, 5), {"d": 1, "z": 3}),  # into *rest and **kw: Signature.bind
+        (_f, (0,), {"a": 1, "b": 2, "d": 3}),
+        (_g, (0, 1, 2), {}),  # positional, as vLLM calls propose_draft_token_ids
+        (_g, (0,), {"a": 1, "b": 2, "d": 4}),  # by name, as it calls the proposer's propose
+        (_h, (1, 2), {"c": 3}),
+        (_h, (1,), {"b": 2, "c": 3}),
+    ],
+)
+def test_bind_args_maps_a_call_as_signature_bind_does(fn, args, kwargs) -> None:
+    """The wrappers' binding (three times a step on the serving thread: the signature read
+    once, the common calls mapped without `Signature.bind`) gives every call the engine can
+    make the names and values `inspect.signature(fn).bind` gives."""
+    import inspect
+
+    from hstrace.hooks.common import bind_args
+
+    want = dict(inspect.signature(fn).bind(*args, **kwargs).arguments)
+    assert bind_args(fn, args, kwargs) == want
+    assert bind_args(fn, args, kwargs) == want  # the cached signature: the same again
+
+
+def test_bind_args_refuses_what_signature_bind_refuses() -> None:
+    from hstrace.hooks.common import bind_args
+
+    with pytest.raises(TypeError):
+        bind_args(_h, (), {"a": 1, "b": 2, "c": 3})  # a positional-only parameter by name
+    with pytest.raises(TypeError):
+        bind_args(_g, (0, 1, 2, 3, 4, 5), {})  # too many
+    with pytest.raises(TypeError):
+        bind_args(_g, (0, 1, 2), {"b": 5})  # twice
