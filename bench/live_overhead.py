@@ -816,6 +816,8 @@ def dormant_check_ns() -> float:
 
 
 def main() -> None:
+    from hstrace.engines.protocol import WORK_LEVELS
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=12, help="armed/dormant round pairs, one server")
     ap.add_argument(
@@ -863,7 +865,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--work",
-        choices=["rows", "handover", "collect", "none"],  # hstrace.engines.protocol.WORK_LEVELS
+        choices=list(WORK_LEVELS),
         default="rows",
         help="how far the armed rounds take each step (rows: a recording; handover: collected "
         "and handed to the tap thread, which drops it; collect: collected, dropped on the "

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.armed import arm_in_thread
 from hstrace.hooks import control
 from hstrace.hooks.common import Recorder
 
@@ -44,25 +45,6 @@ def step(rec: Recorder, rid: str) -> None:
     if rec.armed:
         rec.step_requests([rid], [rid])
         rec.emit([requests_write([rid], [[1, 2, 3]], [0])])
-
-
-def arm_in_thread(run: Path, out: Path, **kw):
-    box: dict = {}
-    ready = threading.Event()
-
-    def go():
-        try:
-            box["session"] = client.arm(
-                str(run), out, ["requests"], armed=lambda s: ready.set(), **kw
-            )
-        except BaseException as exc:  # the test reads it
-            box["error"] = exc
-        ready.set()
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    assert ready.wait(30), "arm did not return"
-    return t, box
 
 
 def test_dormant_records_nothing_and_keeps_the_static_audit(dormant, tmp_path) -> None:

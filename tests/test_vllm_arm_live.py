@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 from helpers.vllm_live import (
@@ -36,8 +35,8 @@ pytest.importorskip("vllm", reason=NEEDS_VLLM)
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 from helpers import armed  # noqa: E402
+from helpers.armed import arm_in_thread, wait_armed  # noqa: E402
 from helpers.armed import hstrace_cli as hstrace  # noqa: E402
-from helpers.armed import wait_armed  # noqa: E402
 
 from hstrace import replay_trace  # noqa: E402
 from hstrace.engines import control  # noqa: E402
@@ -82,23 +81,9 @@ def thread_masks(root: int) -> dict[str, set[int]]:
 
 
 def session_at(run, out, level: str, prompts: list[list[int]]) -> dict:
-    """One session armed at `work` level `level` (from a thread: `control.arm` holds the lease
-    until the disarm), two prompts sent, then `hstrace.engines.control.disarm`."""
-    box: dict = {}
-    ready = threading.Event()
-
-    def go() -> None:
-        try:
-            box["session"] = control.arm(
-                str(run), out, STREAMS, armed=lambda s: ready.set(), work=level
-            )
-        except BaseException as exc:  # the test reads it
-            box["error"] = exc
-        ready.set()
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    assert ready.wait(60) and "error" not in box, box
+    """One session armed at `work` level `level`, two prompts sent, then disarmed."""
+    t, box = arm_in_thread(run, out, STREAMS, timeout_s=60, work=level)
+    assert "error" not in box, box
     box["answers"] = send(prompts[:2])
     control.disarm(str(run))
     t.join(120)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from hstrace.engines import control
 from hstrace.engines.control import Connection, wait_sockets
 
 
@@ -65,3 +67,27 @@ def wait_armed(run: Path, want: bool, timeout_s: float = 60) -> list[dict]:
         if time.monotonic() > deadline:
             return hellos
         time.sleep(0.2)
+
+
+def arm_in_thread(
+    run: Path, out: Path, streams: list[str] | None = None, timeout_s: float = 30, **kw
+) -> tuple[threading.Thread, dict]:
+    """`control.arm` from a thread (it holds the lease until the session ends), returned once
+    every process is armed or the arm failed: the thread, and a box with its `session` or its
+    `error`. `streams` default: ["requests"]; `kw`: `control.arm`'s options."""
+    box: dict = {}
+    ready = threading.Event()
+
+    def go() -> None:
+        try:
+            box["session"] = control.arm(
+                str(run), out, streams or ["requests"], armed=lambda s: ready.set(), **kw
+            )
+        except BaseException as exc:  # the test reads it
+            box["error"] = exc
+        ready.set()
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    assert ready.wait(timeout_s), "arm did not return"
+    return t, box
