@@ -32,6 +32,14 @@ returning as if dormant. Run side by side with `rows`, the levels split the cost
 serving thread's copies, the hand-over to the tap thread, and the tap thread's rows and the
 writer (bench/README.md, thirteenth pass). Those sessions write the static audit, no step rows.
 
+`--burn-ms B` (a calibration, bench only): every armed round also runs a stand-in for a
+recording's CPU, another process (not the server's) that spends B ms of CPU every
+`--burn-period-ms` of wall time (default 7, about this host's dormant engine step), started with
+the session and stopped before its disarm. With `--work none`, the ratio then says what B ms of
+CPU a step, spent beside the server, costs serving on this host: the budget a recording has for
+a given ratio. Every figure reports the CPU per engine step by thread, the stand-in's included
+(`burner`), and the armed rounds' extra CPU per step over the dormant ones (all threads).
+
 Second figure: the same launch served with recording and without hooks, one server at a time
 (`--two-server-cycles` with/without pairs, `--rounds` timed rounds each): server-to-server
 variance is larger than the effect, which is why the first figure exists.
@@ -254,6 +262,58 @@ def settle(root: int, quiet_ticks: int = 2, window_s: float = 0.2, limit_s: floa
             break
         last = now
     return time.perf_counter() - t0
+
+
+BURN = """
+import sys, time
+burn, period = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
+due = time.monotonic()
+while True:
+    c0 = time.thread_time()
+    while time.thread_time() - c0 < burn:
+        pass
+    due += period
+    wait = due - time.monotonic()
+    if wait > 0:
+        time.sleep(wait)
+    else:  # starved: no catching up in a burst
+        due = time.monotonic()
+"""
+
+
+class Burner:
+    """`--burn-ms`: a stand-in for a recording's CPU, outside the server's process tree (bench
+    only): a process that spends `ms` of its own CPU every `period_ms` of wall time. None when
+    `ms` is 0. `cpu` is its thread_cpu snapshot (its CPU is read as the server's is)."""
+
+    def __init__(self, ms: float, period_ms: float) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", BURN, str(ms), str(period_ms)])
+
+    @classmethod
+    def start(cls, args: Any) -> Burner | None:
+        return cls(args.burn_ms, args.burn_period_ms) if args.burn_ms > 0 else None
+
+    def cpu(self) -> dict:
+        return {("burner", "burner", k[2]): t for k, t in thread_cpu(self.proc.pid).items()}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def _cpu_of(proc_pid: int, burner: Burner | None) -> dict:
+    """thread_cpu of the server's tree, and of the burner when one runs."""
+    ticks = thread_cpu(proc_pid)
+    if burner is not None:
+        ticks.update(burner.cpu())
+    return ticks
+
+
+def _extra_cpu(per_step: dict[str, dict[str, float]]) -> float | None:
+    """The armed rounds' CPU per engine step over the dormant rounds', every thread summed."""
+    if "armed" not in per_step or "dormant" not in per_step:
+        return None
+    return round(sum(per_step["armed"].values()) - sum(per_step["dormant"].values()), 3)
 
 
 def _median_by_name(rounds: list[dict[str, float]]) -> dict[str, float]:
@@ -612,16 +672,19 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 t0 = time.perf_counter()
                 session = ArmedSession(run, out, tap_thread=arm == "armed", work=args.work)
                 arm_s.append(time.perf_counter() - t0)
+                burner = Burner.start(args)
                 # untimed: the session's first steps (each table's first write plans its
                 # columns, the writer creates its arrays) are a per-session cost, not a step's
                 round_tps(port, prompts, args.warm_tokens)
                 settled_s.append(settle(proc.pid))
                 setup_cpu.append((recording_cpu(proc.pid) - r0) / os.sysconf("SC_CLK_TCK"))
-                d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
+                d0, c0, w0 = spec_steps(port), _cpu_of(proc.pid, burner), time.perf_counter()
                 got[arm] = round_tps(port, prompts, args.new_tokens)
                 walls[arm].append(time.perf_counter() - w0)
-                cpu[arm].append(cpu_by_thread(c0, thread_cpu(proc.pid)))
+                cpu[arm].append(cpu_by_thread(c0, _cpu_of(proc.pid, burner)))
                 drafts[arm] += spec_steps(port) - d0
+                if burner is not None:
+                    burner.stop()
                 t1 = time.perf_counter()
                 session.end(f"armed round {i}")
                 disarm_s.append(time.perf_counter() - t1)
@@ -643,6 +706,9 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             proc.kill()
             proc.wait()
     q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    per_step = {
+        arm: _per_step(rounds, drafts[arm] / args.prompts) for arm, rounds in cpu.items() if rounds
+    }
     return {
         "pairs": args.pairs,
         "tokens_per_s_armed": [round(x, 1) for x in tps["armed"]],
@@ -683,11 +749,8 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
         "disarm_s_median": round(statistics.median(disarm_s), 3) if disarm_s else None,
         # every timed round's CPU summed, per engine step of those rounds (a round is a few
         # ticks per thread: per round, the counters' 10 ms tick is the resolution)
-        "cpu_ms_per_engine_step_by_thread": {
-            arm: _per_step(rounds, drafts[arm] / args.prompts)
-            for arm, rounds in cpu.items()
-            if rounds
-        },
+        "cpu_ms_per_engine_step_by_thread": per_step,
+        "extra_cpu_ms_per_engine_step": _extra_cpu(per_step),
         "long_session": long,
     }
 
@@ -748,29 +811,32 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
                 if arm == "armed"
                 else None
             )
+            burner = Burner.start(args) if session is not None else None
             round_tps(port, prompts, args.warm_tokens)  # untimed, both sides
             settle(proc.pid)
-            d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
+            d0, c0, w0 = spec_steps(port), _cpu_of(proc.pid, burner), time.perf_counter()
             for _ in range(args.long_rounds):
                 round_tps(port, prompts, args.new_tokens)
             wall = time.perf_counter() - w0
-            cpu[arm].append(cpu_by_thread(c0, thread_cpu(proc.pid)))
+            cpu[arm].append(cpu_by_thread(c0, _cpu_of(proc.pid, burner)))
             drafts[arm] += spec_steps(port) - d0
+            if burner is not None:
+                burner.stop()
             got[arm] = args.long_rounds * args.prompts * args.new_tokens / wall
             tps[arm].append(got[arm])
             if session is not None:
                 session.end(f"long session {c}")
                 shutil.rmtree(work / f"long-{c}.zarr", ignore_errors=True)
         ratios.append(got["armed"] / got["dormant"])
+    per_step = {arm: _per_step(rounds, drafts[arm] / args.prompts) for arm, rounds in cpu.items()}
     return {
         "rounds_per_block": args.long_rounds,
         "tokens_per_s_armed": [round(x, 1) for x in tps["armed"]],
         "tokens_per_s_dormant": [round(x, 1) for x in tps["dormant"]],
         "ratio_per_cycle": [round(r, 3) for r in ratios],
         "ratio_median": round(statistics.median(ratios), 3),
-        "cpu_ms_per_engine_step_by_thread": {
-            arm: _per_step(rounds, drafts[arm] / args.prompts) for arm, rounds in cpu.items()
-        },
+        "cpu_ms_per_engine_step_by_thread": per_step,
+        "extra_cpu_ms_per_engine_step": _extra_cpu(per_step),
     }
 
 
@@ -877,7 +943,17 @@ def main() -> None:
         default="",
         help="HSTRACE_RECORD_CPUS for the server: where the writer and the tap thread run",
     )
+    ap.add_argument(
+        "--burn-ms",
+        type=float,
+        default=0.0,
+        help="calibration: armed rounds also run a process spending this much CPU per "
+        "--burn-period-ms (a stand-in for a recording's CPU; use with --work none)",
+    )
+    ap.add_argument("--burn-period-ms", type=float, default=7.0)
     args = ap.parse_args()
+    if args.burn_ms < 0 or args.burn_period_ms <= args.burn_ms:
+        ap.error("--burn-ms must be >= 0 and below --burn-period-ms")
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         ap.error("--temperature must be >= 0 and --top-p in (0, 1]")
     global TP, WORLD, SAMPLING, SERVER_CPUS
@@ -965,6 +1041,7 @@ def main() -> None:
             {
                 "drafter": args.drafter,
                 "work": args.work,  # what the armed rounds did with each step (--work)
+                "burn_ms_per_period": [args.burn_ms, args.burn_period_ms],  # --burn-ms
                 "speculative_config": WORLD.spec,
                 "sampling": SAMPLING,
                 "prompts_per_round": args.prompts,
