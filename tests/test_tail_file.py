@@ -1,11 +1,13 @@
-"""Tail flushes of unsharded columns (hstrace/trace/write/rowlog.py: TailFile): the key is
-rewritten by swapping it with a spare file in place, never by creating a file per flush, and
-holds a complete chunk at every flush; without the swap every flush renames, as before."""
+"""Tail flushes (hstrace/trace/write/rowlog.py): an unsharded column's key is rewritten by
+swapping it with a spare file in place (TailFile), never by creating a file per flush, and
+holds a complete chunk at every flush; without the swap every flush renames, as before. A
+column is created with its first capacity, so its first tail flush rewrites no metadata."""
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 
 import numpy as np
@@ -152,3 +154,22 @@ def test_a_shorter_version_over_a_longer_spare_is_cut_to_size(tmp_path):
         assert (tmp_path / "key").read_bytes() == data
     t.drop()
     assert os.listdir(tmp_path) == ["key"]
+
+
+def test_a_first_tail_flush_rewrites_no_array_metadata(tmp_path):
+    """The column's zarr.json is written once, at creation, with its first capacity: the
+    first tail flush leaves it byte for byte (it used to resize every column through zarr);
+    the close trims the shape to the rows written."""
+    path = tmp_path / "t.zarr"
+    create_trace(path, engine={"name": "test"})
+    w = TraceWriter(path, process=False, tail_flush_s=60)
+    x = _step(w, 0)
+    meta = path / "rank0" / "target" / "tok.x" / "zarr.json"
+    before = meta.read_bytes()
+    assert json.loads(before)["shape"] == [rowlog.GROW_UNITS * 512, WIDTH]
+    w.flush()
+    assert meta.read_bytes() == before
+    assert np.array_equal(_read(path), x.numpy())  # the commit record's rows, not the shape
+    w.close()
+    assert json.loads(meta.read_bytes())["shape"] == [ROWS, WIDTH]
+    assert np.array_equal(_read(path), x.numpy())
