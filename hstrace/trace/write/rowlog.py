@@ -12,7 +12,8 @@ metadata, but chunks and shards are encoded here with the very codec chain the m
 declares (bytes little-endian + Blosc zstd byte shuffle; shards: chunks back to back, then
 the uint64 (offset, nbytes) index and its crc32c), and written as files next to zarr's,
 atomically (temp file + rename, as zarr's LocalStore does; a shard a tail flush made durable
-is then live at its key, a valid shard at every moment: _Shard). Plain zarr reads them.
+is then live at its key, a valid shard at every moment: _Shard; an unsharded key a tail flush
+rewrites is swapped with a spare written in place: TailFile). Plain zarr reads them.
 
 Chunks are encoded as soon as they fill, by a small thread pool (Blosc releases the GIL), and
 appended to their shard's temp file, so a writer holds a few chunks per column in RAM, not a
