@@ -646,8 +646,9 @@ class RowLog:
         extra = {"shards": (shard_rows, *self.row_shape)} if shard_rows else {}
         # Created with its first capacity (GROW_UNITS units): the shape is a capacity, the
         # valid rows are the commit record's. Created empty, each column's first tail flush
-        # resized it through zarr (its zarr.json rewritten): ~6 ms of CPU a column on this
-        # host, 0.4 s for the tiny world's 59 at every session's first flush (bench/README.md)
+        # resized it through zarr (its zarr.json rewritten through zarr's event loop): the
+        # tiny world's first flush took 116-137 ms of CPU with it, 48-75 ms without
+        # (bench/tail_flush.py, bench/README.md fourteenth pass)
         self.capacity = GROW_UNITS * self.unit
         self.arr = group.create_array(
             name,
