@@ -42,6 +42,7 @@ I/O thread, in order, while the writer's main thread goes on feeding the encoder
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import math
@@ -372,8 +373,6 @@ _AT_FDCWD = -100
 def _renameat2() -> Any:
     """glibc's renameat2 (2.28+) through ctypes, or None where there is none."""
     try:
-        import ctypes
-
         fn = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return None
@@ -421,8 +420,6 @@ class TailFile:
                     _RENAME_EXCHANGE) == 0:  # fmt: skip
                 self.has_spare = True
                 return
-            import ctypes
-
             err = ctypes.get_errno()
             if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
                 raise OSError(err, os.strerror(err), self.path)
