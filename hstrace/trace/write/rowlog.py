@@ -366,6 +366,37 @@ def _write_file(path: str, parts: list) -> None:
     os.replace(tmp, path)
 
 
+def _write_chunk_file(path: str, data) -> None:
+    """An unsharded column's whole chunk (an encoded chunk, as _Shard.add takes) as the file at
+    path, atomically (temp file + rename). A frame in page-aligned memory (compressed into
+    one of the column's aligned buffers, or a raw chunk in place) is written with O_DIRECT
+    where the encoder's flag and the file system allow it, as a shard's chunks are: padded to
+    whole blocks, then cut to the frame's length. Through the page cache, every chunk
+    written took fresh pages, at ~4 ms of CPU per MB on this project's 2-vCPU VM (a guest's
+    first touch of its memory) against 0.06 with O_DIRECT (bench/README.md, fifteenth pass).
+    A raw chunk marked `cached` (far behind, past the disk budget) and a frame in ordinary
+    memory go through the page cache."""
+    if not isinstance(data, Aligned) or data.cached:
+        _write_file(path, _parts(data))
+        return
+    tmp = f"{path}.{uuid.uuid4().hex}.partial"
+    fd, direct = _open_new_file(tmp)
+    try:
+        n = data.nbytes
+        _write_all(fd, memoryview(data.block)[: padded(n) if direct else n], 0)
+        if direct:
+            os.ftruncate(fd, n)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+
+
 _RENAME_EXCHANGE = 2  # renameat2's flag: swap the two names atomically (Linux 3.15+)
 _AT_FDCWD = -100
 
@@ -460,10 +491,10 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
         got += n
 
 
-def _open_shard_file(path: str) -> tuple[int, bool]:
-    """(fd, direct?): a new temp file, with O_DIRECT where the encoder's direct_io flag
-    (HSTRACE_DIRECT_IO) and the file system allow it (tmpfs and some others refuse it at
-    open: EINVAL)."""
+def _open_new_file(path: str) -> tuple[int, bool]:
+    """(fd, direct?): a new temp file (a shard's, or an unsharded chunk's), with O_DIRECT
+    where the encoder's direct_io flag (HSTRACE_DIRECT_IO) and the file system allow it
+    (tmpfs and some others refuse it at open: EINVAL)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     direct = getattr(os, "O_DIRECT", 0)
     if ENCODER.direct_io and direct:
@@ -502,7 +533,7 @@ class _Shard:
     def __init__(self, path: str, n_inner: int, chunk_bytes: int) -> None:
         self.path = path
         self.tmp = f"{path}.{uuid.uuid4().hex}.partial"
-        self.fd, self.direct = _open_shard_file(self.tmp)
+        self.fd, self.direct = _open_new_file(self.tmp)
         self._cached_fd = -1  # the same file without O_DIRECT, for chunks marked `cached`
         self.index = np.full((n_inner, 2), _EMPTY, dtype="<u8")
         self.pos = 0
@@ -668,10 +699,11 @@ class RowLog:
         self._made: set[str] = set()
         self.buf: np.ndarray | None = None  # the chunk being filled (allocated on first rows)
         self._bytes: memoryview | None = None  # buf's bytes (append_from copies into them)
-        # Shards: buf lives in page-aligned memory after _HEAD bytes (block), and chunks are
-        # compressed into reused page-aligned buffers (outs), for O_DIRECT writes.
+        # On a local store buf lives in page-aligned memory after _HEAD bytes (block), and
+        # chunks are compressed into reused page-aligned buffers (outs), for O_DIRECT writes
+        # (a shard's chunks; an unsharded column's chunk files, _write_chunk_file).
         self.block: np.ndarray | None = None
-        self._aligned = self.sharded and self.dir is not None
+        self._aligned = self.dir is not None
         self._outs: list[np.ndarray] = []
         self.fill = 0  # rows in buf
         self.encoded = 0  # rows handed to the encoder (whole chunks)
@@ -828,9 +860,11 @@ class RowLog:
             per_unit = self.unit // self.chunk_rows
             unit_no, inner = divmod(chunk_no, per_unit)
             if not self.sharded:
-                _write_file(self._key_path(unit_no), _parts(data))
+                _write_chunk_file(self._key_path(unit_no), data)
                 self._drop_tail_file(unit_no)
                 self._free.append((buf, mem))
+                if out is not None:
+                    self._outs.append(out)
             else:
                 if self._shard is None or self._shard_no != unit_no:
                     self._shard = _Shard(self._key_path(unit_no), per_unit, self._chunk_bytes)
