@@ -1,6 +1,7 @@
-/* The producer's fast step in one native call (optional: hstrace/trace/native.py says whether
- * it is built; without it the same step takes the pure-Python route, writer._Matcher.match and
- * ProcessSink.write_step, with byte-identical results).
+/* The producer's fast step in one native call (optional: process_sink.native_extension() says
+ * whether it is built; without it the same step takes the pure-Python route, writer._Matcher.match and
+ * ProcessSink.write_step, with byte-identical results). At the end of the file, the writer
+ * process's side of the same step (copy_rows), optional in the same way.
  *
  * One call checks a repeated step of a table against the plan its first write fixed (column
  * names, exact torch.Tensor type, dtype, CPU, contiguous, row shape, equal row counts per axis;
@@ -582,14 +583,97 @@ static PyObject *bind(PyObject *mod, PyObject *args) {
     return PyLong_FromLong(impl_word);
 }
 
+
+/* --- The writer process's side: one step's rows from the ring into the columns' chunk buffers.
+ *
+ * copy_rows(src, src_bytes, base, counts, state, ncols, slow) -> k. `state` is the address of
+ * an int64 array of ncols rows of CR_WORDS words (recorder.py TableLog.fast_state; each
+ * RowLog reads and writes its own row): where the column's chunk buffer is (0: none in hand),
+ * the rows in it, its chunk's rows, the bytes of a row, which axis of `counts` counts its
+ * rows, and a gate (nonzero: this column's rows take the Python route, RowLog.append_from:
+ * its first rows since a tail flush, a chunk being encoded). The step's columns lie in the ring
+ * at `src` + `base`, each at an ALIGN-aligned offset after the previous one (ProcessSink's
+ * layout, writer_process._write_step). Every column with rows that fit its chunk without
+ * ending it, and no gate, is one memcpy and its row count advanced; the others are left as
+ * they are and listed in `slow` (int64 pairs: column, ring offset), k of them, for the Python
+ * route to append in order. Nothing else is touched. */
+enum { CR_DST = 0, CR_FILL = 1, CR_CAP = 2, CR_ROWB = 3, CR_AXIS = 4, CR_GATE = 5, CR_WORDS = 8 };
+
+static PyObject *copy_rows(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || !PyTuple_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "copy_rows(src, src_bytes, base, counts: tuple, state, ncols, slow)");
+        return NULL;
+    }
+    char *src = (char *)PyLong_AsVoidPtr(args[0]);
+    long long src_bytes = PyLong_AsLongLong(args[1]);
+    long long offset = PyLong_AsLongLong(args[2]);
+    int64_t *state = (int64_t *)PyLong_AsVoidPtr(args[4]);
+    Py_ssize_t ncols = PyLong_AsSsize_t(args[5]);
+    int64_t *slow = (int64_t *)PyLong_AsVoidPtr(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (src == NULL || state == NULL || slow == NULL || ncols < 0 || offset < 0 ||
+        src_bytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: a null buffer or a negative size");
+        return NULL;
+    }
+    PyObject *counts = args[3];
+    Py_ssize_t n_axes = PyTuple_GET_SIZE(counts);
+    if (n_axes > MAX_AXES) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: more axes than MAX_AXES");
+        return NULL;
+    }
+    long long rows[MAX_AXES];
+    for (Py_ssize_t a = 0; a < n_axes; a++) {
+        rows[a] = PyLong_AsLongLong(PyTuple_GET_ITEM(counts, a));
+        if (rows[a] == -1 && PyErr_Occurred()) return NULL;
+        if (rows[a] < 0) {
+            PyErr_SetString(PyExc_ValueError, "copy_rows: a negative row count");
+            return NULL;
+        }
+    }
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < ncols; i++) {
+        int64_t *w = state + i * CR_WORDS;
+        if (w[CR_AXIS] < 0 || w[CR_AXIS] >= n_axes || w[CR_ROWB] <= 0) {
+            PyErr_Format(PyExc_ValueError, "copy_rows: column %zd has axis %lld of %zd", i,
+                         (long long)w[CR_AXIS], n_axes);
+            return NULL;
+        }
+        long long n = rows[w[CR_AXIS]];
+        if (n > (1LL << 40) / w[CR_ROWB]) {
+            PyErr_SetString(PyExc_ValueError, "copy_rows: a row count beyond any ring");
+            return NULL;
+        }
+        long long nb = n * w[CR_ROWB];
+        if (n) {
+            if (w[CR_DST] != 0 && w[CR_GATE] == 0 && w[CR_FILL] + n < w[CR_CAP] &&
+                offset + nb <= src_bytes) {
+                memcpy((char *)(uintptr_t)w[CR_DST] + w[CR_FILL] * w[CR_ROWB], src + offset,
+                       (size_t)nb);
+                w[CR_FILL] += n;
+            } else {
+                slow[2 * k] = i;
+                slow[2 * k + 1] = offset;
+                k++;
+            }
+        }
+        offset += (nb + ALIGN - 1) & ~(long long)(ALIGN - 1);
+    }
+    return PyLong_FromSsize_t(k);
+}
+
 static PyMethodDef module_methods[] = {
     {"bind", bind, METH_VARARGS, "bind(torch.Tensor, samples, impls) -> the TensorImpl word or -1"},
+    {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_FASTCALL,
+     "copy_rows(src, src_bytes, base, counts, state, ncols, slow) -> columns left to Python"},
     {NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "hstrace.trace.write._native",
-    "The producer's fast step in one native call (see _native.c).", -1, module_methods,
+    "The producer's fast step, and the writer's rows of a step, in one native call each "
+    "(see _native.c).", -1, module_methods,
 };
 
 PyMODINIT_FUNC PyInit__native(void) {

@@ -29,7 +29,7 @@ from hstrace.trace.schema import (
     column_array,
 )
 from hstrace.trace.write.columns import ColumnSpec, describe, row_counts, spec_of
-from hstrace.trace.write.rowlog import RowLog
+from hstrace.trace.write.rowlog import CR_WORDS, RowLog
 
 # Commit at most this often when only whole units were written (tail flushes always commit).
 COMMIT_INTERVAL_S = 0.25
@@ -108,6 +108,7 @@ class TableLog:
         self.steps = 0
         self.rows = {axis: 0 for axis in spec}  # rows of each axis in complete steps
         self._layout: list | None = None
+        self._fast: tuple | None = None
 
     def logs(self) -> dict[str, RowLog]:
         """Every array's RowLog, keyed as in the commit record ("offsets", "axis/column")."""
@@ -125,6 +126,21 @@ class TableLog:
                 [(log, log.row_bytes) for log in cols.values()] for cols in self.cols.values()
             ]
         return self._layout
+
+    def fast_state(self) -> tuple[list[tuple[RowLog, int]], int, np.ndarray, int]:
+        """The table's columns in layout order as the writer's native step takes them
+        (_native.c copy_rows): [(log, axis index)], the address of their state array (each
+        log's CR_WORDS words: rowlog.py), and the array copy_rows lists the columns it left
+        to Python in, with its address. Built at the first call; from then on each column
+        keeps its words there."""
+        if self._fast is None:
+            flat = [(log, ai) for ai, logs in enumerate(self.layout()) for log, _ in logs]
+            state = np.zeros((len(flat), CR_WORDS), np.int64)
+            for i, (log, ai) in enumerate(flat):
+                log.share_state(state[i], ai)
+            slow = np.zeros((len(flat), 2), np.int64)
+            self._fast = (flat, state.ctypes.data, slow, slow.ctypes.data, state)
+        return self._fast[:4]
 
     def append(self, axis_rows: dict[str, dict[str, np.ndarray]], now: float) -> None:
         """Append one part of a step: for each axis present, rows of every column."""

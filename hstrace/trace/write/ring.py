@@ -140,6 +140,9 @@ class RingView:
         finally:
             os.close(fd)
         self.size = len(self.buf) - ALIGN - DESC_BYTES
+        anchor = ctypes.c_char.from_buffer(self.buf)  # a momentary export, for the address
+        self.addr = ctypes.addressof(anchor)  # of the ring's first byte (_native.c copy_rows)
+        del anchor
         self._trailer = np.frombuffer(
             self.buf, dtype=np.int64, count=TRAILER_WORDS, offset=self.size
         )

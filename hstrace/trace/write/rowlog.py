@@ -32,7 +32,9 @@ its uncompressed chunks (`raw_chunks`); the commit record says so.
 Shards (the wide columns: nearly all the bytes) are written with O_DIRECT where the file system
 takes it: the kernel's copy into the page cache cost the writer ~0.7 CPU s per GB written, as
 much as half the codec (bench/README.md), and a recorder beside a server should not fill its
-page cache with trace either. Each chunk is compressed into one of a few page-aligned buffers
+page cache with trace either. So are an unsharded column's whole chunks (_write_chunk_file;
+on this project's 2-vCPU VM each MB through the page cache took fresh pages at ~4 ms of CPU);
+only its tail flushes, which rewrite a key in place, go through the page cache. Each chunk is compressed into one of a few page-aligned buffers
 the column reuses (blosc_into.py) and written at a block-aligned offset of its shard: the
 shard index says where each chunk is, so the few hundred bytes of padding after a chunk are
 never read. Elsewhere (tmpfs, a file system without O_DIRECT) the same files are written
@@ -93,6 +95,12 @@ _FIRST_RATIO = 0.7
 _EMPTY = np.uint64(2**64 - 1)
 # Room before a chunk buffer's rows for a Blosc header: a raw chunk is then a frame in place.
 _HEAD = 16
+# A column's words in its table's state array, as _native.c copy_rows reads and writes them
+# (recorder.py TableLog.fast_state): where its chunk buffer is (0: none in hand), the rows in
+# it, a chunk's rows, a row's bytes, the axis that counts its rows, and the gate (1: its next
+# rows take the Python route: its first since a tail flush, or a chunk of it being encoded).
+CR_DST, CR_FILL, CR_CAP, CR_ROWB, CR_AXIS, CR_GATE = range(6)
+CR_WORDS = 8
 
 
 class Aligned:
@@ -697,6 +705,14 @@ class RowLog:
             else None
         )
         self._made: set[str] = set()
+        # The column's words of the writer's native step (CR_*): its own, until its table
+        # shares them (share_state). `fill` lives there.
+        self._st = np.zeros(CR_WORDS, np.int64)
+        self._stv = memoryview(self._st)  # plain int reads and writes
+        self._stv[CR_CAP] = chunk_rows
+        self._stv[CR_ROWB] = row_bytes
+        self._dirty_since: float | None = None
+        self._inflight: deque[tuple[int, Future, np.ndarray, Any, Any]] = deque()
         self.buf: np.ndarray | None = None  # the chunk being filled (allocated on first rows)
         self._bytes: memoryview | None = None  # buf's bytes (append_from copies into them)
         # On a local store buf lives in page-aligned memory after _HEAD bytes (block), and
@@ -705,24 +721,56 @@ class RowLog:
         self.block: np.ndarray | None = None
         self._aligned = self.dir is not None
         self._outs: list[np.ndarray] = []
-        self.fill = 0  # rows in buf
+        self.fill = 0
         self.encoded = 0  # rows handed to the encoder (whole chunks)
         self.flushed = 0  # rows on disk as whole units
         self.tail_stored = 0  # rows on disk through the last tail flush
         self._tail_file: TailFile | None = None  # unsharded: the key tail flushes rewrite
         self._tail_file_no = -1  # its unit
-        self.dirty_since: float | None = None  # monotonic time of the oldest unwritten row
+        self.dirty_since = None  # monotonic time of the oldest unwritten row
         self.units_written = 0
         self.raw_chunks = 0  # chunks stored uncompressed (Blosc level 0) while behind
         self._free: list[tuple[np.ndarray, np.ndarray | None]] = []  # (buf, block)
-        # (chunk no., encoded chunk, buf, block, out)
-        self._inflight: deque[tuple[int, Future, np.ndarray, Any, Any]] = deque()
+        # (chunk no., encoded chunk, buf, block, out): self._inflight, above
         # Chunks handed to the I/O thread: (write, buf and block or None, out or None), the
         # memory given back once the write is done.
         self._writing: deque[tuple[Future, Any, Any]] = deque()
         self._shard: _Shard | None = None
         self._shard_no = -1
         self._tails = blosc_tail.TailFrames(CNAME, CLEVEL, Blosc.SHUFFLE)
+
+    @property
+    def fill(self) -> int:
+        """Rows in buf."""
+        return self._stv[CR_FILL]
+
+    @fill.setter
+    def fill(self, n: int) -> None:
+        self._stv[CR_FILL] = n
+
+    @property
+    def dirty_since(self) -> float | None:
+        """Monotonic time of the oldest row not on disk (None: every row is)."""
+        return self._dirty_since
+
+    @dirty_since.setter
+    def dirty_since(self, t: float | None) -> None:
+        self._dirty_since = t
+        self._gate()
+
+    def _gate(self) -> None:
+        """Whether the native step must leave this column's rows to append_from: its first
+        rows since a tail flush (dirty_since is set there), or a chunk being encoded (append
+        drains it)."""
+        self._stv[CR_GATE] = 1 if self._dirty_since is None or self._inflight else 0
+
+    def share_state(self, row: np.ndarray, axis: int) -> None:
+        """Keep this column's words in `row` (a row of its table's state array, int64,
+        CR_WORDS long) from now on, its rows counted by the step's `axis`-th count."""
+        row[:] = self._st
+        row[CR_AXIS] = axis
+        self._st = row
+        self._stv = memoryview(row)
 
     @property
     def stored(self) -> int:
@@ -805,6 +853,7 @@ class RowLog:
         """Start filling buf (None: no chunk in hand)."""
         self.buf, self.block = buf, block
         self._bytes = None if buf is None else memoryview(buf.reshape(-1).view(np.uint8))
+        self._stv[CR_DST] = 0 if buf is None else buf.ctypes.data
 
     def _new_buf(self) -> tuple[np.ndarray, np.ndarray | None]:
         """(a chunk buffer, the aligned block it sits in after _HEAD bytes, or None)."""
@@ -846,6 +895,7 @@ class RowLog:
         fut, raw = ENCODER.submit(buf, block, out)
         self.raw_chunks += raw
         self._inflight.append((chunk_no, fut, buf, block, out))
+        self._gate()
 
     def _drain(self, block: bool, upto: int | None = None) -> None:
         """Write encoded chunks in order: append to their shard, or write the chunk file."""
@@ -856,6 +906,7 @@ class RowLog:
                 return
             data = fut.result()  # a raw frame still points into buf: free it once written
             self._inflight.popleft()
+            self._gate()
             done += 1
             per_unit = self.unit // self.chunk_rows
             unit_no, inner = divmod(chunk_no, per_unit)
@@ -1019,6 +1070,7 @@ class RowLog:
             self._shard = None
         self._drop_tail_file(None)
         self._inflight.clear()
+        self._gate()
 
     def close(self) -> None:
         """Write the tail and trim the shape to the exact row count."""

@@ -220,8 +220,10 @@ def writer_main(
     from hstrace.trace.write.placement import name_thread
     from hstrace.trace.write.recorder import RankRecorder
 
+    global COPY_ROWS
     name_thread("hstrace-writer")  # the process's name in ps/top (else "python")
     fix_mmap_threshold(mmap_threshold_from_env())  # read as the writer process starts
+    COPY_ROWS = native_rows()
     replies = _Replies(free_w, ends_fd)
     try:
         shm = RingView(ring)
@@ -501,20 +503,51 @@ def _table(rec, name: str | None):
     return t
 
 
+def native_rows(environ=None):
+    """_native.c's copy_rows where it is built and HSTRACE_NATIVE is not 0, else None (every
+    step then takes the Python route, with the same bytes). Imports no torch."""
+    env = os.environ if environ is None else environ
+    if env.get("HSTRACE_NATIVE", "1") == "0":
+        return None
+    try:
+        from hstrace.trace.write import _native
+    except ImportError:
+        return None
+    return getattr(_native, "copy_rows", None)
+
+
+# Set by writer_main (native_rows); None: the Python route.
+COPY_ROWS = None
+
+
 def _write_step(rec, shm: RingView, base: int, table: str | None, counts: tuple[int, ...]) -> None:
     """A one-part step: every column of every axis, in spec order, each at a 64-byte aligned
-    offset after the previous one (ProcessSink.write_step's layout)."""
+    offset after the previous one (ProcessSink.write_step's layout). Each column's rows go
+    straight from the ring into its log, in the log's own dtype and row shape, which is all
+    TableLog.append would check: natively in one call (COPY_ROWS: every column whose rows
+    fit its chunk buffer, one memcpy each), the rest through RowLog.append_from (its first
+    rows since a tail flush, a chunk that ends, a chunk being encoded). Through the Python
+    route alone the ~50 columns of the tiny world's step took about a third of the writer's
+    CPU (bench/README.md, fifteenth pass)."""
     t = _table(rec, table)
-    offset = base
     now = time.monotonic()
-    # Each column's rows straight from the ring into its log, in the log's own dtype and row
-    # shape, which is all TableLog.append would check.
-    with memoryview(shm.buf) as src:
-        for logs, n in zip(t.layout(), counts, strict=True):
-            for log, row_bytes in logs:
-                if n:
-                    log.append_from(src, offset, n, now)
-                offset += -(-n * row_bytes // ALIGN) * ALIGN
+    copy_rows = COPY_ROWS
+    if copy_rows is not None:
+        flat, state, slow, slow_at = t.fast_state()
+        k = copy_rows(shm.addr, shm.size, base, counts, state, len(flat), slow_at)
+        if k:
+            with memoryview(shm.buf) as src:
+                for i, offset in slow[:k].tolist():
+                    log, axis = flat[i]
+                    log.append_from(src, offset, counts[axis], now)
+    else:
+        offset = base
+        with memoryview(shm.buf) as src:
+            for logs, n in zip(t.layout(), counts, strict=True):
+                for log, row_bytes in logs:
+                    if n:
+                        log.append_from(src, offset, n, now)
+                    offset += -(-n * row_bytes // ALIGN) * ALIGN
     t.end_step(dict(zip(t.cols, counts, strict=True)), now)
 
 
