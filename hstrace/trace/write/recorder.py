@@ -291,8 +291,10 @@ class RankRecorder:
 
     def next_deadline(self) -> float | None:
         """Monotonic time at which the oldest unwritten row reaches the tail-flush age."""
-        ages = [log.dirty_since for log in self._all_logs() if log.dirty_since is not None]
-        return min(ages) + self.tail_flush_s if ages else None
+        oldest = min(
+            (t for log in self._all_logs() if (t := log.dirty_since) is not None), default=None
+        )
+        return None if oldest is None else oldest + self.tail_flush_s
 
     def scan_due(self, now: float) -> bool:
         """Whether `tick` would look over the columns now (else it returns at once)."""
