@@ -24,6 +24,7 @@ ROWS = 128  # a step's rows: the first chunk fills at the fourth step
 
 
 def _direct_ok(d) -> bool:
+    rowlog.ENCODER.read_flags()  # this environment's HSTRACE_DIRECT_IO, not a test's before
     fd, direct = rowlog._open_new_file(os.path.join(d, "probe.partial"))
     os.close(fd)
     os.unlink(os.path.join(d, "probe.partial"))

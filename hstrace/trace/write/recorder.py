@@ -139,8 +139,9 @@ class TableLog:
             for i, (log, ai) in enumerate(flat):
                 log.share_state(state[i], ai)
             slow = np.zeros((len(flat), 2), np.int64)
-            self._fast = (flat, state.ctypes.data, slow, slow.ctypes.data, state)
-        return self._fast[:4]
+            self._fast_state = state  # (kept alive: its address is in _fast)
+            self._fast = (flat, state.ctypes.data, slow, slow.ctypes.data)
+        return self._fast
 
     def append(self, axis_rows: dict[str, dict[str, np.ndarray]], now: float) -> None:
         """Append one part of a step: for each axis present, rows of every column."""

@@ -34,10 +34,10 @@ takes it: the kernel's copy into the page cache cost the writer ~0.7 CPU s per G
 much as half the codec (bench/README.md), and a recorder beside a server should not fill its
 page cache with trace either. So are an unsharded column's whole chunks (_write_chunk_file;
 on this project's 2-vCPU VM each MB through the page cache took fresh pages at ~4 ms of CPU);
-only its tail flushes, which rewrite a key in place, go through the page cache. Each chunk is compressed into one of a few page-aligned buffers
-the column reuses (blosc_into.py) and written at a block-aligned offset of its shard: the
-shard index says where each chunk is, so the few hundred bytes of padding after a chunk are
-never read. Elsewhere (tmpfs, a file system without O_DIRECT) the same files are written
+only its tail flushes, which rewrite a key in place, go through the page cache. Each chunk is
+compressed into one of a few page-aligned buffers the column reuses (blosc_into.py) and
+written at a block-aligned offset of its shard: the shard index says where each chunk is, so
+the few hundred bytes of padding after a chunk are never read. Elsewhere (tmpfs, a file system without O_DIRECT) the same files are written
 through the page cache, packed. With encoding threads, the writes themselves are made by one
 I/O thread, in order, while the writer's main thread goes on feeding the encoders.
 """
@@ -381,7 +381,8 @@ def _write_chunk_file(path: str, data) -> None:
     where the encoder's flag and the file system allow it, as a shard's chunks are: padded to
     whole blocks, then cut to the frame's length. Through the page cache, every chunk
     written took fresh pages, at ~4 ms of CPU per MB on this project's 2-vCPU VM (a guest's
-    first touch of its memory) against 0.06 with O_DIRECT (bench/README.md, fifteenth pass).
+    first touch of its memory) against 0.12-0.15 with O_DIRECT (bench/chunk_write.py). An
+    O_DIRECT write waits for the device, on this thread, as a shard's did without I/O threads.
     A raw chunk marked `cached` (far behind, past the disk budget) and a frame in ordinary
     memory go through the page cache."""
     if not isinstance(data, Aligned) or data.cached:
