@@ -73,6 +73,28 @@ def _tolist(x: Any) -> list:
     return x.tolist() if hasattr(x, "tolist") else list(x)
 
 
+# The serving thread's copies: each torch call there costs the step 0.3-2 us on this host
+# (a no-op `.detach()`, `.to()` or `.float()` included), so calls that change nothing are not
+# made (tests/test_vllm_verify_snapshot.py holds the copies to the engine's values).
+def _copy(t: Any) -> Any:
+    """A copy of `t` that the engine's later writes cannot reach (vLLM runs in inference
+    mode: nothing requires grad, so no `.detach()` first)."""
+    return t.detach().clone() if t.requires_grad else t.clone()
+
+
+def _stack_params(values: list[Any], n: int) -> Any:
+    """The per-request sampling tensors (each [B] or longer, any dtype) as one float32 [P, n]
+    copy on the CPU: vLLM updates its persistent batch in place. One `stack` (it promotes the
+    dtypes) where every tensor is already 1-D of n rows."""
+    import torch
+
+    rows = [v if v.dim() == 1 and v.shape[0] == n else v.reshape(-1)[:n] for v in values]
+    stacked = torch.stack(rows)
+    if stacked.dtype is not torch.float32:
+        stacked = stacked.float()
+    return stacked if stacked.is_cpu else stacked.cpu()
+
+
 # ---- per step -------------------------------------------------------------------------------
 
 
@@ -91,6 +113,11 @@ def _new_requests(rec: VLLMRecorder, scheduler_output: Any) -> list[taps.NewRequ
         for rid in getattr(scheduler_output, "finished_req_ids", None) or ():
             rec.kept.discard(str(rid))
     return new
+
+
+def _on_host(t: Any) -> Any:
+    """`t` on the CPU (itself when it is there: vLLM builds the step's drafts afresh)."""
+    return t if t.is_cpu else t.detach().cpu()
 
 
 def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step | None:
@@ -115,7 +142,7 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step 
         req_ids=req_ids,
         num_draft_tokens=ndraft,
         new_requests=new,
-        draft_token_ids=meta.draft_token_ids.detach().cpu() if meta is not None else None,
+        draft_token_ids=_on_host(meta.draft_token_ids) if meta is not None else None,
         sampled=[_tolist(r) for r in _tolist(sampled)] if sampled is not None else None,
         verify_probs=probs,
     )
@@ -222,11 +249,12 @@ def _fill_from_proposer(step: taps.Step, a: dict[str, Any], method: str) -> None
     cad = a["common_attn_metadata"]
     qs = [int(x) for x in _tolist(cad.query_start_loc_cpu)]
     tis = a.get("token_indices_to_sample")
-    step.target_ids = a["target_token_ids"][:n].detach().clone()  # views of runner buffers
-    step.target_positions = a["target_positions"][..., :n].detach().clone()
+    step.target_ids = _copy(a["target_token_ids"])  # views of runner buffers ([n] rows)
+    pos = a["target_positions"]
+    step.target_positions = _copy(pos if pos.shape[-1] == n else pos[..., :n])
     hidden = a["target_hidden_states"]
     # EAGLE-3: a fresh torch.cat, not reused by vLLM; MTP: a view of the target's output
-    step.target_aux = hidden.detach().clone() if method == "mtp" else hidden
+    step.target_aux = _copy(hidden) if method == "mtp" else hidden
     step.query_start = qs
     step.sample_rows = (
         [int(x) for x in _tolist(tis)] if tis is not None else [q - 1 for q in qs[1:]]
@@ -265,10 +293,10 @@ def wrap_drafter_forward(original: Callable) -> Callable:
                 first = not step.calls  # the first pass gets fc(aux): recorded from propose
                 step.calls.append(
                     taps.DraftCall(
-                        input_ids=input_ids.detach().clone(),
-                        positions=positions.detach().clone(),
+                        input_ids=_copy(input_ids),
+                        positions=_copy(positions),
                         # later passes read the proposer's reused buffer: copy it now
-                        hidden_in=None if first else hidden_states.detach().clone(),
+                        hidden_in=None if first else _copy(hidden_states),
                     )
                 )
 
@@ -327,19 +355,24 @@ def _verify_tap(
     import torch
 
     meta, sm, draft_probs = a["metadata"], a["sampling_metadata"], a["draft_probs"]
-    ids = meta.draft_token_ids.to(torch.int64).clamp(0, raw.shape[-1] - 1).reshape(-1, 1)
+    draft_ids = _copy(meta.draft_token_ids)
+    vocab = raw.shape[-1]
+
+    def clamped(device: Any) -> Any:  # the drafted ids as gather indices [N, 1]
+        return draft_ids.to(device=device, dtype=torch.int64).clamp(0, vocab - 1).reshape(-1, 1)
+
     transforms = (
         not sm.no_penalties or bool(sm.bad_words_token_ids) or sm.allowed_token_ids_mask is not None
     )
     if transforms:
         pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
-        pen_logit = pen.gather(1, ids.to(pen.device)).reshape(-1)
+        pen_logit = pen.gather(1, clamped(pen.device)).reshape(-1)
     else:
         pen_logit = None  # the identity: gathered from `raw` off this thread
     greedy, n_req = sm.all_greedy, len(meta.num_draft_tokens)
     temperature = None if greedy or sm.temperature is None else sm.temperature
-    params = {
-        "temperature": torch.zeros(n_req) if greedy else temperature,
+    params = {  # a greedy batch's temperature (0) is filled in off this thread
+        "temperature": temperature,
         "top_p": sm.top_p,
         "top_k": sm.top_k,
         "repetition_penalty": sm.repetition_penalties,
@@ -348,24 +381,21 @@ def _verify_tap(
     }
     # one copy of every parameter in force ([P, B] float32): vLLM updates its batch in place
     present = [k for k, v in params.items() if v is not None]
-    stacked = (
-        torch.stack([params[k].detach().reshape(-1)[:n_req].float() for k in present]).cpu()
-        if present
-        else None
-    )
+    stacked = _stack_params([params[k] for k in present], n_req) if present else None
     penalties = not sm.no_penalties and sm.prompt_token_ids is not None
     prompt_ids = sm.prompt_token_ids.cpu().clone() if penalties else None
     output_ids = [list(h) for h in sm.output_token_ids] if penalties else None
-    draft_ids = meta.draft_token_ids.detach().clone()
     num_draft = list(meta.num_draft_tokens)
-    draft_probs = draft_probs.detach().clone() if draft_probs is not None else None
+    draft_probs = _copy(draft_probs) if draft_probs is not None else None
     rule = _rule(sampler, draft_probs, sm)
 
     def rows() -> taps.VerifyProbs:
         pen = pen_logit
         if pen is None:
-            pen = raw.gather(1, ids.to(raw.device)).reshape(-1)
+            pen = raw.gather(1, clamped(raw.device)).reshape(-1)
         resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
+        if greedy:
+            resolved["temperature"] = torch.zeros(n_req)
         if stacked is not None:
             resolved.update(zip(present, stacked.unbind(0), strict=True))
         return taps.verify_probs(
@@ -405,8 +435,11 @@ def wrap_rejection_forward(original: Callable) -> Callable:
             meta, logits = a["metadata"], a["logits"]
             # index_select, not advanced indexing (a parallel kernel: slow on a busy CPU); its
             # output is a fresh tensor, so nothing vLLM does to `logits` reaches it
-            at = meta.target_logits_indices.to(device=logits.device, dtype=torch.int64)
-            seen["raw"] = logits.index_select(0, at).float()
+            at = meta.target_logits_indices
+            if at.dtype is not torch.int64 or at.device != logits.device:
+                at = at.to(device=logits.device, dtype=torch.int64)
+            raw = logits.index_select(0, at)
+            seen["raw"] = raw if raw.dtype is torch.float32 else raw.float()
             inner = module.rejection_sample
 
             def rejection_sample(*r_args, **r_kwargs):

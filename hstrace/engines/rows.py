@@ -32,13 +32,26 @@ class TableWrite:
 # ---- rows every engine's taps build the same way ----------------------------------------------
 
 
+_KEYS: dict[str, int] = {}  # request id -> its key: a decode batch's ids recur every step
+_KEYS_MAX = 4096  # ids kept before the cache starts over
+
+
 def request_keys(rids: Sequence[str]) -> Any:
-    """The store's stable 63-bit hash of each request id, as the `req_key` column."""
+    """The store's stable 63-bit hash of each request id, as the `req_key` column (each id
+    hashed once while it is among the last `_KEYS_MAX` ids seen)."""
     import torch
 
     from hstrace.trace import request_key
 
-    return torch.tensor([request_key(r) for r in rids], dtype=torch.int64)
+    keys, out = _KEYS, []
+    for rid in rids:
+        key = keys.get(rid)
+        if key is None:
+            if len(keys) >= _KEYS_MAX:
+                keys.clear()
+            key = keys[rid] = request_key(rid)
+        out.append(key)
+    return torch.tensor(out, dtype=torch.int64)
 
 
 # The sampling parameters of a request as the engine resolved them: the trace's columns

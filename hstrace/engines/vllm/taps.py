@@ -85,7 +85,7 @@ def finish_topk(step: Step) -> None:
     ):
         sizes = [int(c.logits.shape[0]) for c in todo]
         both = draft_topk(torch.cat([c.logits for c in todo]), todo[0].d2t)
-        parts = {name: col.split(sizes) for name, col in both.items()}
+        parts = {name: col.split_with_sizes(sizes) for name, col in both.items()}
         for i, call in enumerate(todo):
             call.topk = {name: part[i] for name, part in parts.items()}
     else:

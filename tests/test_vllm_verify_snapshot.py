@@ -1,0 +1,108 @@
+"""The verify tap's snapshot on the serving thread (`hooks/vllm_patches.py: _verify_tap`), with
+vLLM's own `SpecDecodeMetadata`, `SamplingMetadata` and `RejectionSampler`: what it copies is
+what the rule used, and vLLM's later in-place updates of its batch do not reach it."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.vllm
+
+B, K, V = 3, 2, 40
+
+
+def _verify(temperature: float | None, top_p: float | None, top_k: int | None):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    g = torch.Generator().manual_seed(7)
+    drafts = torch.randint(0, V, (B, K), generator=g).tolist()
+    meta = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    rows = torch.arange(B * (K + 1)).reshape(B, K + 1)
+    meta.target_logits_indices = rows[:, :K].reshape(-1).to(torch.int32)
+    meta.bonus_logits_indices = rows[:, K].to(torch.int32)
+    greedy = temperature is None
+    sm = SamplingMetadata(
+        temperature=None if greedy else torch.tensor([temperature, 0.5, 1.5]),
+        all_greedy=greedy,
+        all_random=not greedy,
+        top_p=None if top_p is None else torch.full((B,), top_p),
+        # vLLM keeps top_k as int32: the snapshot's one stack promotes it to float32
+        top_k=None if top_k is None else torch.full((B,), top_k, dtype=torch.int32),
+        generators={},
+        max_num_logprobs=None,
+        no_penalties=True,
+        prompt_token_ids=None,
+        frequency_penalties=torch.tensor([0.0, 0.25, 0.0]),
+        presence_penalties=torch.zeros(B),
+        # a persistent batch is longer than the step's requests: the first B rows are theirs
+        repetition_penalties=torch.tensor([1.0, 1.1, 1.2, 9.0]),
+        output_token_ids=[[] for _ in range(B)],
+        allowed_token_ids_mask=None,
+        bad_words_token_ids={},
+        logitsprocs=LogitsProcessors(),
+        spec_token_ids=drafts,
+    )
+    logits = torch.randn(B * (K + 1), V, generator=g)
+    raw = logits.index_select(0, meta.target_logits_indices.to(torch.int64))
+    proc = raw / (1.0 if greedy else 2.0)
+    a = {"metadata": meta, "draft_probs": None, "logits": logits, "sampling_metadata": sm}
+    return RejectionSampler(Sampler()), a, raw, proc, drafts
+
+
+def test_a_greedy_verify_resolves_temperature_zero_and_the_penalties_in_force() -> None:
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.engines.vllm import taps
+
+    sampler, a, raw, proc, drafts = _verify(None, None, None)
+    probs = vp._verify_tap(sampler, a, raw, proc)()
+    assert torch.equal(probs.req["temperature"], torch.zeros(B))
+    assert probs.req["rule"].tolist() == [taps.RULE_GREEDY] * B
+    assert torch.isnan(probs.req["top_p"]).all() and torch.isnan(probs.req["top_k"]).all()
+    assert probs.req["repetition_penalty"].tolist() == pytest.approx([1.0, 1.1, 1.2])
+    assert probs.req["frequency_penalty"].tolist() == [0.0, 0.25, 0.0]
+    ids = torch.tensor(drafts).reshape(-1, 1)
+    assert torch.equal(probs.tok["logit_raw"], raw.gather(1, ids).reshape(-1))
+    assert torch.equal(probs.tok["logit_pen"], raw.gather(1, ids).reshape(-1))
+
+
+def test_a_sampled_verify_keeps_what_the_rule_used_not_later_updates() -> None:
+    from hstrace.hooks import vllm_patches as vp
+
+    sampler, a, raw, proc, drafts = _verify(0.8, 0.9, 5)
+    rows = vp._verify_tap(sampler, a, raw, proc)
+    # vLLM updates its persistent batch and reuses its buffers after the step
+    sm, meta = a["sampling_metadata"], a["metadata"]
+    sm.temperature.fill_(3.0)
+    sm.top_p.fill_(0.1)
+    sm.top_k.fill_(1)
+    sm.repetition_penalties.fill_(7.0)
+    meta.draft_token_ids.fill_(0)
+    probs = rows()
+    assert probs.req["temperature"].tolist() == pytest.approx([0.8, 0.5, 1.5])
+    assert probs.req["top_p"].tolist() == pytest.approx([0.9] * B)
+    assert probs.req["top_k"].dtype == torch.float32 and probs.req["top_k"].tolist() == [5.0] * B
+    assert probs.req["repetition_penalty"].tolist() == pytest.approx([1.0, 1.1, 1.2])
+    ids = torch.tensor(drafts).reshape(-1, 1)
+    assert torch.equal(probs.tok["logit_proc"], proc.gather(1, ids).reshape(-1))
+    want = (proc.gather(1, ids).reshape(-1) - torch.logsumexp(proc, -1)).exp()
+    assert torch.allclose(probs.tok["p_target"], want)
+
+
+def test_the_serving_threads_copies_are_copies() -> None:
+    from hstrace.hooks import vllm_patches as vp
+
+    src = torch.arange(6, dtype=torch.int64)
+    got = vp._copy(src)
+    src.fill_(-1)
+    assert got.tolist() == list(range(6))
+    leaf = torch.ones(2, requires_grad=True)
+    assert not vp._copy(leaf).requires_grad
+    mixed = vp._stack_params([torch.ones(4), torch.full((2, 2), 3, dtype=torch.int32)], 3)
+    assert mixed.dtype == torch.float32 and mixed.tolist() == [[1.0] * 3, [3.0] * 3]
