@@ -13,7 +13,11 @@ a fresh trace through the control channel, `hstrace.engines.control.arm`) and on
 the order alternating (AB BA AB ...). Same process placement, same compiled graphs; only the
 sending is timed (arming, the writer's start and the disarm's close are not). Each round: the
 same prompts (the world's training samples' token ids, `ignore_eos`, `--new-tokens` each),
-concurrent. Reported: ratio of median tokens/s, and the ratio of each pair (median and spread).
+concurrent. Reported: ratio of median tokens/s, and the ratio of each pair (median, spread, and
+a distribution-free 95 % confidence interval of the median: `median_ci95`). Rounds of
+`--new-tokens 256` (about 0.6 s) weigh the steady decode a recording runs in: dormant steps of
+7.0-7.5 ms on the 2-vCPU host of bench/README.md's sixteenth pass, against 8.7-9.3 with the
+default 64, whose rounds weigh the prefill more; their pairs' IQR was over twice as wide.
 
 Traffic is greedy unless `--temperature T` (> 0) is given, with `--top-p P` optionally: then
 every request samples, so every verify step takes the rejection sampler's sampled path and the
@@ -414,16 +418,19 @@ def stand_in_step(batch: int, src: dict[str, Any], copy: bool) -> Any:
     target's output, copied), what `hook_cost_per_step` times; without, the step holds src's
     own tensors (`tap_work.py`, fresh sources per step). The first drafter forward takes no
     hidden states of its own (it reads the target's)."""
+    from hstrace.hooks import vllm_patches as vp
+
     from hstrace.engines.vllm import taps
 
     K = WORLD.k
     mtp = WORLD.spec["method"] == "mtp"
-    take = (lambda t: t.detach().clone()) if copy else (lambda t: t)
+    # the wrappers' own copy (an older tree's: detach, then clone)
+    take = getattr(vp, "_copy", lambda t: t.detach().clone()) if copy else (lambda t: t)
     qs = [(K + 1) * i for i in range(batch + 1)]
     step = taps.Step(
         req_ids=[f"r{i}" for i in range(batch)],
         num_draft_tokens=[K] * batch,
-        draft_token_ids=src["draft_token_ids"].detach().cpu(),
+        draft_token_ids=getattr(vp, "_on_host", lambda t: t.detach().cpu())(src["draft_token_ids"]),
         sampled=[list(r) for r in src["sampled"].tolist()],
         target_ids=take(src["target_ids"]),
         target_positions=take(src["target_positions"]),
@@ -627,6 +634,24 @@ def serve_and_measure(
             proc.wait()
 
 
+def median_ci95(values: list[float]) -> list[float] | None:
+    """A distribution-free 95 % confidence interval of the median: the order statistics
+    x_(j) and x_(n+1-j) (1-based) with j the largest rank that leaves at most 2.5 % of the
+    Binomial(n, 1/2) mass below it on each side. None below 6 values (no such interval)."""
+    import math
+
+    n = len(values)
+    if n < 6:
+        return None
+    xs, below, j = sorted(values), 0.0, 0
+    while True:  # below = P(Bin(n, 1/2) <= j), kept at most 0.025
+        nxt = below + math.comb(n, j) / 2**n
+        if nxt > 0.025:
+            break
+        below, j = nxt, j + 1
+    return [round(xs[j - 1], 3), round(xs[n - j], 3)] if j >= 1 else None
+
+
 def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     """Armed and dormant rounds alternating inside one server run (the first figure)."""
     from hstrace.engines import control
@@ -721,6 +746,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
         "ratio_per_pair_median": round(statistics.median(ratios), 3),
         "ratio_per_pair_iqr": [round(q[0], 3), round(q[2], 3)],
         "ratio_per_pair_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
+        "ratio_per_pair_median_ci95": median_ci95(ratios),
         "engine_ms_per_step_dormant": round(
             1e3
             * (args.prompts * args.new_tokens / statistics.median(tps["dormant"]))
@@ -836,6 +862,7 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
         "tokens_per_s_dormant": [round(x, 1) for x in tps["dormant"]],
         "ratio_per_cycle": [round(r, 3) for r in ratios],
         "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_median_ci95": median_ci95(ratios),
         "cpu_ms_per_engine_step_by_thread": per_step,
         "extra_cpu_ms_per_engine_step": _extra_cpu(per_step),
     }

@@ -13,9 +13,16 @@ core; the steps are made before the clock starts and the collector is frozen, so
 is the tap thread's own CPU. Before/after a change: run it twice, alternating, with the other
 tree first on `PYTHONPATH` (`git archive REV hstrace hooks` plus its built extensions).
 
-Prints one JSON object: ms per step (median, min), and with --profile the calls that cost
-most (every torch call on the tap thread gives the GIL to the serving thread and takes it back:
-their number is the figure to watch).
+Prints one JSON object: ms per step (median, min) and the thread's CPU per step, and with
+--profile the calls that cost most (every torch call on the tap thread gives the GIL to the
+serving thread and takes it back: their number is the figure to watch).
+
+`--gap-ms G` sleeps G ms between steps (the tap thread in a server wakes once a step, after the
+engine's step has run), and `--spinner` runs a stand-in for vLLM's waiting worker thread beside
+it, pinned to the same core: a Python loop that reads a flag and calls `os.sched_yield()`, as
+`SpinCondition.wait` does between steps (it takes the GIL each time a torch call lets it go).
+Together they say whether the tap thread's cost in a server (about three times this figure)
+comes from the GIL hand-overs or from running cold (bench/README.md, sixteenth pass).
 """
 
 from __future__ import annotations
@@ -24,8 +31,10 @@ import argparse
 import cProfile
 import gc
 import json
+import os
 import pstats
 import statistics
+import threading
 import time
 
 import live_overhead as lo
@@ -59,12 +68,53 @@ def steps_of(n: int, batch: int) -> tuple[vp.VLLMRecorder, list[taps.Step]]:
     return rec, out
 
 
+class Spinner:
+    """vLLM 0.32.0's worker between steps (`shm_broadcast.SpinCondition.wait`, busy for up to
+    1 s): read the queue's flag words, then `os.sched_yield()` (which lets the GIL go), on the
+    core the tap work is pinned to."""
+
+    def __init__(self) -> None:
+        self.core = min(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {self.core})  # this (the tap work's) thread
+        self.flags = bytearray(64)
+        self.running = True
+        self.yields = 0
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    @classmethod
+    def start(cls) -> Spinner:
+        s = cls()
+        s.thread.start()
+        return s
+
+    def _loop(self) -> None:
+        os.sched_setaffinity(0, {self.core})
+        flags = self.flags
+        while self.running:
+            if flags[0] and sum(flags[1:4]) != 3:  # never set: the queue stays empty
+                break
+            time.monotonic()
+            os.sched_yield()
+            self.yields += 1
+
+    def stop(self) -> int:
+        self.running = False
+        self.thread.join()
+        return self.yields
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--drafter", choices=sorted(lo.WORLDS), default="eagle3")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="sleep between steps")
+    ap.add_argument(
+        "--spinner",
+        action="store_true",
+        help="a sched_yield loop thread beside the tap work, both pinned to one core",
+    )
     args = ap.parse_args()
     lo.WORLD = lo.WORLDS[args.drafter]
     torch.set_num_threads(1)
@@ -74,22 +124,30 @@ def main() -> None:
     gc.freeze()
     for step in steps[:warm]:
         vp._emit_step(rec, step, None)
+    spinner = Spinner.start() if args.spinner else None
     prof = cProfile.Profile() if args.profile else None
-    times = []
+    times, cpu = [], []
     for step in steps[warm:]:
-        t0 = time.perf_counter()
+        if args.gap_ms:
+            time.sleep(args.gap_ms / 1e3)
+        t0, c0 = time.perf_counter(), time.thread_time()
         if prof is not None:
             prof.enable()
         vp._emit_step(rec, step, None)
         if prof is not None:
             prof.disable()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.thread_time() - c0)
+    spins = spinner.stop() if spinner is not None else None
     result: dict = {
         "drafter": args.drafter,
         "batch": args.batch,
         "steps": args.steps,
+        "gap_ms": args.gap_ms,
+        "spinner_yields": spins,
         "ms_per_step_median": round(1e3 * statistics.median(times), 3),
         "ms_per_step_min": round(1e3 * min(times), 3),
+        "cpu_ms_per_step_median": round(1e3 * statistics.median(cpu), 3),
         "taps_disabled": sorted(rec.disabled),  # a tap that raised would make it look cheap
     }
     if prof is not None:
