@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.worlds import differing_files
+from helpers.worlds import differing_files, same_kernels
 
 from hstrace.drafter import load_drafter
 from hstrace.metrics import (
@@ -141,10 +141,12 @@ def test_drafter_reaches_60_percent_heldout_step0(data, target, dialect, layer_i
 
 @pytest.mark.slow
 def test_rebuild_reproduces_the_world(tmp_path):
-    """Same torch and CPU kernels: bit-identical files (HF configs but for the transformers
-    version they are stamped with: helpers.worlds). Other kernels (an AVX2 machine rebuilding
-    an AVX-512 world, or the reverse) take other reduction orders, so the bits differ; there the
-    rebuild must agree numerically: same sizes and held-out figures within a small margin."""
+    """Same torch and CPU kernels (`helpers.worlds.same_kernels`: ATen's capability and the
+    finer features MKL / oneDNN dispatch on): bit-identical files (HF configs but for the
+    transformers version they are stamped with). Other kernels (an AVX2 machine rebuilding an
+    AVX-512 world, the reverse, or an AVX-512 host with AMX rebuilding one built without) take
+    other reduction orders, so the bits differ; there the rebuild must agree numerically: same
+    sizes and held-out figures within a small margin."""
     res = subprocess.run(
         [sys.executable, str(WORLD / "build.py"), "--out", str(tmp_path)],
         capture_output=True,
@@ -154,11 +156,7 @@ def test_rebuild_reproduces_the_world(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     rebuilt = json.loads((tmp_path / "MANIFEST.json").read_text())
     assert rebuilt["sizes"] == MANIFEST["sizes"]
-    same_kernels = (rebuilt["torch_version"], rebuilt.get("cpu_capability")) == (
-        MANIFEST["torch_version"],
-        MANIFEST.get("cpu_capability"),
-    )
-    if same_kernels:  # HF configs compared without the transformers that saved them
+    if same_kernels(rebuilt, MANIFEST):  # HF configs compared without their transformers stamp
         assert differing_files(tmp_path, WORLD, rebuilt["files"], MANIFEST["files"]) == []
         assert rebuilt["heldout"] == MANIFEST["heldout"]
         return

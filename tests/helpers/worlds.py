@@ -35,3 +35,15 @@ def differing_files(
                 continue
         out.append(rel)
     return out
+
+
+def same_kernels(rebuilt: dict[str, Any], committed: dict[str, Any]) -> bool:
+    """Whether a rebuild ran on the kernels the committed world was built with: the same torch,
+    ATen capability and finer CPU features (`cpu_kernels`, traces/tiny-world/world_kernels.py).
+    A MANIFEST without `cpu_kernels` (built before it was recorded) says too little: a rebuild
+    is then compared numerically (two AVX-512 hosts, one with AMX, rebuilt the same world with
+    other bits)."""
+    keys = ("torch_version", "cpu_capability", "cpu_kernels")
+    if committed.get("cpu_kernels") is None:
+        return False
+    return all(rebuilt.get(k) == committed.get(k) for k in keys)

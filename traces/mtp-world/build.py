@@ -42,6 +42,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tiny-world"))
+from world_kernels import cpu_kernels  # noqa: E402
 
 SEED = 20261301
 N_SAMPLES, N_HELDOUT, SEQ_LEN = 48, 8, 64
@@ -270,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "builder": "traces/mtp-world/build.py",
         "torch_version": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_kernels": cpu_kernels(),  # the finer features MKL / oneDNN pick kernels by
         "shape": "dense MiMo (MiMoForCausalLM: Qwen2 config + num_nextn_predict_layers 1, MTP "
         "layer under model.mtp_layers.0.*), served by vLLM 0.32 as mimo_mtp; not the "
         "DeepSeek-V3 MLA+MoE shape: the reference MTP head implements dense blocks only",

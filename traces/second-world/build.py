@@ -63,6 +63,8 @@ from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE.parent / "tiny-world"))  # after this world's own modules
+from world_kernels import cpu_kernels  # noqa: E402
 
 SEED = 20261201
 VOCAB, DRAFT_VOCAB, N_LAYERS, HIDDEN = 320, 128, 7, 96
@@ -594,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         "builder": "traces/second-world/build.py",
         "torch_version": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_kernels": cpu_kernels(),  # the finer features MKL / oneDNN pick kernels by
         "libraries": {
             m: importlib.metadata.version(m) for m in ("speculators", "specforge", "transformers")
         },

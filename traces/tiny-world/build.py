@@ -29,6 +29,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from world_kernels import cpu_kernels  # noqa: E402
 
 SEED = 20260801
 N_SAMPLES, N_HELDOUT, SEQ_LEN = 48, 8, 64
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         # kernels (hence the bits) differ between AVX2 and AVX-512 machines: a rebuild is
         # bit-identical only where this matches (tests/test_tiny_world.py compares otherwise)
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_kernels": cpu_kernels(),  # the finer features MKL / oneDNN pick kernels by
         "seeds": {
             "language": SEED,
             "target": SEED + 1,
