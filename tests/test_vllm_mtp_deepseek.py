@@ -104,9 +104,13 @@ def init(self, *a, **k):
 deepseek_mtp.DeepSeekMultiTokenPredictorLayer.__init__ = init
 
 prompts = [list(map(int, p.split(","))) for p in sys.argv[3:]]
+# CPU_MLA for the target and the head (the draft's own `attention_backend`): on a host with
+# AMX vLLM picks its AMX MLA backend, which takes bf16/fp16/int8 weights only ("expect weight
+# to be bfloat16, ..." from convert_weight_packed on fp32)
 llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, max_model_len=256,
-          speculative_config={"method": "mtp", "num_speculative_tokens": 2}, seed=0,
-          compilation_config={"custom_ops": ["none"]})
+          speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                              "attention_backend": "CPU_MLA"}, seed=0,
+          compilation_config={"custom_ops": ["none"]}, attention_backend="CPU_MLA")
 for p in prompts:  # one request at a time: each draft-extend holds one prompt
     llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, temperature=0.0))
 torch.save(calls, sys.argv[2])
