@@ -33,4 +33,15 @@ planes = Extension(
     optional=True,
 )
 
-setup(packages=packages, package_dir=package_dir, ext_modules=[native, planes])
+# The vLLM tap thread's per-row math (hstrace/engines/_tapmath.c: draft top-k, verify columns):
+# optional too; without it the same columns come from torch (hstrace/engines/tapmath.py).
+tapmath = Extension(
+    "hstrace.engines._tapmath",
+    ["hstrace/engines/_tapmath.c"],
+    depends=["hstrace/engines/_tapmath_rows.h"],
+    libraries=["m"],
+    extra_compile_args=["-Wno-psabi"],  # its 8-lane vectors never cross a call
+    optional=True,
+)
+
+setup(packages=packages, package_dir=package_dir, ext_modules=[native, planes, tapmath])

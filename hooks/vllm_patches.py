@@ -158,8 +158,9 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
     (the serving thread has moved on by now); default: the recorder's current ones."""
     if callable(step.verify_probs):  # the verify's rows, built here (the step carried them)
         step.verify_probs = step.verify_probs()
-    rec.run_tap("draft", lambda: taps.finish_topk(step))
     keep = rec.keep_at if keep_at is _NOW else keep_at
+    # with no --sample-every cut to follow, the first call's rows land in its extend's rows
+    rec.run_tap("draft", lambda: taps.finish_topk(step, expand=keep is None))
     if keep is not None:
         cut = rec.run_tap("step", lambda: taps.restrict(step, keep))
         if cut is None:
@@ -368,7 +369,7 @@ def _verify_tap(
         pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
         pen_logit = pen.gather(1, clamped(pen.device)).reshape(-1)
     else:
-        pen_logit = None  # the identity: gathered from `raw` off this thread
+        pen_logit = None  # the identity: `verify_probs` takes the raw logit
     greedy, n_req = sm.all_greedy, len(meta.num_draft_tokens)
     temperature = None if greedy or sm.temperature is None else sm.temperature
     params = {  # a greedy batch's temperature (0) is filled in off this thread
@@ -390,16 +391,13 @@ def _verify_tap(
     rule = _rule(sampler, draft_probs, sm)
 
     def rows() -> taps.VerifyProbs:
-        pen = pen_logit
-        if pen is None:
-            pen = raw.gather(1, clamped(raw.device)).reshape(-1)
         resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
         if greedy:
             resolved["temperature"] = torch.zeros(n_req)
         if stacked is not None:
             resolved.update(zip(present, stacked.unbind(0), strict=True))
-        return taps.verify_probs(
-            draft_ids, num_draft, raw, pen, proc, draft_probs, resolved, rule,
+        return taps.verify_probs(  # pen_logit None: the identity, the raw logit
+            draft_ids, num_draft, raw, pen_logit, proc, draft_probs, resolved, rule,
             prompt_ids=prompt_ids, output_ids=output_ids,
         )  # fmt: skip
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from hstrace.engines import tapmath
 from hstrace.engines.rows import (
     TableWrite,
     aux_hidden_attrs,
@@ -74,13 +75,33 @@ class DraftCall:
     # draft->target map: `topk` is taken from them off the serving thread (`finish_topk`)
     logits: torch.Tensor | None = None
     d2t: torch.Tensor | None = None
+    # `topk` already holds a draft extend's rows (every target row, `_expand_topk`'s layout)
+    expanded: bool = False
 
 
-def finish_topk(step: Step) -> None:
-    """The draft top-k of every call whose logits were kept, then the logits dropped: one
-    `draft_topk` over the step's calls stacked (same drafter, same vocabulary), split back."""
+def finish_topk(step: Step, expand: bool = False) -> None:
+    """The draft top-k of every call whose logits were kept, then the logits dropped. Native
+    (`tapmath`), one call each, and with `expand` (no `restrict` to follow) the first call's
+    rows land straight in its draft extend's rows; through torch, one `draft_topk` over the
+    step's calls stacked (same drafter, same vocabulary), split back."""
     todo = [c for c in step.calls if c.topk is None and c.logits is not None]
-    if len(todo) > 1 and all(
+    if tapmath.native() is not None:
+        first = step.calls[0] if step.calls else None
+        rows = step.sample_rows
+        for call in todo:
+            if (
+                expand
+                and call is first
+                and rows is not None
+                and step.target_ids is not None
+                and int(call.logits.shape[0]) == len(rows)
+            ):
+                n_tok = int(step.target_ids.shape[0])
+                call.topk = draft_topk(call.logits, call.d2t, dest=list(rows), n_out=n_tok)
+                call.expanded = True
+            else:
+                call.topk = draft_topk(call.logits, call.d2t)
+    elif len(todo) > 1 and all(
         c.d2t is todo[0].d2t and c.logits.shape[1:] == todo[0].logits.shape[1:] for c in todo
     ):
         sizes = [int(c.logits.shape[0]) for c in todo]
@@ -189,29 +210,43 @@ def _ranges(spans: list[tuple[int, int]]) -> torch.Tensor:
 
 
 def draft_topk(
-    logits_full: torch.Tensor, d2t: torch.Tensor | None, k: int = TOPK
+    logits_full: torch.Tensor,
+    d2t: torch.Tensor | None,
+    k: int = TOPK,
+    dest: list[int] | None = None,
+    n_out: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Top-k of vLLM's draft logits. `compute_logits` returns them in the target vocabulary
     (draft id i scattered to i + d2t[i], -inf elsewhere); read back the draft-space logits so
-    both id spaces and the log-probs over the draft vocabulary are exact."""
+    both id spaces and the log-probs over the draft vocabulary are exact. With `dest`, row r
+    of the result is row dest[r] of `n_out` rows, the others empty (`_expand_topk`)."""
     logits_full = _f32(logits_full)  # on its device: CUDA logits are never copied whole
-    if d2t is not None:
-        targets = _on(_draft_targets(d2t), logits_full.device)
+    targets = _on(_draft_targets(d2t), logits_full.device) if d2t is not None else None
+    n = int(targets.shape[0]) if targets is not None else int(logits_full.shape[-1])
+    if n >= k and logits_full.shape[0]:  # CPU rows: one native call (tapmath)
+        native = tapmath.topk_into(logits_full, targets, k, dest, n_out)
+        if native is not None:
+            return native
+    if targets is not None:
         # index_select, not advanced indexing: the latter is a parallel TensorIterator kernel,
         # milliseconds per call on a busy CPU (measured: bench/live_overhead.py)
         draft = logits_full.index_select(1, targets)
     else:
-        targets, draft = None, logits_full
-    k = min(k, draft.shape[-1])
+        draft = logits_full
+    kk = min(k, draft.shape[-1])
     lse = torch.logsumexp(draft, dim=-1)
-    values, idx = draft.topk(k, dim=-1)
+    values, idx = draft.topk(kk, dim=-1)
     mapped = targets.take(idx) if targets is not None else idx
-    return {
+    out = {
         "topk_draft_ids": idx,  # int64, as topk returns them
         "topk_target_ids": mapped,
         "topk_logprobs": values.sub_(lse.unsqueeze(1)),
         "lse": lse,
     }
+    if dest is not None:
+        assert n_out is not None
+        return _expand_topk(out, n_out, dest, k)
+    return out
 
 
 _TARGETS: list[Any] = []  # [d2t, its version, its target ids]: one drafter per process
@@ -268,7 +303,7 @@ def verify_probs(
     draft_ids: torch.Tensor,
     num_draft_tokens: list[int],
     raw_logits: torch.Tensor,
-    pen_logit: torch.Tensor,
+    pen_logit: torch.Tensor | None,
     proc_logits: torch.Tensor,
     draft_probs: torch.Tensor | None,
     params: dict[str, torch.Tensor | None],
@@ -278,7 +313,9 @@ def verify_probs(
 ) -> VerifyProbs:
     """What one verify's rule used, as columns over the batch. `raw_logits` and
     `proc_logits` are the target's rows at the drafted positions before and after the
-    engine's transforms ([N, V], N = sum(num_draft_tokens)); `params` the per-request sampling
+    engine's transforms ([N, V], N = sum(num_draft_tokens)); `pen_logit` the logit at each
+    drafted token after the penalties ([N]; None: no transform, the raw logit); `params` the
+    per-request sampling
     tensors ([B] or None); `prompt_ids` ([B, P], padded with V) and `output_ids` the history
     the engine's penalties count (None when it applies none)."""
     ids = draft_ids.reshape(-1, 1)
@@ -288,25 +325,33 @@ def verify_probs(
     # computed where the rows are (CUDA rows are never copied whole); columns end on the CPU
     dev = raw_logits.device
     safe = _on(ids, dev)
-    safe = (safe if safe.dtype is torch.int64 else safe.long()).clamp(0, raw_logits.shape[-1] - 1)
-    z = _f32(raw_logits).gather(1, safe).view(-1)
-    proc = _f32(_on(proc_logits, dev))
-    zp = proc.gather(1, safe).view(-1)
-    # p(token) = exp(z - logsumexp(z)): the softmax row itself is never needed (a full-vocab
-    # softmax per verify was the tap thread's costliest call, bench/live_overhead.py)
-    p = (zp - torch.logsumexp(proc, dim=-1)).exp_()
+    safe = safe if safe.dtype is torch.int64 else safe.long()
+    raw, proc = _f32(raw_logits), _f32(_on(proc_logits, dev))
+    # CPU rows: the gathers, p and argmax in one native call (tapmath; it clamps the same way)
+    native = tapmath.verify_into(proc, raw, safe.view(-1)) if n_tok else None
+    if native is not None:
+        p, zp, z, argmax = native
+    else:
+        safe = safe.clamp(0, raw_logits.shape[-1] - 1)
+        z = raw.gather(1, safe).view(-1)
+        zp = proc.gather(1, safe).view(-1)
+        # p(token) = exp(z - logsumexp(z)): the softmax row itself is never needed (a
+        # full-vocab softmax per verify was the tap thread's costliest call)
+        p = (zp - torch.logsumexp(proc, dim=-1)).exp_()
+        argmax = proc.argmax(dim=-1)
     if draft_probs is None:
         q = torch.ones_like(p)
     else:
-        q = _f32(_on(draft_probs, dev)).gather(1, safe).view(-1)
-    pen = _as(pen_logit, torch.float32)
+        at = safe.clamp(0, raw_logits.shape[-1] - 1)
+        q = _f32(_on(draft_probs, dev)).gather(1, at).view(-1)
+    pen = z if pen_logit is None else _as(pen_logit, torch.float32)
     tok = {
         "p_target": _as(p, torch.float32),
         "q_draft": _as(q, torch.float32),
         "logit_raw": _as(z, torch.float32),
         "logit_pen": pen if pen.dim() == 1 else pen.reshape(-1),
         "logit_proc": _as(zp, torch.float32),
-        "target_argmax": _as(proc.argmax(dim=-1), torch.int64),
+        "target_argmax": _as(argmax, torch.int64),
     }
     if prompt_ids is not None and output_ids is not None:
         flat = ids.reshape(-1).tolist()
@@ -594,7 +639,11 @@ def draft_rows(step: Step, lens: list[int]) -> list[TableWrite]:
             "input_ids": _cast(_first(first.input_ids, n_tok), torch.int64),
             "positions": _cast(_first(first.positions, n_tok), torch.int64),
             "hidden_in": step.target_aux,
-            **_expand_topk(first.topk, n_tok, sample_rows, TOPK),
+            **(
+                first.topk
+                if first.expanded and first.topk is not None
+                else _expand_topk(first.topk, n_tok, sample_rows, TOPK)
+            ),
         },
     )
     out = [ext]
