@@ -65,6 +65,7 @@ lockstep, so the slowest rank's recording is what the ratio shows).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shutil
@@ -526,10 +527,13 @@ def _hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
         rows_fn = vp._verify_tap(sampler, a, raw, proc)
         return lambda: rec.run_tap("verify_probs", rows_fn)
 
+    # as `vllm_patches._emit_step` calls it (a tree before `expand`: without)
+    expand = {"expand": True} if "expand" in inspect.signature(taps.finish_topk).parameters else {}
+
     def topk(step: taps.Step) -> None:
         for call in step.calls:  # what compute_logits' tap keeps, then the tap thread's top-k
             call.logits, call.d2t = logits.detach(), d2t
-        taps.finish_topk(step)
+        taps.finish_topk(step, **expand)
 
     def rows(step: taps.Step) -> list:
         verifying = [i for i, n in enumerate(step.num_draft_tokens) if n > 0]

@@ -393,7 +393,7 @@ def _verify_tap(
     def rows() -> taps.VerifyProbs:
         resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
         if greedy:
-            resolved["temperature"] = torch.zeros(n_req)
+            resolved["temperature"] = taps.filled(n_req, 0.0, torch.float32)
         if stacked is not None:
             resolved.update(zip(present, stacked.unbind(0), strict=True))
         return taps.verify_probs(  # pen_logit None: the identity, the raw logit

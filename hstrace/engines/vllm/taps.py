@@ -49,6 +49,30 @@ def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t if t.device == device else t.to(device)
 
 
+_FILLED: dict[tuple[int, float | str, torch.dtype], torch.Tensor] = {}
+
+
+def filled(n: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    """A column of `n` rows all `value` (-1, NaN, 1: what a row has where nothing was tapped),
+    made once per shape and shared: such a column is only ever read (staged, compared), never
+    written in place."""
+    key = (n, value if value == value else "nan", dtype)  # NaN != NaN: one key for it
+    t = _FILLED.get(key)
+    if t is None:
+        if len(_FILLED) >= 256:  # shapes come and go with the batch: keep the cache small
+            _FILLED.clear()
+        t = _FILLED[key] = torch.full((n,), value, dtype=dtype)
+    return t
+
+
+def _counts(values: list[int]) -> torch.Tensor:
+    """An int64 column of per-request counts; a decode batch's (every request the same: the
+    drafts verified, the tokens a request ran) is the shared `filled` column."""
+    if values and values.count(values[0]) == len(values):
+        return filled(len(values), values[0], torch.int64)
+    return torch.tensor(values, dtype=torch.int64)
+
+
 def _first(t: torch.Tensor, n: int) -> torch.Tensor:
     """The first `n` rows of `t` (itself when it has exactly those)."""
     return t if t.shape[0] == n else t[:n]
@@ -315,9 +339,8 @@ def verify_probs(
     `proc_logits` are the target's rows at the drafted positions before and after the
     engine's transforms ([N, V], N = sum(num_draft_tokens)); `pen_logit` the logit at each
     drafted token after the penalties ([N]; None: no transform, the raw logit); `params` the
-    per-request sampling
-    tensors ([B] or None); `prompt_ids` ([B, P], padded with V) and `output_ids` the history
-    the engine's penalties count (None when it applies none)."""
+    per-request sampling tensors ([B] or None); `prompt_ids` ([B, P], padded with V) and
+    `output_ids` the history the engine's penalties count (None when it applies none)."""
     ids = draft_ids.reshape(-1, 1)
     n_req, n_tok = len(num_draft_tokens), int(ids.shape[0])
     if sum(num_draft_tokens) != n_tok:
@@ -340,7 +363,7 @@ def verify_probs(
         p = (zp - torch.logsumexp(proc, dim=-1)).exp_()
         argmax = proc.argmax(dim=-1)
     if draft_probs is None:
-        q = torch.ones_like(p)
+        q = filled(n_tok, 1.0, torch.float32)
     else:
         at = safe.clamp(0, raw_logits.shape[-1] - 1)
         q = _f32(_on(draft_probs, dev)).gather(1, at).view(-1)
@@ -366,14 +389,14 @@ def verify_probs(
         tok["seen_prompt"] = torch.tensor(seen, dtype=torch.int64)
         tok["n_out"] = torch.tensor(n_out, dtype=torch.int64)
     else:  # one column of -1 for both (the writer only reads it)
-        tok["seen_prompt"] = tok["n_out"] = torch.full((n_tok,), -1, dtype=torch.int64)
-    req = {"rule": torch.full((n_req,), rule, dtype=torch.int64)}
+        tok["seen_prompt"] = tok["n_out"] = filled(n_tok, -1, torch.int64)
+    req: dict[str, torch.Tensor] = {"rule": filled(n_req, rule, torch.int64)}  # first column
     unknown = None
     for name in SAMPLING_PARAMS:
         value = params.get(name)
         if value is None:  # one column of NaN for every parameter not in force
             if unknown is None:
-                unknown = torch.full((n_req,), float("nan"), dtype=torch.float32)
+                unknown = filled(n_req, float("nan"), torch.float32)
             req[name] = unknown
             continue
         value = _as(value, torch.float32)
@@ -385,8 +408,11 @@ def verify_probs(
             value = value[:n_req]
         req[name] = value
     # a request at temperature 0 is judged greedily, whatever the batch's rule
-    if params.get("temperature") is not None and rule != RULE_SYNTHETIC:
-        req["rule"].masked_fill_(req["temperature"] < 1e-5, RULE_GREEDY)
+    if params.get("temperature") is not None and rule not in (RULE_SYNTHETIC, RULE_GREEDY):
+        at_zero = req["temperature"] < 1e-5
+        req["rule"] = torch.full((n_req,), rule, dtype=torch.int64).masked_fill_(
+            at_zero, RULE_GREEDY
+        )
     return VerifyProbs(list(num_draft_tokens), req, tok)
 
 
@@ -552,7 +578,7 @@ def target_rows(
                 step={"mode": mode},
                 req={
                     "req_key": step.keys(members),
-                    "n_tok": torch.tensor([lens[i] for i in members], dtype=torch.int64),
+                    "n_tok": _counts([lens[i] for i in members]),
                 },
                 tok={
                     "input_ids": _take(ids, 0, spans),
@@ -609,7 +635,7 @@ def verify_rows(step: Step, members: list[int]) -> TableWrite:
             "req_key": step.keys(members),
             "accept_len": n_accepted,
             "bonus_id": torch.tensor(bonus, dtype=torch.int64),
-            "n_proposed": torch.tensor([ndraft[i] for i in members], dtype=torch.int64),
+            "n_proposed": _counts([ndraft[i] for i in members]),
             "n_accepted": n_accepted,
             **rule_req,
         },
@@ -634,7 +660,7 @@ def draft_rows(step: Step, lens: list[int]) -> list[TableWrite]:
     sample_rows = step.sample_rows or []
     ext = TableWrite(
         "draft_extend",
-        req={"req_key": keys, "n_tok": torch.tensor(lens, dtype=torch.int64)},
+        req={"req_key": keys, "n_tok": _counts(lens)},
         tok={
             "input_ids": _cast(_first(first.input_ids, n_tok), torch.int64),
             "positions": _cast(_first(first.positions, n_tok), torch.int64),
@@ -648,7 +674,7 @@ def draft_rows(step: Step, lens: list[int]) -> list[TableWrite]:
     )
     out = [ext]
     batch = len(step.req_ids)
-    every, ones = list(range(batch)), torch.ones(batch, dtype=torch.int64)
+    every, ones = list(range(batch)), filled(batch, 1, torch.int64)
     for k, call in enumerate(step.calls[1:], start=1):
         topk = _expand_topk(call.topk, batch, every, TOPK)
         out.append(
