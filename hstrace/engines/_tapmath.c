@@ -122,12 +122,18 @@ static PyObject *lanes(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
     return PyLong_FromLong(wide() ? 8 : 4);
 }
 
-static int addresses(PyObject *const *args, const int *which, int n, void **out) {
-    for (int i = 0; i < n; i++) {
-        out[i] = PyLong_AsVoidPtr(args[which[i]]);
-        if (out[i] == NULL && PyErr_Occurred()) return -1;
+/* A call's arguments: exactly `n` of them, the integers at `at_int` into `ints` and the
+ * addresses at `at_ptr` into `ptrs`; -1 with the error set otherwise. */
+static int take_args(PyObject *const *args, Py_ssize_t nargs, int n, const char *usage,
+                     const int *at_int, int n_int, long long *ints, const int *at_ptr, int n_ptr,
+                     void **ptrs) {
+    if (nargs != n) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
     }
-    return 0;
+    for (int i = 0; i < n_int; i++) ints[i] = PyLong_AsLongLong(args[at_int[i]]);
+    for (int i = 0; i < n_ptr; i++) ptrs[i] = PyLong_AsVoidPtr(args[at_ptr[i]]);
+    return PyErr_Occurred() ? -1 : 0;
 }
 
 /* topk_into(src, rows, stride, cols, map, n, k, dest, n_out, ids, tids, lps, lse) -> tie
@@ -138,18 +144,14 @@ static int addresses(PyObject *const *args, const int *which, int n, void **out)
  * lse) and float32[n_out] lse; rows no input lands on get -1, -1, -inf, NaN. Returns True where
  * a tie touched a row's top k (the outputs are then not to be used). */
 static PyObject *topk_into(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 13) {
-        PyErr_SetString(PyExc_TypeError, "topk_into(src, rows, stride, cols, map, n, k, dest, "
-                                         "n_out, ids, tids, lps, lse)");
-        return NULL;
-    }
-    long long rows = PyLong_AsLongLong(args[1]), stride = PyLong_AsLongLong(args[2]);
-    long long cols = PyLong_AsLongLong(args[3]), n = PyLong_AsLongLong(args[5]);
-    long long k = PyLong_AsLongLong(args[6]), n_out = PyLong_AsLongLong(args[8]);
-    if (PyErr_Occurred()) return NULL;
-    static const int which[] = {0, 4, 9, 10, 11, 12};
+    static const int at_int[] = {1, 2, 3, 5, 6, 8}, at_ptr[] = {0, 4, 9, 10, 11, 12};
+    long long v[6];
     void *p[6];
-    if (addresses(args, which, 6, p) < 0) return NULL;
+    if (take_args(args, nargs, 13,
+                  "topk_into(src, rows, stride, cols, map, n, k, dest, n_out, ids, tids, lps, lse)",
+                  at_int, 6, v, at_ptr, 6, p) < 0)
+        return NULL;
+    long long rows = v[0], stride = v[1], cols = v[2], n = v[3], k = v[4], n_out = v[5];
     const float *src = p[0];
     const int64_t *map = p[1];
     int64_t *ids = p[2], *tids = p[3];
@@ -207,17 +209,14 @@ static PyObject *topk_into(PyObject *mod, PyObject *const *args, Py_ssize_t narg
  * vocabulary, as the torch route's gather indices). Outputs float32[rows] p (exp(zp - lse of
  * the proc row)), zp (proc at the id), z (raw at the id), int64[rows] the proc row's argmax. */
 static PyObject *verify_into(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 11) {
-        PyErr_SetString(PyExc_TypeError, "verify_into(proc, proc_stride, raw, raw_stride, rows, "
-                                         "vocab, ids, p, zp, z, argmax)");
-        return NULL;
-    }
-    long long ps = PyLong_AsLongLong(args[1]), rs = PyLong_AsLongLong(args[3]);
-    long long rows = PyLong_AsLongLong(args[4]), vocab = PyLong_AsLongLong(args[5]);
-    if (PyErr_Occurred()) return NULL;
-    static const int which[] = {0, 2, 6, 7, 8, 9, 10};
+    static const int at_int[] = {1, 3, 4, 5}, at_ptr[] = {0, 2, 6, 7, 8, 9, 10};
+    long long v[4];
     void *p[7];
-    if (addresses(args, which, 7, p) < 0) return NULL;
+    if (take_args(args, nargs, 11,
+                  "verify_into(proc, proc_stride, raw, raw_stride, rows, vocab, ids, p, zp, z, argmax)",
+                  at_int, 4, v, at_ptr, 7, p) < 0)
+        return NULL;
+    long long ps = v[0], rs = v[1], rows = v[2], vocab = v[3];
     const float *proc = p[0], *raw = p[1];
     const int64_t *ids = p[2];
     float *pt = p[3], *zp = p[4], *z = p[5];
