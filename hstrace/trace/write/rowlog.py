@@ -47,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import json
 import math
 import os
 import struct
@@ -77,6 +78,7 @@ from hstrace.trace.write.placement import name_thread
 # The codec zarr.json declares: Blosc zstd-1, byte shuffle, 1 MiB blocks (releases the GIL).
 # 2-byte chunks are encoded by blosc_planes into frames of the same format (_compress_into).
 CNAME, CLEVEL, SHUFFLE, BLOCKSIZE = "zstd", 1, "shuffle", 1 << 20
+ZARR_JSON = "zarr.json"  # a node's metadata key
 COMPRESSORS = [BloscCodec(cname=CNAME, clevel=CLEVEL, shuffle=SHUFFLE, blocksize=BLOCKSIZE)]
 # Capacity grows by this many units at a time, so zarr.json is rewritten rarely.
 GROW_UNITS = 64
@@ -660,6 +662,74 @@ class _Shard:
             pass
 
 
+def array_metadata(
+    shape: tuple[int, ...],
+    chunks: tuple[int, ...],
+    dtype: np.dtype,
+    shard_rows: int | None,
+    attributes: dict,
+) -> dict | None:
+    """The zarr.json zarr 3 writes for `group.create_array(shape=shape, chunks=chunks,
+    dtype=dtype, compressors=COMPRESSORS, fill_value=0, attributes=attributes[, shards])` (a
+    column: rows split on the first dimension only), or None where this does not know it (a
+    dtype other than bool, ints and floats; attributes JSON cannot hold). Creating a column
+    through zarr costs ~2 ms of CPU (its event loop), ~65 columns at a session's first step:
+    written directly it costs ~0.1 ms. tests/test_rowlog_metadata.py holds it equal to zarr's."""
+    if dtype.kind not in "biuf" or dtype.itemsize not in (1, 2, 4, 8) or dtype.byteorder == ">":
+        return None
+    try:
+        json.dumps(attributes, allow_nan=False)
+    except (TypeError, ValueError):
+        return None
+    fill = False if dtype.kind == "b" else 0.0 if dtype.kind == "f" else 0
+    inner = [
+        {"name": "bytes"} if dtype.itemsize == 1 else {"name": "bytes", "configuration": {"endian": "little"}},
+        {
+            "name": "blosc",
+            "configuration": {
+                "typesize": dtype.itemsize, "cname": CNAME, "clevel": CLEVEL, "shuffle": SHUFFLE,
+                "blocksize": BLOCKSIZE,
+            },
+        },
+    ]  # fmt: skip
+    grid, codecs = list(chunks), inner
+    if shard_rows is not None:
+        grid = [shard_rows, *chunks[1:]]
+        index = [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}]
+        codecs = [
+            {
+                "name": "sharding_indexed",
+                "configuration": {
+                    "chunk_shape": list(chunks), "codecs": inner, "index_codecs": index,
+                    "index_location": "end",
+                },
+            }
+        ]  # fmt: skip
+    return {
+        "shape": list(shape),
+        "data_type": "bool" if dtype.kind == "b" else dtype.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": codecs,
+        "attributes": attributes,
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    }
+
+
+def write_metadata(node_dir: str, meta: dict) -> None:
+    """A new node's zarr.json in node_dir (made here), as zarr formats it, put in place by
+    one rename (never half written at its key)."""
+    os.makedirs(node_dir, exist_ok=True)
+    path = os.path.join(node_dir, ZARR_JSON)
+    tmp = f"{path}.{os.getpid()}.partial"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(meta, allow_nan=True, indent=zarr.config.get("json_indent")))
+    os.replace(tmp, path)
+
+
 class RowLog:
     def __init__(
         self,
@@ -687,24 +757,37 @@ class RowLog:
         # tiny world's first flush took 116-137 ms of CPU with it, 48-75 ms without
         # (bench/tail_flush.py, bench/README.md fourteenth pass)
         self.capacity = GROW_UNITS * self.unit
-        self.arr = group.create_array(
-            name,
-            shape=(self.capacity, *self.row_shape),
-            chunks=(chunk_rows, *self.row_shape),
-            dtype=self.dtype,
-            compressors=COMPRESSORS,
-            fill_value=0,
-            attributes={"hstrace_dtype": logical_dtype, **(attributes or {})},
-            config={"write_empty_chunks": True},
-            **extra,
-        )
+        attrs = {"hstrace_dtype": logical_dtype, **(attributes or {})}
         store = group.store
+        path = f"{group.path}/{name}" if group.path else name
         # Where the chunk files go; None: not a local directory store (zarr writes them).
         self.dir = (
-            os.path.join(str(store.root), *self.arr.path.split("/"))
+            os.path.join(str(store.root), *path.split("/"))
             if isinstance(store, LocalStore)
             else None
         )
+        self._group, self._name = group, name
+        self._arr: Any = None  # the zarr array, opened when first needed (a resize)
+        meta = None
+        if self.dir is not None and not os.path.exists(os.path.join(self.dir, ZARR_JSON)):
+            meta = array_metadata(
+                (self.capacity, *self.row_shape), (chunk_rows, *self.row_shape), self.dtype,
+                shard_rows, attrs,
+            )  # fmt: skip
+        if meta is not None:
+            write_metadata(self.dir, meta)
+        else:
+            self._arr = group.create_array(
+                name,
+                shape=(self.capacity, *self.row_shape),
+                chunks=(chunk_rows, *self.row_shape),
+                dtype=self.dtype,
+                compressors=COMPRESSORS,
+                fill_value=0,
+                attributes=attrs,
+                config={"write_empty_chunks": True},
+                **extra,
+            )
         self._made: set[str] = set()
         # The column's words of the writer's native step (CR_*): its own, until its table
         # shares them (share_state). `fill` lives there.
@@ -739,6 +822,14 @@ class RowLog:
         self._shard: _Shard | None = None
         self._shard_no = -1
         self._tails = blosc_tail.TailFrames(CNAME, CLEVEL, Blosc.SHUFFLE)
+
+    @property
+    def arr(self) -> Any:
+        """The column's zarr array (opened on first use where its zarr.json was written
+        directly: a resize, or a store other than a local directory)."""
+        if self._arr is None:
+            self._arr = self._group[self._name]
+        return self._arr
 
     @property
     def fill(self) -> int:
