@@ -131,11 +131,13 @@ class Recorder:
         self._deferred: Any = None  # the tap thread's queue (`defer`), started on first use
         self.tap_thread = True  # a session may ask for the step's work inline (bench's variant)
         self.work = "rows"  # how far a step goes (protocol.WORK_LEVELS; the bench's switch)
-        # Paced (an engine whose hooks say when a step has handed back: `step_ended`): the tap
-        # thread starts a step's rows then, not while the step's own Python still runs; both
-        # share this process's GIL, and every hand-over of it delays serving
+        # Paced (an engine whose hooks say when a step has handed back: `step_ended`): a step
+        # handed over is held until then and only then queued, so the tap thread wakes once a
+        # step, after it, not while the step's own Python still runs (both share this
+        # process's GIL and core: a wake mid-step took the GIL from serving to go back to sleep)
         self.paced = False
-        self._step_ended = threading.Event()
+        self._held: Any = None  # collections.deque of steps handed over, not yet queued
+        self._release_lock = threading.Lock()  # queues held steps in order (serving or drain)
 
     # the `work` levels (protocol.WORK_LEVELS) an engine's hooks honour: only a recording here
     WORK_LEVELS: tuple[str, ...] = ("rows",)
@@ -143,7 +145,6 @@ class Recorder:
     # ---- off the serving thread -----------------------------------------------------------------
 
     DEFER_DEPTH = 8  # steps handed over and not yet written; a full queue stalls serving (block)
-    PACE_WAIT_S = 0.02  # the longest a paced tap thread waits for `step_ended` (then it starts)
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run `fn` (a step's top-k, row building and staging) on this process's tap thread,
@@ -161,12 +162,32 @@ class Recorder:
                     ).start()
             q = self._deferred
         if self.paced:
-            self._step_ended.clear()
+            held = self._held
+            if held is None:
+                import collections
+
+                held = self._held = collections.deque()
+            held.append(fn)  # queued at the step's end (`step_ended`), or by `drain`
+            if len(held) >= self.DEFER_DEPTH:  # a step whose end never came: no unbounded hold
+                self._release()
+            return
         q.put(fn)
 
     def step_ended(self) -> None:
-        """The engine's step has handed back (its serving thread, armed only)."""
-        self._step_ended.set()
+        """The engine's step has handed back (its serving thread, armed only): the steps it
+        handed over go to the tap thread now."""
+        if self._held:
+            self._release()
+
+    def _release(self) -> None:
+        """Queue the held steps, in the order they were handed over (a full queue blocks, as
+        `defer` does unpaced)."""
+        held, q = self._held, self._deferred
+        if held is None or q is None:
+            return
+        with self._release_lock:  # the serving thread's step end, or a drain's
+            while held:
+                q.put(held.popleft())
 
     def _tap_loop(self) -> None:
         from hstrace.trace.write import placement
@@ -175,9 +196,7 @@ class Recorder:
         placement.name_thread("hstrace-taps")
         q = self._deferred
         while True:
-            fn = q.get()
-            if self.paced and q.empty():  # behind (steps waiting): no wait
-                self._step_ended.wait(self.PACE_WAIT_S)
+            fn = q.get()  # paced: queued at its step's end (`step_ended`)
             try:
                 fn()  # its taps run under run_tap: a failure disables one and is recorded
             except Exception as exc:  # never let the tap thread die
@@ -190,6 +209,7 @@ class Recorder:
         thread, which is the only one that hands over)."""
         q = self._deferred
         if q is not None and threading.current_thread().name != "hstrace-taps":
+            self._release()  # a step handed over whose end has not come (or never will)
             q.join()
 
     def rank(self) -> int:

@@ -252,33 +252,36 @@ def test_an_audit_item_that_is_not_json_data_is_refused_once_not_kept(dormant, t
         assert tr.meta["static"]["weights"] == {"loaded": ["fc.weight"]}
 
 
-def test_a_paced_tap_thread_starts_a_step_when_the_engine_says_it_ended(monkeypatch) -> None:
-    """Paced (vLLM V1: `sample_tokens` returned), the tap thread waits for the step's end
-    before building its rows, not while the step's own Python still runs; a step that finds
-    others queued behind it (the thread is behind) does not wait. A cue that never comes
-    delays the rows by at most PACE_WAIT_S, never drops them."""
+def test_a_paced_tap_thread_starts_a_step_when_the_engine_says_it_ended() -> None:
+    """Paced (vLLM V1: `sample_tokens` returned), a step handed over is held, not queued, until
+    the step's end: the tap thread is not woken while the step's own Python still runs, and
+    builds the rows after. Held steps go in the order they came; a drain (disarm, close)
+    queues the held ones without a cue, and a cue that never comes holds at most DEFER_DEPTH
+    steps: nothing is dropped."""
     rec = Recorder({"streams": []}, (0, 32, 0))
     rec.paced = True
-    monkeypatch.setattr(Recorder, "PACE_WAIT_S", 30.0)  # any wait seen below is the cue's
     ran: list[str] = []
     rec.defer(lambda: ran.append("one"))
     time.sleep(0.2)
-    assert ran == []  # handed over, and waiting for the step's end
+    assert ran == [] and rec._deferred.qsize() == 0  # held: the tap thread was not woken
     rec.step_ended()
     rec.drain()
     assert ran == ["one"]
-    # behind: a step with another queued after it starts without a cue; the last one waits
     block = threading.Event()
     rec.defer(block.wait)  # occupies the thread once its cue comes
     rec.step_ended()
     rec.defer(lambda: ran.append("two"))
     rec.defer(lambda: ran.append("three"))
     block.set()
-    deadline = time.monotonic() + 10
-    while "two" not in ran and time.monotonic() < deadline:
-        time.sleep(0.01)
     time.sleep(0.2)
-    assert ran == ["one", "two"]  # "two" did not wait; "three" waits for its step's end
+    assert ran == ["one"]  # both wait for their step's end, however idle the thread
     rec.step_ended()
+    rec.defer(lambda: ran.append("four"))  # its end never comes: the drain queues it
     rec.drain()
-    assert ran == ["one", "two", "three"]
+    assert ran == ["one", "two", "three", "four"]
+    for i in range(Recorder.DEFER_DEPTH):  # no cue at all: held up to DEFER_DEPTH, then queued
+        rec.defer(lambda i=i: ran.append(f"n{i}"))
+    deadline = time.monotonic() + 10
+    while len(ran) < 4 + Recorder.DEFER_DEPTH and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran[4:] == [f"n{i}" for i in range(Recorder.DEFER_DEPTH)]
