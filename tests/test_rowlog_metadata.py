@@ -77,12 +77,27 @@ def test_a_column_made_directly_opens_resizes_and_reads_back_through_zarr(tmp_pa
     rows = np.arange(30, dtype=np.float32).reshape(10, 3)
     log.append(rows)
     log.flush_tail()  # the partly filled chunk written at its key
-    log._set_rows(10)  # a resize, through the array opened on first use
-    assert log._arr is not None
+    log._set_rows(10)  # a resize: its zarr.json rewritten directly, nothing opened
+    assert log._arr is None
     back = zarr.open_group(LocalStore(str(tmp_path)), mode="r")["t/c"]
     assert back.shape == (10, 3)
     np.testing.assert_array_equal(back[:], rows)
     log.close()
+
+
+@pytest.mark.parametrize("shard_rows", [None, 1024])
+def test_a_resize_writes_what_zarrs_resize_writes(tmp_path, shard_rows) -> None:
+    dt, shape, chunks = np.dtype(np.uint16), (4096, 192), (64, 192)
+    _zarr_made(tmp_path / "z", "col", shape, chunks, dt, shard_rows, ATTRS)
+    arr = zarr.open_group(LocalStore(str(tmp_path / "z")), mode="r+")["col"]
+    arr.resize((77, 192))
+    meta = array_metadata(shape, chunks, dt, shard_rows, ATTRS)
+    write_metadata(str(tmp_path / "d" / "col"), meta)
+    meta["shape"][0] = 77
+    write_metadata(str(tmp_path / "d" / "col"), meta)  # over the existing one, by a rename
+    theirs = (tmp_path / "z" / "col" / "zarr.json").read_bytes()
+    assert (tmp_path / "d" / "col" / "zarr.json").read_bytes() == theirs
+    assert sorted(p.name for p in (tmp_path / "d" / "col").iterdir()) == ["zarr.json"]
 
 
 def test_an_existing_column_is_left_to_zarr_which_refuses_it(tmp_path) -> None:

@@ -720,8 +720,8 @@ def array_metadata(
 
 
 def write_metadata(node_dir: str, meta: dict) -> None:
-    """A new node's zarr.json in node_dir (made here), as zarr formats it, put in place by
-    one rename (never half written at its key)."""
+    """A node's zarr.json in node_dir (made if new), as zarr formats it, put in place by one
+    rename (never half written at its key)."""
     os.makedirs(node_dir, exist_ok=True)
     path = os.path.join(node_dir, ZARR_JSON)
     tmp = f"{path}.{os.getpid()}.partial"
@@ -767,7 +767,7 @@ class RowLog:
             else None
         )
         self._group, self._name = group, name
-        self._arr: Any = None  # the zarr array, opened when first needed (a resize)
+        self._arr: Any = None  # the zarr array, opened when first needed (not created directly)
         meta = None
         if self.dir is not None and not os.path.exists(os.path.join(self.dir, ZARR_JSON)):
             meta = array_metadata(
@@ -788,6 +788,7 @@ class RowLog:
                 config={"write_empty_chunks": True},
                 **extra,
             )
+        self._meta = meta  # written directly: a resize rewrites it the same way
         self._made: set[str] = set()
         # The column's words of the writer's native step (CR_*): its own, until its table
         # shares them (share_state). `fill` lives there.
@@ -884,6 +885,10 @@ class RowLog:
         column wrote lies below `rows` (close trims only the capacity grown ahead, which was
         never written), and zarr's own resize would otherwise try to delete each of those up
         to GROW_UNITS - 1 absent keys per column, one unlink each (~0.1 s per close)."""
+        if self._meta is not None:  # created directly: its zarr.json rewritten the same way
+            self._meta["shape"][0] = rows
+            write_metadata(self.dir, self._meta)
+            return
         sync(self.arr.async_array.resize((rows, *self.row_shape), delete_outside_chunks=False))
 
     def _key_path(self, unit_no: int) -> str:
