@@ -223,9 +223,11 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
 
 def wrap_sample_tokens(original: Callable) -> Callable:
     """V1 `GPUModelRunner.sample_tokens` (sampling, then the drafts, then bookkeeping): its
-    return is the step's end, the tap thread's cue (`Recorder.paced`). Started at the
-    hand-over instead (mid-step), the tap thread's Python took the GIL from the bookkeeping;
-    started at the next forward, from the forward (bench/live_overhead.py, bench/README.md)."""
+    return is the step's end: the step handed over mid-step, held until now, is queued to the
+    tap thread (`Recorder.paced`), which wakes once a step. Started at the hand-over instead,
+    the tap thread's Python took the GIL from the bookkeeping; woken there to wait, it cost the
+    step 0.03-0.04 ms (bench/step_segments.py); started at the next forward, it took the GIL
+    from the forward (bench/live_overhead.py, bench/README.md)."""
     rec = REC
     if rec is not None:
         rec.paced = True  # the cue will come

@@ -1,0 +1,130 @@
+"""Where a recording's cost lands inside vLLM's engine step: armed against dormant, segment by
+segment, from timestamps taken in the server.
+
+    git worktree add /tmp/seg HEAD && cd /tmp/seg && git apply bench/step_segments.patch
+    V=$(bash scripts/vllm-venv.sh | tail -1); (cd /tmp && $V -m pip install -q --no-deps -e /tmp/seg)
+    HSTRACE_GAPLOG=/tmp/seglog/gap $V bench/live_overhead.py --pairs 10 --new-tokens 256 \\
+        --long-rounds 4 --long-cycles 1 --two-server-cycles 0
+    python bench/step_segments.py /tmp/seglog
+
+The patch (a scratch instrument, not part of hstrace: it adds work to every patch point) logs
+`time.perf_counter()` (CLOCK_MONOTONIC, one clock for every process) in the worker at
+`execute_model` entry (x) and return (X), `sample_tokens` entry (s) and return (e),
+`RejectionSampler.forward` entry/return (r, R), `propose_draft_token_ids` entry/return (p, P),
+each with whether a session was armed; the tap thread's work per step (w); the worker's
+garbage collections (g, G); and in the writer process its batches of steps, its encoder jobs
+and the spans between two sleeps. Each process dumps its log as JSON at a disarm (the writer
+every few batches).
+
+Prints, armed and dormant: the median and mean of each segment of a cycle (x->X the target
+forward, X->s, s->r, r->R the rejection sampler with hstrace's verify snapshot, R->p, p->P
+the drafter with hstrace's draft-side copies and the hand-over, P->e, e->next x the gap in
+which vLLM's engine core schedules the next step), the gaps by a step's place in its round
+(a round's first steps carry the session's start), and the gaps a writer span (under 1 ms)
+overlaps against the others.
+"""
+
+from __future__ import annotations
+
+import bisect
+import glob
+import json
+import statistics as st
+import sys
+from pathlib import Path
+
+ORDER = ["x", "X", "s", "r", "R", "p", "P", "e"]
+
+
+def load(d: str) -> tuple[list[tuple], list[tuple]]:
+    worker, writer = [], []
+    for f in sorted(glob.glob(str(Path(d) / "*.json"))):
+        rows = [tuple(e) for e in json.loads(Path(f).read_text())]
+        (writer if ".writer." in f else worker).extend(rows)
+    worker.sort(key=lambda e: e[1])
+    writer.sort()
+    return worker, writer
+
+
+def segments(ev: list[tuple]) -> dict[bool, dict[str, list[float]]]:
+    cycles, cur = [], None
+    for e in ev:
+        if e[0] == "x":
+            if cur:
+                cycles.append(cur)
+            cur = {"armed": e[2], "x": e[1]}
+        elif cur is not None and e[0] in ORDER and e[0] not in cur:
+            cur[e[0]] = e[1]
+    out: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
+    for c, n in zip(cycles, cycles[1:], strict=False):
+        if not all(k in c for k in ORDER) or n["x"] - c["x"] > 0.05:
+            continue
+        seg = {f"{a}->{b}": c[b] - c[a] for a, b in zip(ORDER, ORDER[1:], strict=False)}
+        seg["gap"], seg["cycle"] = n["x"] - c["e"], n["x"] - c["x"]
+        for k, v in seg.items():
+            out[c["armed"]].setdefault(k, []).append(v)
+    return out
+
+
+def round_buckets(ev: list[tuple]) -> dict[bool, dict[str, list[float]]]:
+    """Gaps by the step's place in its round (a new round: no step for 30 ms)."""
+    names = [(5, "1-5"), (20, "6-20"), (60, "21-60"), (1 << 30, "61+")]
+    out: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
+    k, last_x, last_e = 0, None, None
+    for e in ev:
+        if e[0] == "e":
+            last_e = e
+        elif e[0] == "x":
+            k = 1 if last_x is None or e[1] - last_x > 0.03 else k + 1
+            if last_e is not None and k > 1 and e[1] - last_e[1] < 0.03:
+                name = next(n for top, n in names if k - 1 <= top)
+                out[last_e[2]].setdefault(name, []).append(e[1] - last_e[1])
+            last_x = e[1]
+    return out
+
+
+def writer_overlap(ev: list[tuple], writer: list[tuple]) -> dict[str, list[float]]:
+    xt = [e[1] for e in ev if e[0] == "x"]
+    spans = sorted((a, b) for a, b, kind in writer if kind == -2 and b - a < 0.001)
+    starts = [a for a, _ in spans]
+    out: dict[str, list[float]] = {"overlapped": [], "not": []}
+    for e in ev:
+        if e[0] != "e" or not e[2]:
+            continue
+        i = bisect.bisect_right(xt, e[1])
+        if i >= len(xt) or xt[i] - e[1] > 0.02:
+            continue
+        j, o = max(0, bisect.bisect_left(starts, e[1] - 0.002)), 0.0
+        while j < len(spans) and spans[j][0] < xt[i]:
+            o += max(0.0, min(xt[i], spans[j][1]) - max(e[1], spans[j][0]))
+            j += 1
+        out["overlapped" if o > 0 else "not"].append(xt[i] - e[1])
+    return out
+
+
+def ms(v: list[float]) -> str:
+    return f"{1e3 * st.median(v):.3f}/{1e3 * st.mean(v):.3f}" if v else "-"
+
+
+def main() -> None:
+    ev, writer = load(sys.argv[1])
+    seg = segments(ev)
+    print("segment   dormant med/mean ms   armed med/mean ms   armed - dormant")
+    for k in seg[False]:
+        a, d = seg[True].get(k, []), seg[False][k]
+        diff = f"{1e3 * (st.median(a) - st.median(d)):+.3f}/{1e3 * (st.mean(a) - st.mean(d)):+.3f}"
+        print(f"{k:8s}  {ms(d):>20s}  {ms(a):>18s}  {diff if a else ''}")
+    print(
+        "cycles", {("armed" if k else "dormant"): len(v.get("cycle", [])) for k, v in seg.items()}
+    )
+    for armed, b in round_buckets(ev).items():
+        row = " | ".join(f"{n} n{len(v)} {ms(v)}" for n, v in b.items())
+        print(f"gaps by step in round, {'armed' if armed else 'dormant'}: {row}")
+    if writer:
+        w = writer_overlap(ev, writer)
+        print("armed gaps a writer span overlaps:", len(w["overlapped"]), ms(w["overlapped"]),
+              "  others:", len(w["not"]), ms(w["not"]))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
