@@ -3,6 +3,7 @@ segment, from timestamps taken in the server.
 
     git worktree add /tmp/seg HEAD && cd /tmp/seg && git apply bench/step_segments.patch
     V=$(bash scripts/vllm-venv.sh | tail -1); (cd /tmp && $V -m pip install -q --no-deps -e /tmp/seg)
+    mkdir -p /tmp/seglog
     HSTRACE_GAPLOG=/tmp/seglog/gap $V bench/live_overhead.py --pairs 10 --new-tokens 256 \\
         --long-rounds 4 --long-cycles 1 --two-server-cycles 0
     python bench/step_segments.py /tmp/seglog

@@ -70,7 +70,7 @@ def test_what_it_does_not_know_is_left_to_zarr(dtype, attrs) -> None:
 def test_a_column_made_directly_opens_resizes_and_reads_back_through_zarr(tmp_path) -> None:
     group = zarr.open_group(LocalStore(str(tmp_path)), mode="w").create_group("t")
     log = RowLog(group, "c", (3,), np.dtype(np.float32), "float32", {"k": "v"})
-    assert log._arr is None  # nothing opened through zarr at creation
+    assert log.arr is None  # nothing made through zarr
     arr = zarr.open_group(LocalStore(str(tmp_path)), mode="r")["t/c"]
     assert arr.shape == (log.capacity, 3) and arr.dtype == np.float32
     assert arr.attrs["hstrace_dtype"] == "float32" and arr.attrs["k"] == "v"
@@ -78,7 +78,7 @@ def test_a_column_made_directly_opens_resizes_and_reads_back_through_zarr(tmp_pa
     log.append(rows)
     log.flush_tail()  # the partly filled chunk written at its key
     log._set_rows(10)  # a resize: its zarr.json rewritten directly, nothing opened
-    assert log._arr is None
+    assert log.arr is None
     back = zarr.open_group(LocalStore(str(tmp_path)), mode="r")["t/c"]
     assert back.shape == (10, 3)
     np.testing.assert_array_equal(back[:], rows)

@@ -674,7 +674,7 @@ def array_metadata(
     column: rows split on the first dimension only), or None where this does not know it (a
     dtype other than bool, ints and floats; attributes JSON cannot hold). Creating a column
     through zarr costs ~2 ms of CPU (its event loop), ~65 columns at a session's first step:
-    written directly it costs ~0.1 ms. tests/test_rowlog_metadata.py holds it equal to zarr's."""
+    written directly, about 0.2 ms. tests/test_rowlog_metadata.py holds it equal to zarr's."""
     if dtype.kind not in "biuf" or dtype.itemsize not in (1, 2, 4, 8) or dtype.byteorder == ">":
         return None
     try:
@@ -766,8 +766,7 @@ class RowLog:
             if isinstance(store, LocalStore)
             else None
         )
-        self._group, self._name = group, name
-        self._arr: Any = None  # the zarr array, opened when first needed (not created directly)
+        self.arr: Any = None  # the zarr array where zarr made it (else the files are written here)
         meta = None
         if self.dir is not None and not os.path.exists(os.path.join(self.dir, ZARR_JSON)):
             meta = array_metadata(
@@ -777,7 +776,7 @@ class RowLog:
         if meta is not None:
             write_metadata(self.dir, meta)
         else:
-            self._arr = group.create_array(
+            self.arr = group.create_array(
                 name,
                 shape=(self.capacity, *self.row_shape),
                 chunks=(chunk_rows, *self.row_shape),
@@ -823,14 +822,6 @@ class RowLog:
         self._shard: _Shard | None = None
         self._shard_no = -1
         self._tails = blosc_tail.TailFrames(CNAME, CLEVEL, Blosc.SHUFFLE)
-
-    @property
-    def arr(self) -> Any:
-        """The column's zarr array (opened on first use where its zarr.json was written
-        directly: a resize, or a store other than a local directory)."""
-        if self._arr is None:
-            self._arr = self._group[self._name]
-        return self._arr
 
     @property
     def fill(self) -> int:
