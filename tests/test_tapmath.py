@@ -234,3 +234,57 @@ def test_a_steps_rows_natively_equal_torchs(seed: int, monkeypatch) -> None:
             _close(got, want, scale)
         else:
             assert torch.equal(got, want), (table, name)
+
+
+# ---- the serving thread's copies (snapshot, gather_rows) --------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool],
+)
+@pytest.mark.parametrize("shape", [(0,), (), (7,), (3, 5), (2, 0, 4), (2, 3, 4)])
+def test_a_snapshot_is_the_tensors_bytes_and_no_later_write_reaches_it(dtype, shape) -> None:
+    g = torch.Generator().manual_seed(3)
+    src = (torch.randn(shape, generator=g) * 50).to(dtype)
+    want = src.clone()
+    snap = tapmath.snapshot(src)
+    assert snap is not None and not snap.is_cuda and snap.is_cpu
+    src.fill_(1)  # the engine writes its buffer again
+    got = tapmath.tensor_of(snap)
+    assert got.dtype == dtype and got.shape == want.shape
+    assert torch.equal(got, want)
+
+
+def test_a_snapshot_refuses_what_its_bytes_do_not_describe() -> None:
+    m = torch.arange(12.0).reshape(3, 4)
+    assert tapmath.snapshot(m.t()) is None  # strided: the caller clones
+    assert tapmath.snapshot(m[:, 1]) is None
+    assert tapmath.tensor_of(m) is m and tapmath.tensor_of(None) is None
+
+
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_is_index_select_bit_for_bit(idx_dtype, dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(9, 40, generator=g).to(dtype)
+    src[2, 3], src[4, 0] = float("nan"), float("-inf")
+    for m in (src, src[:, 5:29]):  # rows contiguous, any row stride
+        idx = torch.tensor([4, 0, 8, 4, 2], dtype=idx_dtype)
+        got = tapmath.gather_rows(m, idx)
+        want = m.index_select(0, idx)
+        rows = tapmath.tensor_of(got)
+        assert rows.shape == want.shape and rows.dtype == dtype
+        assert torch.equal(rows.view(torch.uint8), want.view(torch.uint8))  # NaN included
+    empty = tapmath.gather_rows(src, torch.zeros(0, dtype=idx_dtype))
+    assert tapmath.tensor_of(empty).shape == (0, 40)
+
+
+def test_gather_rows_leaves_what_it_does_not_take_to_torch() -> None:
+    src = torch.randn(6, 8)
+    assert tapmath.gather_rows(src, torch.tensor([6])) is None  # out of range: torch raises
+    assert tapmath.gather_rows(src, torch.tensor([-1])) is None
+    assert tapmath.gather_rows(src.t(), torch.tensor([0])) is None  # columns strided
+    assert tapmath.gather_rows(src, torch.tensor([0, 1, 2])[::2]) is None
+    assert tapmath.gather_rows(src, torch.tensor([0], dtype=torch.int16)) is None
+    assert tapmath.gather_rows(src[0], torch.tensor([0])) is None  # not a matrix

@@ -99,11 +99,18 @@ def test_a_sampled_verify_keeps_what_the_rule_used_not_later_updates() -> None:
 def test_the_serving_threads_copies_are_copies() -> None:
     from hstrace.hooks import vllm_patches as vp
 
+    from hstrace.engines import tapmath
+
     src = torch.arange(6, dtype=torch.int64)
     got = vp._copy(src)
     src.fill_(-1)
-    assert got.tolist() == list(range(6))
+    assert tapmath.tensor_of(got).tolist() == list(range(6))
     leaf = torch.ones(2, requires_grad=True)
-    assert not vp._copy(leaf).requires_grad
+    assert not tapmath.tensor_of(vp._copy(leaf)).requires_grad
+    strided = torch.arange(12.0).reshape(3, 4)[:, 1]  # not contiguous: torch's clone
+    kept = vp._copy(strided)
+    assert isinstance(kept, torch.Tensor)
+    strided.fill_(0.0)
+    assert kept.tolist() == [1.0, 5.0, 9.0]
     mixed = vp._stack_params([torch.ones(4), torch.full((2, 2), 3, dtype=torch.int32)], 3)
     assert mixed.dtype == torch.float32 and mixed.tolist() == [[1.0] * 3, [3.0] * 3]

@@ -234,6 +234,63 @@ static PyObject *verify_into(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* The serving thread's snapshot (hstrace/engines/tapmath.py: snapshot, gather_rows): copies
+ * of a CPU tensor's bytes into a fresh bytearray, made a tensor again on the tap thread. Why:
+ * cold, after the engine's own work, a torch clone costs 4-5 us and an index_select 25-30 us
+ * on this project's 2-vCPU host (their dispatch, not the bytes); a memcpy costs its bytes.
+ *
+ * copy_out(addr, nbytes) -> bytearray of the nbytes at addr. */
+static PyObject *copy_out(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "copy_out(addr, nbytes)");
+        return NULL;
+    }
+    unsigned long long addr = PyLong_AsUnsignedLongLong(args[0]);
+    long long n = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    if (n < 0 || (addr == 0 && n > 0)) {
+        PyErr_SetString(PyExc_ValueError, "copy_out: a null address or a negative size");
+        return NULL;
+    }
+    return PyByteArray_FromStringAndSize(n ? (const char *)(uintptr_t)addr : "", (Py_ssize_t)n);
+}
+
+/* gather_rows(addr, n_rows, row_stride, row_bytes, idx, idx_itemsize, n_idx) -> bytearray
+ * holding rows idx[0..n_idx) of the matrix at addr (n_rows rows of row_bytes, row_stride bytes
+ * apart), in that order; idx: int32 or int64 (itemsize 4 or 8). None where an index is out of
+ * range (the caller takes torch's route, which raises as the engine would). */
+static PyObject *gather_rows(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "gather_rows(addr, n_rows, row_stride, row_bytes, idx, idx_itemsize, n_idx)");
+        return NULL;
+    }
+    unsigned long long addr = PyLong_AsUnsignedLongLong(args[0]);
+    long long n_rows = PyLong_AsLongLong(args[1]), stride = PyLong_AsLongLong(args[2]);
+    long long row_bytes = PyLong_AsLongLong(args[3]);
+    unsigned long long idx = PyLong_AsUnsignedLongLong(args[4]);
+    long long isz = PyLong_AsLongLong(args[5]), n_idx = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (addr == 0 || (idx == 0 && n_idx > 0) || n_rows < 0 || row_bytes < 0 || n_idx < 0 ||
+        (isz != 4 && isz != 8) || (n_rows > 1 && stride < row_bytes)) {
+        PyErr_SetString(PyExc_ValueError, "gather_rows: a null buffer or an impossible shape");
+        return NULL;
+    }
+    for (long long i = 0; i < n_idx; i++) {
+        long long r = isz == 8 ? ((const int64_t *)(uintptr_t)idx)[i] : ((const int32_t *)(uintptr_t)idx)[i];
+        if (r < 0 || r >= n_rows) Py_RETURN_NONE;
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n_idx * row_bytes));
+    if (out == NULL) return NULL;
+    char *dst = PyByteArray_AS_STRING(out);
+    const char *src = (const char *)(uintptr_t)addr;
+    for (long long i = 0; i < n_idx; i++) {
+        long long r = isz == 8 ? ((const int64_t *)(uintptr_t)idx)[i] : ((const int32_t *)(uintptr_t)idx)[i];
+        memcpy(dst + i * row_bytes, src + r * stride, (size_t)row_bytes);
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"lanes", (PyCFunction)(void (*)(void))lanes, METH_FASTCALL,
      "lanes([n]) -> 4 or 8: the vector width in use; n asks for one (8 only with AVX2 and FMA)"},
@@ -241,6 +298,10 @@ static PyMethodDef module_methods[] = {
      "topk_into(src, rows, stride, cols, map, n, k, dest, n_out, ids, tids, lps, lse) -> tie"},
     {"verify_into", (PyCFunction)(void (*)(void))verify_into, METH_FASTCALL,
      "verify_into(proc, proc_stride, raw, raw_stride, rows, vocab, ids, p, zp, z, argmax)"},
+    {"copy_out", (PyCFunction)(void (*)(void))copy_out, METH_FASTCALL,
+     "copy_out(addr, nbytes) -> bytearray: the nbytes at addr"},
+    {"gather_rows", (PyCFunction)(void (*)(void))gather_rows, METH_FASTCALL,
+     "gather_rows(addr, n_rows, row_stride, row_bytes, idx, idx_itemsize, n_idx) -> bytearray or None"},
     {NULL},
 };
 

@@ -1,4 +1,6 @@
-"""The vLLM tap thread's per-row math through the optional native module (`_tapmath.c`).
+"""The vLLM tap thread's per-row math through the optional native module (`_tapmath.c`), and
+the serving thread's copies through it (`snapshot`, `gather_rows`, made tensors again by
+`tensor_of` on the tap thread).
 
 Each function returns the columns the torch route (`hstrace.engines.vllm.taps`) computes, or
 None where it does not take the inputs (not built, `HSTRACE_NATIVE=0`, a CUDA tensor, another
@@ -104,3 +106,57 @@ def verify_into(
         ids.data_ptr(), p.data_ptr(), zp.data_ptr(), z.data_ptr(), amax.data_ptr(),
     )  # fmt: skip
     return p, zp, z, amax
+
+
+class Snap:
+    """The bytes of a CPU tensor, copied on the serving thread (`snapshot`, `gather_rows`) into
+    a bytearray the engine cannot reach; `tensor_of` makes it a tensor again (on the tap
+    thread: a view of those bytes, no second copy). Read as a tensor's `is_cuda` / `is_cpu`."""
+
+    __slots__ = ("buf", "dtype", "shape")
+    is_cuda = False
+    is_cpu = True
+
+    def __init__(self, buf: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        self.buf, self.dtype, self.shape = buf, dtype, shape
+
+    def tensor(self) -> torch.Tensor:
+        if not self.buf:  # frombuffer refuses an empty buffer
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.frombuffer(self.buf, dtype=self.dtype).view(self.shape)
+
+
+def snapshot(t: torch.Tensor) -> Snap | None:
+    """A copy of `t`'s bytes (a contiguous CPU tensor) in one native call, or None (not built,
+    HSTRACE_NATIVE=0, on a device, strided): the caller clones. Cold, after the engine's own
+    work, a torch clone costs the serving thread 4-5 us of dispatch; this costs its bytes
+    (bench/README.md, nineteenth pass)."""
+    ext = native()
+    if ext is None or not t.is_cpu or not t.is_contiguous():
+        return None
+    return Snap(ext.copy_out(t.data_ptr(), t.nbytes), t.dtype, t.shape)
+
+
+def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> Snap | None:
+    """`src.index_select(0, idx)`'s bytes ([len(idx), C]) in one native call, for a CPU matrix
+    whose rows are each contiguous and CPU int32/int64 indices; None where it does not take
+    them (or an index is out of range: torch's route then raises as the engine would)."""
+    ext = native()
+    if ext is None or not (src.is_cpu and idx.is_cpu) or src.dim() != 2 or idx.dim() != 1:
+        return None
+    if src.stride(1) != 1 or not idx.is_contiguous():
+        return None
+    isz = idx.element_size()
+    if idx.dtype is not (torch.int64 if isz == 8 else torch.int32):
+        return None
+    rows, cols = src.shape
+    es, n = src.element_size(), idx.shape[0]
+    buf = ext.gather_rows(
+        src.data_ptr(), rows, src.stride(0) * es, cols * es, idx.data_ptr(), isz, n
+    )
+    return None if buf is None else Snap(buf, src.dtype, (n, cols))
+
+
+def tensor_of(x: Any) -> Any:
+    """A `Snap` as a tensor; anything else as it is."""
+    return x.tensor() if type(x) is Snap else x
