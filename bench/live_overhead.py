@@ -522,8 +522,10 @@ def _hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
         """`wrap_rejection_forward` on the serving thread: begin()'s copy of the raw rows at
         the drafted positions, then `_verify_tap`'s snapshot (the step carries it)."""
         meta = a["metadata"]
-        at = meta.target_logits_indices.to(torch.int64)
-        raw = a["logits"].index_select(0, at).float()
+        if hasattr(vp, "_raw_rows"):
+            raw = vp._raw_rows(a["logits"], meta.target_logits_indices)
+        else:  # an older tree's
+            raw = a["logits"].index_select(0, meta.target_logits_indices.to(torch.int64)).float()
         rows_fn = vp._verify_tap(sampler, a, raw, proc)
         return lambda: rec.run_tap("verify_probs", rows_fn)
 
@@ -543,8 +545,10 @@ def _hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
             *taps.draft_rows(step, lens),
         ]
 
+    resolve = getattr(vp, "_resolve", lambda step: None)
     for _ in range(20):  # warm up the writer (first writes fix columns, grow arrays)
         step = collect()
+        resolve(step)
         step.verify_probs = snapshot()()
         topk(step)
         rec.emit(rows(step))
@@ -563,6 +567,7 @@ def _hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
         step = collect()
         rec.defer(lambda: None)  # the step's hand-over to the tap thread (a bounded queue's put)
         marks.append(now())
+        resolve(step)  # the serving thread's byte copies made tensors (a tree before: none)
         step.verify_probs = later()
         marks.append(now())
         topk(step)

@@ -111,6 +111,26 @@ def _stack_params(values: list[Any], n: int) -> Any:
     return stacked if stacked.is_cpu else stacked.cpu()
 
 
+def _param_copies(values: list[Any], n: int) -> Any:
+    """The per-request sampling tensors' first n values, copied: one `tapmath.Snap` each
+    where every one is a contiguous 1-D CPU tensor of n values or more (a native call each;
+    float32 on the tap thread, `_param_columns`), else `_stack_params`' one stack."""
+    snaps = []
+    for v in values:
+        snap = tapmath.snapshot_head(v, n)
+        if snap is None:
+            return _stack_params(values, n)
+        snaps.append(snap)
+    return snaps
+
+
+def _param_columns(kept: Any) -> Any:
+    """`_param_copies`' copies as float32 [n] columns, in order."""
+    if type(kept) is list:
+        return [_float(tapmath.tensor_of(s)) for s in kept]
+    return kept.unbind(0)
+
+
 # ---- per step -------------------------------------------------------------------------------
 
 
@@ -400,9 +420,10 @@ def _verify_tap(
         "frequency_penalty": sm.frequency_penalties,
         "presence_penalty": sm.presence_penalties,
     }
-    # one copy of every parameter in force ([P, B] float32): vLLM updates its batch in place
+    # a copy of every parameter in force (float32 [B] each, off this thread): vLLM updates
+    # its batch in place
     present = [k for k, v in params.items() if v is not None]
-    stacked = _stack_params([params[k] for k in present], n_req) if present else None
+    kept = _param_copies([params[k] for k in present], n_req) if present else None
     penalties = not sm.no_penalties and sm.prompt_token_ids is not None
     prompt_ids = sm.prompt_token_ids.cpu().clone() if penalties else None
     output_ids = [list(h) for h in sm.output_token_ids] if penalties else None
@@ -414,8 +435,8 @@ def _verify_tap(
         resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
         if greedy:
             resolved["temperature"] = taps.filled(n_req, 0.0, torch.float32)
-        if stacked is not None:
-            resolved.update(zip(present, stacked.unbind(0), strict=True))
+        if kept is not None:
+            resolved.update(zip(present, _param_columns(kept), strict=True))
         of = tapmath.tensor_of
         return taps.verify_probs(  # pen_logit None: the identity, the raw logit
             of(draft_ids), num_draft, _float(of(raw)), pen_logit, proc, of(draft_probs),
@@ -429,6 +450,21 @@ def _float(t: Any) -> Any:
     import torch
 
     return t if t.dtype is torch.float32 else t.float()
+
+
+def _raw_rows(logits: Any, at: Any) -> Any:
+    """The target's rows at the drafted positions (`at`), copied before vLLM runs: their bytes
+    in one native call (`tapmath.gather_rows`; float32 on the tap thread), else index_select,
+    not advanced indexing (a parallel kernel: slow on a busy CPU). Either is a fresh copy, so
+    nothing vLLM does to `logits` reaches it."""
+    import torch
+
+    raw = tapmath.gather_rows(logits, at)
+    if raw is not None:
+        return raw
+    if at.dtype is not torch.int64 or at.device != logits.device:
+        at = at.to(device=logits.device, dtype=torch.int64)
+    return _float(logits.index_select(0, at))
 
 
 # `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
@@ -455,19 +491,7 @@ def wrap_rejection_forward(original: Callable) -> Callable:
         seen: dict[str, Any] = {}
 
         def begin():
-            import torch
-
-            meta, logits = a["metadata"], a["logits"]
-            # the rows' bytes in one native call (float32 on the tap thread), else
-            # index_select, not advanced indexing (a parallel kernel: slow on a busy CPU);
-            # either is a fresh copy, so nothing vLLM does to `logits` reaches it
-            at = meta.target_logits_indices
-            raw = tapmath.gather_rows(logits, at)
-            if raw is None:
-                if at.dtype is not torch.int64 or at.device != logits.device:
-                    at = at.to(device=logits.device, dtype=torch.int64)
-                raw = _float(logits.index_select(0, at))
-            seen["raw"] = raw
+            seen["raw"] = _raw_rows(a["logits"], a["metadata"].target_logits_indices)
             inner = module.rejection_sample
 
             def rejection_sample(*r_args, **r_kwargs):

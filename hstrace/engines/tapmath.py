@@ -137,6 +137,15 @@ def snapshot(t: torch.Tensor) -> Snap | None:
     return Snap(ext.copy_out(t.data_ptr(), t.nbytes), t.dtype, t.shape)
 
 
+def snapshot_head(t: torch.Tensor, n: int) -> Snap | None:
+    """A copy of the first `n` values of a contiguous 1-D CPU tensor (a persistent batch's
+    column, longer than the step's requests), or None: the caller copies through torch."""
+    ext = native()
+    if ext is None or not t.is_cpu or t.dim() != 1 or t.shape[0] < n or t.stride(0) != 1:
+        return None
+    return Snap(ext.copy_out(t.data_ptr(), n * t.element_size()), t.dtype, (n,))
+
+
 def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> Snap | None:
     """`src.index_select(0, idx)`'s bytes ([len(idx), C]) in one native call, for a CPU matrix
     whose rows are each contiguous and CPU int32/int64 indices; None where it does not take
