@@ -74,28 +74,16 @@ def _tolist(x: Any) -> list:
 
 
 # The serving thread's copies: each torch call there costs the step 0.3-2 us on this host warm
-# and 4-30 us cold, after the engine's own work (a no-op `.detach()`, `.to()` or `.float()`
-# included), so calls that change nothing are not made, and a CPU tensor's copy is its bytes in
-# one native call (`tapmath.snapshot`), made a tensor again on the tap thread (`_resolve`).
-# tests/test_vllm_verify_snapshot.py holds the copies to the engine's values.
+# and up to 10-30 us cold (a no-op `.detach()`, `.to()` or `.float()` included), so calls that
+# change nothing are not made. A copy that replaces several torch calls is bytes in one native
+# call (`tapmath.gather_rows`, `snapshot_head`), made a tensor on the tap thread; a plain clone
+# stays a clone: made a tensor there instead, each cost the tap thread more than the serving
+# thread saved (bench/README.md, nineteenth pass). tests/test_vllm_verify_snapshot.py holds the
+# copies to the engine's values.
 def _copy(t: Any) -> Any:
-    """A copy of `t` that the engine's later writes cannot reach: a `tapmath.Snap` of a
-    contiguous CPU tensor, else a clone (vLLM runs in inference mode: nothing requires grad,
-    so no `.detach()` first)."""
-    snap = tapmath.snapshot(t)
-    if snap is not None:
-        return snap
+    """A copy of `t` that the engine's later writes cannot reach (vLLM runs in inference
+    mode: nothing requires grad, so no `.detach()` first)."""
     return t.detach().clone() if t.requires_grad else t.clone()
-
-
-def _resolve(step: taps.Step) -> None:
-    """The serving thread's copies in `step` as tensors (off that thread: `_emit_step`)."""
-    of = tapmath.tensor_of
-    step.target_ids = of(step.target_ids)
-    step.target_positions = of(step.target_positions)
-    step.target_aux = of(step.target_aux)
-    for c in step.calls:
-        c.input_ids, c.positions, c.hidden_in = of(c.input_ids), of(c.positions), of(c.hidden_in)
 
 
 def _stack_params(values: list[Any], n: int) -> Any:
@@ -192,7 +180,6 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
     the recorder's tap thread (`Recorder.defer`): the top-k, the rows and the staging copy.
     `keep_at`: the batch indices kept by --sample-every, as they were when the step began
     (the serving thread has moved on by now); default: the recorder's current ones."""
-    _resolve(step)
     if callable(step.verify_probs):  # the verify's rows, built here (the step carried them)
         step.verify_probs = step.verify_probs()
     keep = rec.keep_at if keep_at is _NOW else keep_at
@@ -398,16 +385,16 @@ def _verify_tap(
     draft_ids = _copy(meta.draft_token_ids)
     vocab = raw.shape[-1]
 
-    def clamped(ids: Any, device: Any) -> Any:  # the drafted ids as gather indices [N, 1]
-        return ids.to(device=device, dtype=torch.int64).clamp(0, vocab - 1).reshape(-1, 1)
+    def clamped(device: Any) -> Any:  # the drafted ids as gather indices [N, 1]
+        return draft_ids.to(device=device, dtype=torch.int64).clamp(0, vocab - 1).reshape(-1, 1)
 
     transforms = (
         not sm.no_penalties or bool(sm.bad_words_token_ids) or sm.allowed_token_ids_mask is not None
     )
-    if transforms:  # here, now: vLLM's processors read its batch as it is (ids: as copied)
+    if transforms:  # here, now: vLLM's processors read its batch as it is
         raw = _float(tapmath.tensor_of(raw))
         pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
-        pen_logit = pen.gather(1, clamped(meta.draft_token_ids, pen.device)).reshape(-1)
+        pen_logit = pen.gather(1, clamped(pen.device)).reshape(-1)
     else:
         pen_logit = None  # the identity: `verify_probs` takes the raw logit
     greedy, n_req = sm.all_greedy, len(meta.num_draft_tokens)
@@ -437,9 +424,8 @@ def _verify_tap(
             resolved["temperature"] = taps.filled(n_req, 0.0, torch.float32)
         if kept is not None:
             resolved.update(zip(present, _param_columns(kept), strict=True))
-        of = tapmath.tensor_of
         return taps.verify_probs(  # pen_logit None: the identity, the raw logit
-            of(draft_ids), num_draft, _float(of(raw)), pen_logit, proc, of(draft_probs),
+            draft_ids, num_draft, _float(tapmath.tensor_of(raw)), pen_logit, proc, draft_probs,
             resolved, rule, prompt_ids=prompt_ids, output_ids=output_ids,
         )  # fmt: skip
 

@@ -243,23 +243,26 @@ def test_a_steps_rows_natively_equal_torchs(seed: int, monkeypatch) -> None:
     "dtype",
     [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool],
 )
-@pytest.mark.parametrize("shape", [(0,), (), (7,), (3, 5), (2, 0, 4), (2, 3, 4)])
-def test_a_snapshot_is_the_tensors_bytes_and_no_later_write_reaches_it(dtype, shape) -> None:
+@pytest.mark.parametrize(("length", "n"), [(0, 0), (5, 0), (7, 7), (9, 4)])
+def test_a_snapshot_head_is_the_first_values_and_no_later_write_reaches_it(
+    dtype, length, n
+) -> None:
     g = torch.Generator().manual_seed(3)
-    src = (torch.randn(shape, generator=g) * 50).to(dtype)
-    want = src.clone()
-    snap = tapmath.snapshot(src)
+    src = (torch.randn(length, generator=g) * 50).to(dtype)
+    want = src[:n].clone()
+    snap = tapmath.snapshot_head(src, n)
     assert snap is not None and not snap.is_cuda and snap.is_cpu
-    src.fill_(1)  # the engine writes its buffer again
+    src.fill_(1)  # the engine writes its persistent batch again
     got = tapmath.tensor_of(snap)
-    assert got.dtype == dtype and got.shape == want.shape
+    assert got.dtype == dtype and got.shape == (n,)
     assert torch.equal(got, want)
 
 
-def test_a_snapshot_refuses_what_its_bytes_do_not_describe() -> None:
+def test_a_snapshot_head_refuses_what_its_bytes_do_not_describe() -> None:
     m = torch.arange(12.0).reshape(3, 4)
-    assert tapmath.snapshot(m.t()) is None  # strided: the caller clones
-    assert tapmath.snapshot(m[:, 1]) is None
+    assert tapmath.snapshot_head(m, 2) is None  # not 1-D: the caller copies through torch
+    assert tapmath.snapshot_head(m[:, 1], 2) is None  # strided
+    assert tapmath.snapshot_head(torch.arange(3), 4) is None  # shorter than the batch
     assert tapmath.tensor_of(m) is m and tapmath.tensor_of(None) is None
 
 

@@ -99,14 +99,12 @@ def test_a_sampled_verify_keeps_what_the_rule_used_not_later_updates() -> None:
 def test_the_serving_threads_copies_are_copies() -> None:
     from hstrace.hooks import vllm_patches as vp
 
-    from hstrace.engines import tapmath
-
     src = torch.arange(6, dtype=torch.int64)
     got = vp._copy(src)
     src.fill_(-1)
-    assert tapmath.tensor_of(got).tolist() == list(range(6))
+    assert got.tolist() == list(range(6))
     leaf = torch.ones(2, requires_grad=True)
-    assert not tapmath.tensor_of(vp._copy(leaf)).requires_grad
+    assert not vp._copy(leaf).requires_grad
     strided = torch.arange(12.0).reshape(3, 4)[:, 1]  # not contiguous: torch's clone
     kept = vp._copy(strided)
     assert isinstance(kept, torch.Tensor)
@@ -114,3 +112,21 @@ def test_the_serving_threads_copies_are_copies() -> None:
     assert kept.tolist() == [1.0, 5.0, 9.0]
     mixed = vp._stack_params([torch.ones(4), torch.full((2, 2), 3, dtype=torch.int32)], 3)
     assert mixed.dtype == torch.float32 and mixed.tolist() == [[1.0] * 3, [3.0] * 3]
+
+
+def test_the_raw_rows_are_copied_before_vllm_runs_and_leave_torch_what_it_raises_on() -> None:
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.engines import tapmath
+
+    logits = torch.randn(9, V)
+    at = torch.tensor([4, 0, 8, 4], dtype=torch.int32)  # vLLM keeps its indices int32
+    want = logits.index_select(0, at.long())
+    raw = vp._raw_rows(logits, at)
+    logits.fill_(0.0)  # vLLM may update `logits` in place
+    got = tapmath.tensor_of(raw)
+    assert got.dtype == torch.float32 and torch.equal(got, want)
+    half = vp._raw_rows(want.to(torch.bfloat16), torch.tensor([1, 2]))  # float32 when read
+    assert vp._float(tapmath.tensor_of(half)).dtype == torch.float32
+    with pytest.raises(IndexError):  # out of range: torch's route, which raises as vLLM would
+        vp._raw_rows(torch.randn(3, V), torch.tensor([3]))

@@ -1,6 +1,6 @@
 """The vLLM tap thread's per-row math through the optional native module (`_tapmath.c`), and
-the serving thread's copies through it (`snapshot`, `gather_rows`, made tensors again by
-`tensor_of` on the tap thread).
+two of the serving thread's copies through it (`gather_rows`, `snapshot_head`: bytes, made
+tensors by `tensor_of` on the tap thread).
 
 Each function returns the columns the torch route (`hstrace.engines.vllm.taps`) computes, or
 None where it does not take the inputs (not built, `HSTRACE_NATIVE=0`, a CUDA tensor, another
@@ -109,8 +109,8 @@ def verify_into(
 
 
 class Snap:
-    """The bytes of a CPU tensor, copied on the serving thread (`snapshot`, `gather_rows`) into
-    a bytearray the engine cannot reach; `tensor_of` makes it a tensor again (on the tap
+    """Bytes of a CPU tensor, copied on the serving thread (`gather_rows`, `snapshot_head`)
+    into a bytearray the engine cannot reach; `tensor_of` makes them a tensor (on the tap
     thread: a view of those bytes, no second copy). Read as a tensor's `is_cuda` / `is_cpu`."""
 
     __slots__ = ("buf", "dtype", "shape")
@@ -126,20 +126,11 @@ class Snap:
         return torch.frombuffer(self.buf, dtype=self.dtype).view(self.shape)
 
 
-def snapshot(t: torch.Tensor) -> Snap | None:
-    """A copy of `t`'s bytes (a contiguous CPU tensor) in one native call, or None (not built,
-    HSTRACE_NATIVE=0, on a device, strided): the caller clones. Cold, after the engine's own
-    work, a torch clone costs the serving thread 4-5 us of dispatch; this costs its bytes
-    (bench/README.md, nineteenth pass)."""
-    ext = native()
-    if ext is None or not t.is_cpu or not t.is_contiguous():
-        return None
-    return Snap(ext.copy_out(t.data_ptr(), t.nbytes), t.dtype, t.shape)
-
-
 def snapshot_head(t: torch.Tensor, n: int) -> Snap | None:
     """A copy of the first `n` values of a contiguous 1-D CPU tensor (a persistent batch's
-    column, longer than the step's requests), or None: the caller copies through torch."""
+    column, longer than the step's requests) in one native call, where torch takes a reshape,
+    a slice and a stack; None (not built, HSTRACE_NATIVE=0, on a device, strided, short): the
+    caller copies through torch."""
     ext = native()
     if ext is None or not t.is_cpu or t.dim() != 1 or t.shape[0] < n or t.stride(0) != 1:
         return None
@@ -149,7 +140,9 @@ def snapshot_head(t: torch.Tensor, n: int) -> Snap | None:
 def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> Snap | None:
     """`src.index_select(0, idx)`'s bytes ([len(idx), C]) in one native call, for a CPU matrix
     whose rows are each contiguous and CPU int32/int64 indices; None where it does not take
-    them (or an index is out of range: torch's route then raises as the engine would)."""
+    them (or an index is out of range: torch's route then raises as the engine would). Cold,
+    on the serving thread after the engine's sampler, vLLM's int32 indices made int64 and an
+    index_select cost 25-35 us; this about 15 (bench/README.md, nineteenth pass)."""
     ext = native()
     if ext is None or not (src.is_cpu and idx.is_cpu) or src.dim() != 2 or idx.dim() != 1:
         return None
