@@ -21,8 +21,9 @@ Prints, armed and dormant: the median and mean of each segment of a cycle (x->X 
 forward, X->s, s->r, r->R the rejection sampler with hstrace's verify snapshot, R->p, p->P
 the drafter with hstrace's draft-side copies and the hand-over, P->e, e->next x the gap in
 which vLLM's engine core schedules the next step), the gaps by a step's place in its round
-(a round's first steps carry the session's start), and the gaps a writer span (under 1 ms)
-overlaps against the others.
+(a round's first steps carry the session's start), the serving thread's taps (each
+`Recorder.run_tap` off the tap thread, timed: what the wrappers' own work costs a step, by
+function), and the gaps a writer span (under 1 ms) overlaps against the others.
 """
 
 from __future__ import annotations
@@ -103,6 +104,16 @@ def writer_overlap(ev: list[tuple], writer: list[tuple]) -> dict[str, list[float
     return out
 
 
+def serving_taps(ev: list[tuple]) -> dict[str, list[float]]:
+    """The serving thread's taps (`Recorder.run_tap` off the tap thread), by function: the
+    seconds each call took."""
+    out: dict[str, list[float]] = {}
+    for e in ev:
+        if e[0] == "t":
+            out.setdefault(e[3].replace("<locals>.", ""), []).append(e[2])
+    return out
+
+
 def ms(v: list[float]) -> str:
     return f"{1e3 * st.median(v):.3f}/{1e3 * st.mean(v):.3f}" if v else "-"
 
@@ -121,6 +132,14 @@ def main() -> None:
     for armed, b in round_buckets(ev).items():
         row = " | ".join(f"{n} n{len(v)} {ms(v)}" for n, v in b.items())
         print(f"gaps by step in round, {'armed' if armed else 'dormant'}: {row}")
+    taps = serving_taps(ev)
+    if taps:
+        print("serving-thread taps, calls and us a call (median/mean):")
+        for name, v in sorted(taps.items(), key=lambda kv: -sum(kv[1])):
+            if len(v) > 1:  # a load-time audit tap runs once
+                print(
+                    f"  {name:70s} {len(v):6d}  {1e6 * st.median(v):6.1f}/{1e6 * st.mean(v):6.1f}"
+                )
     if writer:
         w = writer_overlap(ev, writer)
         print("armed gaps a writer span overlaps:", len(w["overlapped"]), ms(w["overlapped"]),

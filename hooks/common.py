@@ -95,6 +95,10 @@ def write_rows(w: Any, tw: TableWrite) -> None:
     w.write(tw.table, **kwargs)
 
 
+def _no_phase(running: bool) -> None:
+    """A writer's `step_phase` where it has none (a test's, another sink's)."""
+
+
 class Recorder:
     """Per-process state: the config, the lazily opened writer (only processes that record a
     row or an audit item open one), disabled taps.
@@ -173,11 +177,26 @@ class Recorder:
             return
         q.put(fn)
 
+    def step_started(self) -> None:
+        """The engine's step has started (its serving thread, armed only): the writer process
+        is told, so that it works while the step runs, not in the gap after it."""
+        self._phase(True)
+
     def step_ended(self) -> None:
-        """The engine's step has handed back (its serving thread, armed only): the steps it
-        handed over go to the tap thread now."""
+        """The engine's step has handed back (its serving thread, armed only): the writer is
+        told, and the steps it handed over go to the tap thread now."""
+        self._phase(False)
         if self._held:
             self._release()
+
+    def _phase(self, running: bool) -> None:
+        w = self._writer
+        if w is None:
+            return
+        try:  # one word stored in the writer's ring (TraceWriter.step_phase)
+            getattr(w, "step_phase", _no_phase)(running)
+        except Exception:  # never take serving down: the writer then works as if never told
+            pass
 
     def _release(self) -> None:
         """Queue the held steps, in the order they were handed over (a full queue blocks, as

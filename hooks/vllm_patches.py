@@ -268,6 +268,22 @@ def wrap_sample_tokens(original: Callable) -> Callable:
     return sample_tokens
 
 
+def wrap_execute_model(original: Callable) -> Callable:
+    """V1 `GPUModelRunner.execute_model` (the step's start: the target's forward, then the
+    sampling and the drafts in `sample_tokens`): the writer process is told the step runs
+    (`Recorder.step_started`) and keeps its work out of the gap that follows `sample_tokens`,
+    where vLLM's engine core, on the writer's core, schedules the next step."""
+
+    @functools.wraps(original)
+    def execute_model(self, *args, **kwargs):
+        rec = REC
+        if rec is not None and rec.armed:
+            rec.step_started()
+        return original(self, *args, **kwargs)
+
+    return execute_model
+
+
 SPEC_METHODS = ("eagle3", "mtp")  # the proposer methods recorded (same machinery)
 
 
@@ -878,6 +894,7 @@ WRAPPERS: dict[str, Callable[[Callable], Callable]] = {
     "SpecDecodeBaseProposer.load_model": wrap_proposer_load_model,
     "GPUModelRunner.propose_draft_token_ids": wrap_propose_draft_token_ids,
     "GPUModelRunner.sample_tokens": wrap_sample_tokens,
+    "GPUModelRunner.execute_model": wrap_execute_model,
     "SpecDecodeBaseProposer.propose": wrap_propose,
     "Eagle3LlamaForCausalLM.forward": wrap_drafter_forward,
     "Eagle3LlamaForCausalLM.compute_logits": wrap_compute_logits,

@@ -285,3 +285,35 @@ def test_a_paced_tap_thread_starts_a_step_when_the_engine_says_it_ended() -> Non
     while len(ran) < 4 + Recorder.DEFER_DEPTH and time.monotonic() < deadline:
         time.sleep(0.01)
     assert ran[4:] == [f"n{i}" for i in range(Recorder.DEFER_DEPTH)]
+
+
+def test_the_engines_step_start_and_end_reach_the_writer_and_never_raise() -> None:
+    """vLLM's hooks tell the writer when a step starts (`execute_model`) and ends
+    (`sample_tokens`): `TraceWriter.step_phase`, which keeps the writer process's work out
+    of the gap between steps. A writer without it, or one whose mark fails, changes nothing
+    for the engine."""
+
+    class Writer:
+        def __init__(self) -> None:
+            self.marks: list[bool] = []
+
+        def step_phase(self, running: bool) -> None:
+            self.marks.append(running)
+
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.step_started()  # no writer yet: nothing to tell
+    w = rec._writer = Writer()
+    rec.step_started()
+    rec.step_ended()
+    assert w.marks == [True, False]
+
+    class Broken:
+        def step_phase(self, running: bool) -> None:
+            raise OSError("the ring is gone")
+
+    rec._writer = Broken()
+    rec.step_started()
+    rec.step_ended()
+    rec._writer = object()  # a writer with no step_phase
+    rec.step_started()
+    rec.step_ended()

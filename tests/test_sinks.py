@@ -5,10 +5,12 @@ step shape), the general path (numpy, strided, lists) and split into several rin
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
-from helpers.trace_steps import step_data
+from helpers.trace_steps import step_data, verify_prefix
 
 from hstrace.errors import TraceError
 from hstrace.trace import TraceWriter, create_trace, open_trace
@@ -463,3 +465,50 @@ def test_static_items_reach_the_writer_as_plain_data(tmp_path):
     static = open_trace(path).meta["static"]
     assert static["serving"] == {"torch": str(torch.__version__), "n": 3}
     assert type(static["serving"]["torch"]) is str
+
+
+def test_the_writer_holds_a_batch_only_early_in_the_engines_gap() -> None:
+    """`RingView.gap_left`: the producer's engine is between two steps (its last step ended
+    after the last one started) and the gap is younger than the hold: the rest of the hold;
+    in a step, past the hold (an idle server), or never told (SGLang, a test): nothing."""
+    import numpy as np
+
+    from hstrace.trace.write.ring import STEP_ENDED, STEP_STARTED, TRAILER_WORDS, RingView
+
+    view = RingView.__new__(RingView)
+    view._trailer = np.zeros(TRAILER_WORDS, dtype=np.int64)
+    assert view.gap_left(10**9, 1_500_000) == 0  # never told
+    view._trailer[STEP_STARTED], view._trailer[STEP_ENDED] = 1_000_000, 2_000_000
+    assert view.gap_left(2_400_000, 1_500_000) == 1_100_000  # 0.4 ms into a gap
+    assert view.gap_left(3_500_000, 1_500_000) == 0  # the gap has lasted the hold
+    view._trailer[STEP_STARTED] = 2_600_000  # the next step runs
+    assert view.gap_left(2_700_000, 1_500_000) == 0
+
+
+def test_an_engine_always_between_steps_never_starves_the_writer(tmp_path) -> None:
+    """A producer whose engine is forever in a gap younger than the hold (its words say so;
+    at its extreme, an engine whose steps are far shorter than the hold): each batch waits
+    once, at most the hold, and every step is taken (the ring's TAKEN word), no flush needed
+    to push it through."""
+    from hstrace.trace.write.process_sink import ProcessSink
+    from hstrace.trace.write.ring import PUBLISHED, STEP_ENDED, TAKEN
+
+    out = tmp_path / "t.zarr"
+    create_trace(out, engine={"name": "test"})
+    w = TraceWriter(out, rank=0, process=True)
+    sink = w.sink
+    assert isinstance(sink, ProcessSink)
+    w.step_phase(True)
+    w.step_phase(False)
+    sink._trailer[STEP_ENDED] = time.monotonic_ns() + 10**15  # a gap that never ages
+    try:
+        for s in range(50):
+            assert w.write("target", **_variant(s))
+            time.sleep(0.001)
+        deadline = time.monotonic() + 60
+        while sink._trailer[TAKEN] < sink._trailer[PUBLISHED] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sink._trailer[PUBLISHED] >= 1 and sink._trailer[TAKEN] == sink._trailer[PUBLISHED]
+    finally:
+        w.close()
+    assert verify_prefix(out) == 50

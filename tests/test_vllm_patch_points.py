@@ -34,7 +34,7 @@ def test_every_patch_point_exists_with_its_signature() -> None:
     points = SUPPORT.patch_points_for(
         SUPPORT.check_supported_version(SUPPORT.installed_version() or "")
     )
-    assert len(points) == 12
+    assert len(points) == 13
     assert signature_mismatches(points) == []
     # the verify tap reruns the sampler's penalties on a copy and reads the processed rows
     # that forward hands the module's rejection_sample (its sixth argument)

@@ -79,6 +79,15 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     # starts the step's rows (`Recorder.paced`), so it does not contend for the GIL with the
     # step's own Python
     PatchPoint(f"{_RUNNER}.sample_tokens", ("self", "grammar_output"), _V, _END, ("pace",)),
+    # the step's start: the writer process works while a step runs, not in the gap after it
+    # (writer_process.GAP_HOLD_NS), where vLLM's engine core schedules the next step
+    PatchPoint(
+        f"{_RUNNER}.execute_model",
+        ("self", "scheduler_output", "intermediate_tensors"),
+        _V,
+        _END,
+        ("pace",),
+    ),
     # the proposer: the exact aux concat (before fc) and the draft chain
     PatchPoint(
         f"{_PROPOSER}.propose",

@@ -36,6 +36,8 @@ from hstrace.trace.write.ring import (
     FAULT,
     HEAD,
     PUBLISHED,
+    STEP_ENDED,
+    STEP_STARTED,
     TAIL,
     TAKEN,
     TRAILER_WORDS,
@@ -268,6 +270,12 @@ class ProcessSink(Sink):
     @property
     def writer_pid(self) -> int | None:
         return self._proc.pid
+
+    def step_phase(self, running: bool) -> None:
+        """The producer's engine step has started (`running`) or ended: one word store each
+        (ring.STEP_STARTED / STEP_ENDED), which the writer reads to keep its work out of the gap
+        between two steps (writer_process.GAP_HOLD_NS)."""
+        self._trailer[STEP_STARTED if running else STEP_ENDED] = time.monotonic_ns()
 
     @property
     def _published(self) -> int:

@@ -22,8 +22,10 @@ from hstrace.trace.write.protocol import ALIGN
 # The ALIGN bytes after the ring, as int64 words: the producer's head counter (how far the
 # writer is behind), the writer's consumed counter (ring space back to the producer without a
 # pipe read) and a fault flag (a Fault reply is waiting: the producer reads its pipe then);
-# then the descriptors the producer has published and those the writer has taken.
+# then the descriptors the producer has published and those the writer has taken; then when
+# the producer's engine step last started and last ended (CLOCK_MONOTONIC ns; 0: never told).
 HEAD, TAIL, FAULT, PUBLISHED, TAKEN = 0, 1, 2, 3, 4
+STEP_STARTED, STEP_ENDED = 5, 6
 TRAILER_WORDS = ALIGN // 8
 
 # The descriptor queue after the trailer: DESC_SLOTS slots of DESC_WORDS int64 words, descriptor
@@ -188,6 +190,17 @@ class RingView:
         """Publish that the bytes before counter `end` are free again (after the pipe write of
         the same counter: the producer reads this word instead of the pipe, no syscall)."""
         self._trailer[TAIL] = end
+
+    def gap_left(self, now_ns: int, hold_ns: int) -> int:
+        """Nanoseconds the writer should hold its work: the producer's engine is between two
+        steps (its last step ended after the last one started) and that gap began less than
+        `hold_ns` ago, so the rest of it is left to the engine's scheduling; else 0 (in a step,
+        a gap longer than a step's (an idle server), or a producer that never says). Never more
+        than `hold_ns`, whatever the words say."""
+        started, ended = int(self._trailer[STEP_STARTED]), int(self._trailer[STEP_ENDED])
+        if ended <= started:
+            return 0
+        return min(hold_ns, max(0, ended + hold_ns - now_ns))
 
     def faulted(self) -> None:
         """Tell the producer, once the Fault reply is on its pipe, that there is one."""

@@ -117,6 +117,10 @@ def _ordered(spec: ColumnSpec) -> list:
     return [(a, list(cc.items())) for a, cc in spec.items()]
 
 
+def _ignore_phase(running: bool) -> None:
+    """A sink's `step_phase` where it has none."""
+
+
 class TraceWriter:
     """Writes one rank's events into an existing trace (see `create_trace`).
 
@@ -171,6 +175,9 @@ class TraceWriter:
             )
         self.sink = sink
         self.stats = sink.stats
+        # the engine's step started / ended (`Recorder.step_started`): a sink that keeps its
+        # work out of the engine's gaps has it (ProcessSink), another ignores it
+        self.step_phase = getattr(sink, "step_phase", _ignore_phase)
 
     @property
     def writer_pid(self) -> int | None:

@@ -43,6 +43,13 @@ IDLE_POLL_MIN_S = 0.002
 IDLE_POLL_BATCH_S = 0.02
 IDLE_POLL_MAX_S = 0.04
 SLEEP_RING_SHARE = 1 / 16
+# A batch found in the gap between two of the producer's engine steps (ring.STEP_STARTED /
+# STEP_ENDED, told by vLLM's hooks) waits until the next step has started, or until the gap is
+# this old: in the gap vLLM's engine core schedules the next step on the core the writer runs on,
+# and a writer batch there lengthened the gap by about its CPU (bench/README.md, nineteenth
+# pass: 0.17 ms of writer CPU a gap, the whole of the armed gaps' growth). A dormant gap on the
+# bench's host lasts 0.9-1.4 ms; a longer one is an idle server, whose gap nobody waits on.
+GAP_HOLD_NS = 1_500_000
 # While idle, the trace directory is checked at most this often (each batch of writes checks it
 # first).
 GUARD_IDLE_S = 0.1
@@ -420,13 +427,22 @@ def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) 
     names: dict[int, str] = {}  # table id -> name (protocol.Table)
     taken = 0  # descriptors written so far
     checked = 0.0  # when the idle loop last looked at the trace directory (_Guard)
+    held = False  # the batch waiting now has waited for the engine's gap to end (GAP_HOLD_NS)
     while True:
         # Read PUBLISHED before polling the pipe: a pipe message the poll misses was sent after
         # every descriptor counted here, so those come first (protocol.py `after`).
         published = shm.published()
         if not data_r.poll(0):
             if taken < published:
+                # the engine between two steps: the batch waits for the next step, once (an
+                # engine whose gaps outnumber its steps would otherwise hold it for good)
+                hold = 0 if held else shm.gap_left(time.monotonic_ns(), GAP_HOLD_NS)
+                if hold:
+                    held = True
+                    time.sleep(hold / 1e9)
+                    continue
                 taken = _take(rec, shm, guard, data_r, replies, names, taken, published)
+                held = False
                 worked = True
                 continue
             replies.flush_end()
