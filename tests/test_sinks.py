@@ -469,20 +469,52 @@ def test_static_items_reach_the_writer_as_plain_data(tmp_path):
 
 def test_the_writer_holds_a_batch_only_early_in_the_engines_gap() -> None:
     """`RingView.gap_left`: the producer's engine is between two steps (its last step ended
-    after the last one started) and the gap is younger than the hold: the rest of the hold;
-    in a step, past the hold (an idle server), or never told (SGLang, a test): nothing."""
+    after the last one started) and the gap is younger than the last one lasted (a quarter
+    more and GAP_MARGIN_NS; the hold where none was told): the rest of it; in a step, past
+    that (an idle server), or never told (SGLang, a test): nothing; never more than the hold."""
     import numpy as np
 
-    from hstrace.trace.write.ring import STEP_ENDED, STEP_STARTED, TRAILER_WORDS, RingView
+    from hstrace.trace.write.ring import (
+        GAP_MARGIN_NS,
+        STEP_ENDED,
+        STEP_GAP,
+        STEP_STARTED,
+        TRAILER_WORDS,
+        RingView,
+    )
 
+    hold = 5_000_000
     view = RingView.__new__(RingView)
     view._trailer = np.zeros(TRAILER_WORDS, dtype=np.int64)
-    assert view.gap_left(10**9, 1_500_000) == 0  # never told
-    view._trailer[STEP_STARTED], view._trailer[STEP_ENDED] = 1_000_000, 2_000_000
-    assert view.gap_left(2_400_000, 1_500_000) == 1_100_000  # 0.4 ms into a gap
-    assert view.gap_left(3_500_000, 1_500_000) == 0  # the gap has lasted the hold
-    view._trailer[STEP_STARTED] = 2_600_000  # the next step runs
-    assert view.gap_left(2_700_000, 1_500_000) == 0
+    tr = view._trailer
+    assert view.gap_left(10**9, hold) == 0  # never told
+    tr[STEP_STARTED], tr[STEP_ENDED] = 1_000_000, 2_000_000  # no gap measured yet: the hold
+    assert view.gap_left(2_400_000, hold) == 4_600_000
+    tr[STEP_GAP] = 1_200_000  # the last gap lasted 1.2 ms: this one is expected to last 1.5
+    assert view.gap_left(2_400_000, hold) == 2_000_000 + 1_500_000 + GAP_MARGIN_NS - 2_400_000
+    assert view.gap_left(2_000_000 + 1_500_000 + GAP_MARGIN_NS, hold) == 0  # longer: idle
+    tr[STEP_STARTED] = 2_600_000  # the next step runs
+    assert view.gap_left(2_700_000, hold) == 0
+    tr[STEP_STARTED], tr[STEP_GAP] = 1_000_000, 10**12  # a gap told longer than the hold
+    assert view.gap_left(2_000_000, hold) == hold
+    tr[STEP_ENDED] = 10**15  # a gap that ends in the future: still the hold at most
+    assert view.gap_left(2_000_000, hold) == hold
+
+
+def test_the_producer_tells_the_step_its_gap() -> None:
+    """`ProcessSink.step_phase`: a start stores when, and how long the gap before it lasted."""
+    from hstrace.trace.write.process_sink import ProcessSink
+    from hstrace.trace.write.ring import STEP_ENDED, STEP_GAP, STEP_STARTED
+
+    sink = ProcessSink.__new__(ProcessSink)
+    sink._trailer = np.zeros(8, dtype=np.int64)
+    sink.step_phase(True)  # no step ended yet: no gap
+    assert sink._trailer[STEP_STARTED] > 0 and sink._trailer[STEP_GAP] == 0
+    sink.step_phase(False)
+    ended = int(sink._trailer[STEP_ENDED])
+    assert ended >= sink._trailer[STEP_STARTED]
+    sink.step_phase(True)
+    assert sink._trailer[STEP_GAP] == sink._trailer[STEP_STARTED] - ended >= 0
 
 
 def test_an_engine_always_between_steps_never_starves_the_writer(tmp_path) -> None:

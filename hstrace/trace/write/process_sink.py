@@ -37,6 +37,7 @@ from hstrace.trace.write.ring import (
     HEAD,
     PUBLISHED,
     STEP_ENDED,
+    STEP_GAP,
     STEP_STARTED,
     TAIL,
     TAKEN,
@@ -272,10 +273,18 @@ class ProcessSink(Sink):
         return self._proc.pid
 
     def step_phase(self, running: bool) -> None:
-        """The producer's engine step has started (`running`) or ended: one word store each
-        (ring.STEP_STARTED / STEP_ENDED), which the writer reads to keep its work out of the gap
-        between two steps (writer_process.GAP_HOLD_NS)."""
-        self._trailer[STEP_STARTED if running else STEP_ENDED] = time.monotonic_ns()
+        """The producer's engine step has started (`running`) or ended: a few word stores
+        (ring.STEP_STARTED / STEP_ENDED, and at a start the gap it ends, STEP_GAP), which the
+        writer reads to keep its work out of the gap between two steps
+        (writer_process.GAP_HOLD_NS, RingView.gap_left)."""
+        now, tr = time.monotonic_ns(), self._trailer
+        if running:
+            ended = tr[STEP_ENDED]
+            if ended:
+                tr[STEP_GAP] = now - ended
+            tr[STEP_STARTED] = now
+        else:
+            tr[STEP_ENDED] = now
 
     @property
     def _published(self) -> int:

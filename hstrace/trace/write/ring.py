@@ -23,9 +23,12 @@ from hstrace.trace.write.protocol import ALIGN
 # writer is behind), the writer's consumed counter (ring space back to the producer without a
 # pipe read) and a fault flag (a Fault reply is waiting: the producer reads its pipe then);
 # then the descriptors the producer has published and those the writer has taken; then when
-# the producer's engine step last started and last ended (CLOCK_MONOTONIC ns; 0: never told).
+# the producer's engine step last started and last ended (CLOCK_MONOTONIC ns; 0: never told),
+# and how long the gap before the last start lasted (ns).
 HEAD, TAIL, FAULT, PUBLISHED, TAKEN = 0, 1, 2, 3, 4
-STEP_STARTED, STEP_ENDED = 5, 6
+STEP_STARTED, STEP_ENDED, STEP_GAP = 5, 6, 7
+# A gap is expected to last as long as the last one, a quarter more and this margin.
+GAP_MARGIN_NS = 200_000
 TRAILER_WORDS = ALIGN // 8
 
 # The descriptor queue after the trailer: DESC_SLOTS slots of DESC_WORDS int64 words, descriptor
@@ -193,14 +196,18 @@ class RingView:
 
     def gap_left(self, now_ns: int, hold_ns: int) -> int:
         """Nanoseconds the writer should hold its work: the producer's engine is between two
-        steps (its last step ended after the last one started) and that gap began less than
-        `hold_ns` ago, so the rest of it is left to the engine's scheduling; else 0 (in a step,
-        a gap longer than a step's (an idle server), or a producer that never says). Never more
-        than `hold_ns`, whatever the words say."""
-        started, ended = int(self._trailer[STEP_STARTED]), int(self._trailer[STEP_ENDED])
+        steps (its last step ended after the last one started) and the gap is younger than
+        the last one lasted (and a quarter, and GAP_MARGIN_NS; `hold_ns` where none was told),
+        so the rest of it is left to the engine's scheduling; else 0 (in a step, a gap longer
+        than expected (an idle server), or a producer that never says). Never more than
+        `hold_ns`, whatever the words say."""
+        tr = self._trailer
+        started, ended = int(tr[STEP_STARTED]), int(tr[STEP_ENDED])
         if ended <= started:
             return 0
-        return min(hold_ns, max(0, ended + hold_ns - now_ns))
+        gap = int(tr[STEP_GAP])
+        expect = gap + gap // 4 + GAP_MARGIN_NS if gap > 0 else hold_ns
+        return min(hold_ns, max(0, ended + min(expect, hold_ns) - now_ns))
 
     def faulted(self) -> None:
         """Tell the producer, once the Fault reply is on its pipe, that there is one."""

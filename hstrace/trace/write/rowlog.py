@@ -55,7 +55,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -142,6 +142,9 @@ class Encoder:
         self._codecs: dict[tuple[int, int], Blosc] = {}
         self._lock = threading.Lock()
         self._queued = 0  # chunks handed to the pool that no encoding thread has started
+        # Called by an encoding thread before each job (the writer process: wait, once, while
+        # the producer's engine is early in the gap between two steps); None: start at once.
+        self.gap_wait: Callable[[], None] | None = None
         self._reset_budget()
         # Read when a writer is built (read_flags), not at import.
         # Shards written with O_DIRECT where the file system takes it (False: the page cache).
@@ -296,6 +299,9 @@ class Encoder:
     def _started(self, work):
         with self._lock:
             self._queued -= 1
+        wait = self.gap_wait
+        if wait is not None:
+            wait()
         return work()
 
     def encode(self, chunk: np.ndarray):

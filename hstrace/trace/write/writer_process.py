@@ -43,13 +43,14 @@ IDLE_POLL_MIN_S = 0.002
 IDLE_POLL_BATCH_S = 0.02
 IDLE_POLL_MAX_S = 0.04
 SLEEP_RING_SHARE = 1 / 16
-# A batch found in the gap between two of the producer's engine steps (ring.STEP_STARTED /
-# STEP_ENDED, told by vLLM's hooks) waits until the next step has started, or until the gap is
-# this old: in the gap vLLM's engine core schedules the next step on the core the writer runs on,
-# and a writer batch there lengthened the gap by about its CPU (bench/README.md, nineteenth
-# pass: 0.17 ms of writer CPU a gap, the whole of the armed gaps' growth). A dormant gap on the
-# bench's host lasts 0.9-1.4 ms; a longer one is an idle server, whose gap nobody waits on.
-GAP_HOLD_NS = 1_500_000
+# A batch (or an encoder's job) found in the gap between two of the producer's engine steps
+# (ring.STEP_*, told by vLLM's hooks) waits, once, until the gap has lasted as long as the last
+# one did and a quarter more (RingView.gap_left), at most this long: in the gap vLLM's engine
+# core schedules the next step on the core the writer runs on, and writer CPU there lengthened
+# the gap by about its length (bench/README.md, nineteenth pass: 0.15-0.17 ms of writer CPU a
+# gap, the armed gaps' growth). A dormant gap on the bench's host lasts 0.9-1.8 ms; a longer one
+# is an idle server, whose gap nobody waits on.
+GAP_HOLD_NS = 5_000_000
 # While idle, the trace directory is checked at most this often (each batch of writes checks it
 # first).
 GUARD_IDLE_S = 0.1
@@ -237,6 +238,7 @@ def writer_main(
     try:
         shm = RingView(ring)
         rowlog.configure(threads, raw_when_behind, raw_beyond_budget)
+        rowlog.ENCODER.gap_wait = partial(_gap_wait, shm)
         rec = RankRecorder(path, rank, tail_flush_s=tail_flush_s)
         guard = _Guard(path, rank)
     except (HstraceError, OSError) as exc:
@@ -415,6 +417,17 @@ class _Pacer:
         if staged <= 0 or dt <= 0:
             return IDLE_POLL_BATCH_S
         return min(IDLE_POLL_BATCH_S, max(IDLE_POLL_MIN_S, self.budget * dt / staged))
+
+
+def _gap_wait(shm: RingView) -> None:
+    """An encoding thread's job found early in the engine's gap waits for the next step,
+    once (GAP_HOLD_NS)."""
+    try:
+        hold = shm.gap_left(time.monotonic_ns(), GAP_HOLD_NS)
+    except (AttributeError, ValueError):  # the ring is unmapped (the writer is closing)
+        return
+    if hold:
+        time.sleep(hold / 1e9)
 
 
 def _serve(rec, shm: RingView, guard: _Guard, data_r: _Pipe, replies: _Replies) -> None:
