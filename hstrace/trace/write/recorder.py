@@ -13,6 +13,7 @@ import os
 import time
 from array import array
 from bisect import bisect_right
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -197,6 +198,9 @@ class TableLog:
 
 class RankRecorder:
     def __init__(self, path: str, rank: int, tail_flush_s: float = 2.0) -> None:
+        # called before each column's tail flush (the writer process: wait, once, while the
+        # producer's engine is early in a gap between two steps); None: flush at once
+        self.gap_wait: Callable[[], None] | None = None
         try:
             root = zarr.open_group(path, mode="r+", use_consolidated=False)
         except Exception as exc:  # noqa: BLE001 - any failure here means "not a trace root"
@@ -310,8 +314,11 @@ class RankRecorder:
         self.last_scan = now
         max_age = self.tail_flush_s * (BACKLOG_AGE_FACTOR if backlog else 1.0)
         flushed = False
+        wait = self.gap_wait
         for log in self._all_logs():
             if log.needs_tail_flush(now, max_age):
+                if wait is not None:  # a column at a time, out of the engine's gaps
+                    wait()
                 flushed |= log.flush_tail()
         if flushed or (
             now - self.last_commit >= COMMIT_INTERVAL_S

@@ -238,8 +238,8 @@ def writer_main(
     try:
         shm = RingView(ring)
         rowlog.configure(threads, raw_when_behind, raw_beyond_budget)
-        rowlog.ENCODER.gap_wait = partial(_gap_wait, shm)
         rec = RankRecorder(path, rank, tail_flush_s=tail_flush_s)
+        rowlog.ENCODER.gap_wait = rec.gap_wait = partial(_gap_wait, shm)
         guard = _Guard(path, rank)
     except (HstraceError, OSError) as exc:
         replies.send(P.Failed(str(exc)))
@@ -380,7 +380,10 @@ def _take(
         return taken
     guard.check()
     end = 0
+    first = taken
     while taken < upto:
+        if taken > first:  # a long batch (a backlog) leaves the engine's gaps alone too
+            _gap_wait(shm)
         tid, offset, end, counts = shm.descriptor(taken)
         shm.part_read(offset, end)
         taken += 1
