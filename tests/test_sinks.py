@@ -5,6 +5,7 @@ step shape), the general path (numpy, strided, lists) and split into several rin
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -507,14 +508,29 @@ def test_the_producer_tells_the_step_its_gap() -> None:
     from hstrace.trace.write.ring import STEP_ENDED, STEP_GAP, STEP_STARTED
 
     sink = ProcessSink.__new__(ProcessSink)
-    sink._trailer = np.zeros(8, dtype=np.int64)
+    words = np.zeros(8, dtype=np.int64)
+    sink._phase_lock, sink._phase_words = threading.Lock(), words
     sink.step_phase(True)  # no step ended yet: no gap
-    assert sink._trailer[STEP_STARTED] > 0 and sink._trailer[STEP_GAP] == 0
+    assert words[STEP_STARTED] > 0 and words[STEP_GAP] == 0
     sink.step_phase(False)
-    ended = int(sink._trailer[STEP_ENDED])
-    assert ended >= sink._trailer[STEP_STARTED]
+    ended = int(words[STEP_ENDED])
+    assert ended >= words[STEP_STARTED]
     sink.step_phase(True)
-    assert sink._trailer[STEP_GAP] == sink._trailer[STEP_STARTED] - ended >= 0
+    assert words[STEP_GAP] == words[STEP_STARTED] - ended >= 0
+    sink._phase_words = None  # closed (`_teardown`): a late mark stores nothing
+    sink.step_phase(False)
+
+
+def test_a_step_mark_after_the_close_stores_nothing(tmp_path) -> None:
+    """The engine's serving thread may mark a step while a disarm closes the writer: after
+    the close the mark is a no-op, never a store into the unmapped ring."""
+    out = tmp_path / "t.zarr"
+    create_trace(out, engine={"name": "test"})
+    w = TraceWriter(out, rank=0, process=True)
+    w.step_phase(True)
+    w.close()
+    w.step_phase(False)
+    w.step_phase(True)
 
 
 def test_an_engine_always_between_steps_never_starves_the_writer(tmp_path) -> None:

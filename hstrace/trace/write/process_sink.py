@@ -178,6 +178,10 @@ class ProcessSink(Sink):
         self._ring_i64 = memoryview(words).cast("B").cast("q")
         at = self._ring_bytes // 8
         self._trailer = self._ring_i64[at : at + TRAILER_WORDS]
+        # step_phase runs on the engine's serving thread, the close on another: the words it
+        # stores are let go under this lock before the mapping is (`_teardown`)
+        self._phase_lock = threading.Lock()
+        self._phase_words: Any = self._trailer
         self._desc_at = at + TRAILER_WORDS  # word index of descriptor slot 0
         self._ring = torch.from_numpy(self._ring_np)
         self._ring_addr = self._ring.data_ptr()
@@ -277,14 +281,18 @@ class ProcessSink(Sink):
         (ring.STEP_STARTED / STEP_ENDED, and at a start the gap it ends, STEP_GAP), which the
         writer reads to keep its work out of the gap between two steps
         (writer_process.GAP_HOLD_NS, RingView.gap_left)."""
-        now, tr = time.monotonic_ns(), self._trailer
-        if running:
-            ended = tr[STEP_ENDED]
-            if ended:
-                tr[STEP_GAP] = now - ended
-            tr[STEP_STARTED] = now
-        else:
-            tr[STEP_ENDED] = now
+        now = time.monotonic_ns()
+        with self._phase_lock:
+            tr = self._phase_words
+            if tr is None:  # closed: the mapping is gone
+                return
+            if running:
+                ended = tr[STEP_ENDED]
+                if ended:
+                    tr[STEP_GAP] = now - ended
+                tr[STEP_STARTED] = now
+            else:
+                tr[STEP_ENDED] = now
 
     @property
     def _published(self) -> int:
@@ -618,6 +626,8 @@ class ProcessSink(Sink):
                 torch.cuda.cudart().cudaHostUnregister(self._ring.data_ptr())
             except Exception:  # noqa: BLE001 - the mapping goes away with the segment anyway
                 pass
+        with self._phase_lock:  # no step mark lands in memory about to be unmapped
+            self._phase_words = None
         del self._ring, self._ring_np, self._ring_i64, self._trailer
         self._release()
 
