@@ -95,10 +95,6 @@ def write_rows(w: Any, tw: TableWrite) -> None:
     w.write(tw.table, **kwargs)
 
 
-def _no_phase(running: bool) -> None:
-    """A writer's `step_phase` where it has none (a test's, another sink's)."""
-
-
 class Recorder:
     """Per-process state: the config, the lazily opened writer (only processes that record a
     row or an audit item open one), disabled taps.
@@ -193,8 +189,10 @@ class Recorder:
         w = self._writer
         if w is None:
             return
-        try:  # one word stored in the writer's ring (TraceWriter.step_phase)
-            getattr(w, "step_phase", _no_phase)(running)
+        try:  # words stored in the writer's ring (TraceWriter.step_phase; a test's has none)
+            mark = getattr(w, "step_phase", None)
+            if mark is not None:
+                mark(running)
         except Exception:  # never take serving down: the writer then works as if never told
             pass
 

@@ -234,10 +234,10 @@ static PyObject *verify_into(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* The serving thread's snapshot (hstrace/engines/tapmath.py: snapshot, gather_rows): copies
- * of a CPU tensor's bytes into a fresh bytearray, made a tensor again on the tap thread. Why:
- * cold, after the engine's own work, a torch clone costs 4-5 us and an index_select 25-30 us
- * on this project's 2-vCPU host (their dispatch, not the bytes); a memcpy costs its bytes.
+/* Two of the serving thread's copies (hstrace/engines/tapmath.py: snapshot_head, gather_rows):
+ * a CPU tensor's bytes into a fresh bytearray, made a tensor on the tap thread. Why: cold, after
+ * the engine's own work, vLLM's int32 indices made int64 and an index_select cost 25-35 us on
+ * this project's 2-vCPU host (their dispatch, not the bytes); a memcpy costs its bytes.
  *
  * copy_out(addr, nbytes) -> bytearray of the nbytes at addr. */
 static PyObject *copy_out(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {

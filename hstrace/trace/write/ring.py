@@ -3,7 +3,7 @@
 `Segment` is the producer's: on Linux a memfd (no name; the writer process inherits its
 descriptor, so no kill can leave anything behind), elsewhere a named /dev/shm segment unlinked
 as soon as both sides have mapped it. `RingView` is the writer process's mapping of it. The
-ring is followed by ALIGN bytes of counters (HEAD, TAIL, FAULT, PUBLISHED, TAKEN below), then
+ring is followed by ALIGN bytes of counters (HEAD, TAIL, FAULT, PUBLISHED, TAKEN, STEP_* below), then
 the descriptor queue (DESC_*). Imports no torch (the writer process uses it).
 """
 

@@ -47,8 +47,8 @@ SLEEP_RING_SHARE = 1 / 16
 # (ring.STEP_*, told by vLLM's hooks) waits, once, until the gap has lasted as long as the last
 # one did and a quarter more (RingView.gap_left), at most this long: in the gap vLLM's engine
 # core schedules the next step on the core the writer runs on, and writer CPU there lengthened
-# the gap by about its length (bench/README.md, nineteenth pass: 0.15-0.17 ms of writer CPU a
-# gap, the armed gaps' growth). A dormant gap on the bench's host lasts 0.9-1.8 ms; a longer one
+# the gap by about its length (bench/README.md, nineteenth pass: 0.14-0.27 ms of writer CPU a
+# gap, about the armed gaps' growth). A dormant gap on the bench's host lasts 0.9-1.8 ms; a longer one
 # is an idle server, whose gap nobody waits on.
 GAP_HOLD_NS = 5_000_000
 # While idle, the trace directory is checked at most this often (each batch of writes checks it
@@ -423,8 +423,8 @@ class _Pacer:
 
 
 def _gap_wait(shm: RingView) -> None:
-    """An encoding thread's job found early in the engine's gap waits for the next step,
-    once (GAP_HOLD_NS)."""
+    """Work found early in the engine's gap (a descriptor, an encoding thread's job, a
+    column's tail flush) waits for the next step, once (RingView.gap_left, GAP_HOLD_NS)."""
     try:
         hold = shm.gap_left(time.monotonic_ns(), GAP_HOLD_NS)
     except (AttributeError, ValueError):  # the ring is unmapped (the writer is closing)
