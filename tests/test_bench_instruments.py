@@ -35,3 +35,61 @@ def test_step_segments_patch_applies_to_this_tree() -> None:
         "hstrace/trace/write/rowlog.py",
         "hstrace/trace/write/writer_process.py",
     }
+
+
+def test_gap_cores_lays_switches_over_steps(tmp_path: Path, monkeypatch) -> None:
+    """bench/gap_cores.py: who held each CPU in a gap and in the step before it, from a `perf
+    script` of sched_switch events and a step log, on a made-up trace whose answer is known."""
+    import json
+    import sys
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    sys.modules.pop("gap_cores", None)
+    import gap_cores
+
+    log = tmp_path / "log"
+    log.mkdir()
+    # two armed steps of a round: x at 10.000, e at 10.006, x at 10.008, e at 10.014, x 10.016
+    events = [
+        ("x", 10.000, True), ("e", 10.006, True), ("x", 10.008, True),
+        ("e", 10.014, True), ("x", 10.016, True),
+    ]  # fmt: skip
+    (log / "gap.1.1.json").write_text(json.dumps(events))
+
+    def sw(cpu: int, t: float, comm: str, pid: int) -> str:
+        return (
+            f"[00{cpu}] {t:.6f}: sched:sched_switch: prev_comm=x prev_pid=1 prev_prio=120 "
+            f"prev_state=R ==> next_comm={comm} next_pid={pid} next_prio=120"
+        )
+
+    lines = [
+        sw(0, 9.990, "VLLM::Worker", 10),
+        sw(0, 10.006, "hstrace-taps", 11),  # the tap thread: the first gap's first 1.5 ms
+        sw(0, 10.0075, "VLLM::Worker", 10),
+        sw(1, 9.990, "VLLM::EngineCor", 20),
+        sw(1, 10.007, "python", 30),  # the API server: 0.5 ms of the gap on CPU 1
+        sw(1, 10.0075, "VLLM::EngineCor", 20),
+        sw(0, 10.020, "swapper/0", 0),
+        sw(1, 10.020, "swapper/1", 0),
+    ]
+    trace = tmp_path / "sw.txt"
+    trace.write_text("\n".join(lines) + "\n")
+    runs = gap_cores.switches(trace)
+    got = gap_cores.windows(gap_cores.load(str(log))[0], 9.990, 10.020, from_step=1)
+    assert [(round(x, 3), round(e, 3), round(nx, 3)) for _, x, e, nx in got] == [
+        (10.000, 10.006, 10.008),
+        (10.008, 10.014, 10.016),
+    ]
+    times = {cpu: [t for t, _ in r] for cpu, r in runs.items()}
+    first_gap_cpu0 = gap_cores.held(runs[0], times[0], 10.006, 10.008)
+    assert {k: round(v * 1e3, 3) for k, v in first_gap_cpu0.items()} == {
+        "tap thread": 1.5,
+        "worker": 0.5,
+    }
+    first_gap_cpu1 = gap_cores.held(runs[1], times[1], 10.006, 10.008)
+    assert {k: round(v * 1e3, 3) for k, v in first_gap_cpu1.items()} == {
+        "engine core": 1.5,
+        "python (API server, client)": 0.5,
+    }
+    # a round's first step is left out from --from-step 2 on
+    assert len(gap_cores.windows(gap_cores.load(str(log))[0], 9.990, 10.020, from_step=2)) == 1
