@@ -235,6 +235,62 @@ def thread_cpu(root: int) -> dict[tuple[str, str, int], int]:
     return ticks
 
 
+class Placement:
+    """Where the API server ran while a round was timed (bench only): a thread of this process
+    reads, every `period_s`, the server's main thread's on-CPU nanoseconds
+    (`/proc/PID/task/PID/schedstat`) and the CPU it last ran on (`stat`, field 39), and books
+    the nanoseconds run since the last read to that CPU. The API server is `vllm serve`'s own
+    process; its main thread runs the event loop that takes each step's outputs. On a 2-vCPU
+    host the kernel parks it beside the worker's busy-wait in some launches and beside the
+    engine core in others, and a recording's tap thread moves it (bench/README.md, twentieth
+    pass), so every figure says where it ran. About 100 reads a second of two small files."""
+
+    def __init__(self, pid: int, period_s: float = 0.01) -> None:
+        self.pid, self.period = pid, period_s
+        self.ns: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _read(self) -> tuple[int, int] | None:
+        base = f"/proc/{self.pid}/task/{self.pid}"
+        try:
+            with open(f"{base}/schedstat") as f:
+                ran = int(f.read().split()[0])
+            with open(f"{base}/stat") as f:
+                cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+        except (OSError, ValueError, IndexError):
+            return None
+        return ran, cpu
+
+    def _loop(self) -> None:
+        last = self._read()
+        while not self._stop.wait(self.period):
+            now = self._read()
+            if now is None or last is None:
+                return  # no such file here (not Linux, or the server is gone): nothing booked
+            if now[0] > last[0]:
+                self.ns[now[1]] = self.ns.get(now[1], 0) + now[0] - last[0]
+            last = now
+
+    def __enter__(self) -> Placement:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def placement_share(runs: list[dict[int, int]]) -> dict[str, float]:
+    """The API server's on-CPU time over the rounds, as a share per CPU ("0": 0.7, ...)."""
+    total: dict[int, int] = {}
+    for ns in runs:
+        for cpu, n in ns.items():
+            total[cpu] = total.get(cpu, 0) + n
+    whole = sum(total.values())
+    return {str(cpu): round(n / whole, 3) for cpu, n in sorted(total.items())} if whole else {}
+
+
 def cpu_by_thread(before: dict, after: dict) -> dict[str, float]:
     """CPU seconds per 'process/thread' name between two thread_cpu snapshots (a thread
     started meanwhile counts from zero; one that ended is lost)."""
@@ -681,6 +737,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     settled_s: list[float] = []  # waited after an armed session's untimed round (settle)
     setup_cpu: list[float] = []  # recording CPU from the arm to the end of that wait
     cpu: dict[str, list[dict[str, float]]] = {"armed": [], "dormant": [], "inline": []}
+    api_cpu: dict[str, list[dict[int, int]]] = {"armed": [], "dormant": [], "inline": []}
     try:
         wait_healthy(port, proc)
         control.wait_sockets(run, 2, 120)
@@ -696,8 +753,10 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                     round_tps(port, prompts, args.warm_tokens)  # as the armed side: untimed
                     settle(proc.pid)  # as the armed side: a pause of one quiet window at least
                     d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
-                    got[arm] = round_tps(port, prompts, args.new_tokens)
+                    with Placement(proc.pid) as where:
+                        got[arm] = round_tps(port, prompts, args.new_tokens)
                     walls[arm].append(time.perf_counter() - w0)
+                    api_cpu[arm].append(where.ns)
                     cpu[arm].append(cpu_by_thread(c0, thread_cpu(proc.pid)))
                     drafts[arm] += spec_steps(port) - d0
                     continue
@@ -713,8 +772,10 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 settled_s.append(settle(proc.pid))
                 setup_cpu.append((recording_cpu(proc.pid) - r0) / os.sysconf("SC_CLK_TCK"))
                 d0, c0, w0 = spec_steps(port), _cpu_of(proc.pid, burner), time.perf_counter()
-                got[arm] = round_tps(port, prompts, args.new_tokens)
+                with Placement(proc.pid) as where:
+                    got[arm] = round_tps(port, prompts, args.new_tokens)
                 walls[arm].append(time.perf_counter() - w0)
+                api_cpu[arm].append(where.ns)
                 cpu[arm].append(cpu_by_thread(c0, _cpu_of(proc.pid, burner)))
                 drafts[arm] += spec_steps(port) - d0
                 if burner is not None:
@@ -755,6 +816,8 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
         "ratio_per_pair_iqr": [round(q[0], 3), round(q[2], 3)],
         "ratio_per_pair_min_max": [round(min(ratios), 3), round(max(ratios), 3)],
         "ratio_per_pair_median_ci95": median_ci95(ratios),
+        # the API server's on-CPU time in the timed rounds, share per CPU (Placement)
+        "api_server_cpu_share": {arm: placement_share(ns) for arm, ns in api_cpu.items() if ns},
         "engine_ms_per_step_dormant": round(
             1e3
             * (args.prompts * args.new_tokens / statistics.median(tps["dormant"]))

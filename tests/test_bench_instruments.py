@@ -93,3 +93,27 @@ def test_gap_cores_lays_switches_over_steps(tmp_path: Path, monkeypatch) -> None
     }
     # a round's first step is left out from --from-step 2 on
     assert len(gap_cores.windows(gap_cores.load(str(log))[0], 9.990, 10.020, from_step=2)) == 1
+
+
+@pytest.mark.skipif(not Path("/proc/self/schedstat").exists(), reason="needs Linux /proc")
+def test_placement_books_a_busy_thread_to_its_cpu(monkeypatch) -> None:
+    """bench/live_overhead.py's Placement: the on-CPU time of a process's main thread, booked
+    to the CPU it ran on. This test's own main thread spins for 0.3 s under it."""
+    import os
+    import sys
+    import time
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    sys.modules.pop("live_overhead", None)
+    import live_overhead as lo
+
+    with lo.Placement(os.getpid(), period_s=0.005) as where:
+        end = time.perf_counter() + 0.3
+        while time.perf_counter() < end:
+            pass
+    booked = sum(where.ns.values())
+    assert 0.1e9 < booked < 0.6e9, where.ns  # about the 0.3 s spun, not nothing, not the clock
+    assert set(where.ns) <= os.sched_getaffinity(0)
+    share = lo.placement_share([where.ns])
+    assert abs(sum(share.values()) - 1.0) < 0.01
+    assert lo.placement_share([{}]) == {}
