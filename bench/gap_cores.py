@@ -31,10 +31,11 @@ import argparse
 import bisect
 import re
 import statistics as st
+import sys
 from collections import defaultdict
 from pathlib import Path
 
-from step_segments import load
+from step_segments import NEW_ROUND_S, load
 
 SWITCH = re.compile(
     r"\[(\d+)\]\s+([\d.]+):\s+sched:sched_switch:.*?==> next_comm=(.*?) next_pid=(\d+)"
@@ -92,24 +93,29 @@ def windows(
     ev: list[tuple], lo: float, hi: float, from_step: int
 ) -> list[tuple[bool, float, float, float]]:
     """(armed, step start x, step end e, next x) of each step and the gap after it, from step
-    `from_step` of its round on (a new round: no step started for 30 ms, as step_segments.py
-    counts them)."""
+    `from_step` of its round on (rounds as step_segments.py counts them: NEW_ROUND_S)."""
     xs = [e for e in ev if e[0] == "x"]
     es = [e for e in ev if e[0] == "e"]
     et = [e[1] for e in es]
     out, place, last = [], 0, None
     for i, x in enumerate(xs):
-        place = 1 if last is None or x[1] - last > 0.03 else place + 1
+        place = 1 if last is None or x[1] - last > NEW_ROUND_S else place + 1
         last = x[1]
         if i + 1 >= len(xs) or place < from_step:
             continue
         nx = xs[i + 1][1]
         j = bisect.bisect_right(et, x[1])  # this step's end: the first e after its start
-        if j >= len(es) or et[j] >= nx or nx - et[j] > 0.03:
+        if j >= len(es) or et[j] >= nx or nx - et[j] > NEW_ROUND_S:
             continue
         if lo <= x[1] and nx <= hi:
             out.append((bool(es[j][2]), x[1], et[j], nx))
     return out
+
+
+def bad(message: str) -> None:
+    """Bad input: one line on stderr, exit 2."""
+    print(f"gap_cores: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main() -> None:
@@ -118,13 +124,22 @@ def main() -> None:
     ap.add_argument("steplog", help="the HSTRACE_GAPLOG directory of the same run")
     ap.add_argument("--from-step", type=int, default=21, help="skip a round's first steps")
     args = ap.parse_args()
+    if not args.switches.is_file():
+        bad(f"{args.switches}: no such file (the `perf script` output)")
     runs = switches(args.switches)
     if not runs:
-        raise SystemExit(f"{args.switches}: no sched_switch events")
+        bad(f"{args.switches}: no sched_switch events")
     times = {cpu: [t for t, _ in r] for cpu, r in runs.items()}
     lo = max(r[0][0] for r in runs.values())
     hi = min(r[-1][0] for r in runs.values())
-    ev, _ = load(args.steplog)
+    if not Path(args.steplog).is_dir():
+        bad(f"{args.steplog}: no such directory (the HSTRACE_GAPLOG directory)")
+    try:
+        ev, _ = load(args.steplog)
+    except (ValueError, TypeError, IndexError) as exc:
+        bad(f"{args.steplog}: not a step log ({type(exc).__name__}: {exc})")
+    if not any(e[0] == "x" for e in ev):
+        bad(f"{args.steplog}: no steps logged (was the server run with HSTRACE_GAPLOG?)")
     acc = {
         (armed, part): {cpu: defaultdict(float) for cpu in runs}
         for armed in (False, True)

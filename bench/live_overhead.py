@@ -242,8 +242,8 @@ class Placement:
     the nanoseconds run since the last read to that CPU. The API server is `vllm serve`'s own
     process; its main thread runs the event loop that takes each step's outputs. On a 2-vCPU
     host the kernel parks it beside the worker's busy-wait in some launches and beside the
-    engine core in others, and a recording's tap thread moves it (bench/README.md, twentieth
-    pass), so every figure says where it ran. About 100 reads a second of two small files."""
+    engine core in others, and a recording's tap thread can push it off the first (bench/README.md,
+    twentieth pass), so every figure says where it ran. About 100 reads a second of two small files."""
 
     def __init__(self, pid: int, period_s: float = 0.01) -> None:
         self.pid, self.period = pid, period_s

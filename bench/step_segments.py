@@ -36,6 +36,9 @@ import sys
 from pathlib import Path
 
 ORDER = ["x", "X", "s", "r", "R", "p", "P", "e"]
+# A new round: no step started for this long (its first steps carry prefill and a session's
+# start); a step's gap is the stretch to the next step started within it.
+NEW_ROUND_S = 0.03
 
 
 def load(d: str) -> tuple[list[tuple], list[tuple]]:
@@ -69,7 +72,7 @@ def segments(ev: list[tuple]) -> dict[bool, dict[str, list[float]]]:
 
 
 def round_buckets(ev: list[tuple]) -> dict[bool, dict[str, list[float]]]:
-    """Gaps by the step's place in its round (a new round: no step for 30 ms)."""
+    """Gaps by the step's place in its round (a new round: no step for NEW_ROUND_S)."""
     names = [(5, "1-5"), (20, "6-20"), (60, "21-60"), (1 << 30, "61+")]
     out: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
     k, last_x, last_e = 0, None, None
@@ -77,8 +80,8 @@ def round_buckets(ev: list[tuple]) -> dict[bool, dict[str, list[float]]]:
         if e[0] == "e":
             last_e = e
         elif e[0] == "x":
-            k = 1 if last_x is None or e[1] - last_x > 0.03 else k + 1
-            if last_e is not None and k > 1 and e[1] - last_e[1] < 0.03:
+            k = 1 if last_x is None or e[1] - last_x > NEW_ROUND_S else k + 1
+            if last_e is not None and k > 1 and e[1] - last_e[1] < NEW_ROUND_S:
                 name = next(n for top, n in names if k - 1 <= top)
                 out[last_e[2]].setdefault(name, []).append(e[1] - last_e[1])
             last_x = e[1]

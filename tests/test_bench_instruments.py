@@ -117,3 +117,34 @@ def test_placement_books_a_busy_thread_to_its_cpu(monkeypatch) -> None:
     share = lo.placement_share([where.ns])
     assert abs(sum(share.values()) - 1.0) < 0.01
     assert lo.placement_share([{}]) == {}
+
+
+def test_gap_cores_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A missing trace, a missing or empty step log, a step log that is not JSON: one line on
+    stderr naming it, exit 2, no traceback."""
+    import sys
+
+    script = REPO / "bench" / "gap_cores.py"
+    trace = tmp_path / "sw.txt"
+    trace.write_text(
+        "[000] 1.000000: sched:sched_switch: prev_comm=a prev_pid=1 prev_prio=120 "
+        "prev_state=R ==> next_comm=VLLM::Worker next_pid=10 next_prio=120\n"
+    )
+    empty = tmp_path / "log"
+    empty.mkdir()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "gap.1.json").write_text("not json")
+    cases = [
+        ([str(tmp_path / "none.txt"), str(empty)], "no such file"),
+        ([str(trace), str(tmp_path / "nolog")], "no such directory"),
+        ([str(trace), str(empty)], "no steps logged"),
+        ([str(trace), str(broken)], "not a step log"),
+    ]
+    for argv, said in cases:
+        got = subprocess.run(
+            [sys.executable, str(script), *argv], capture_output=True, text=True, cwd=tmp_path
+        )
+        assert got.returncode == 2, (argv, got.stderr)
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], got.stderr
