@@ -138,6 +138,13 @@ class Recorder:
         self.paced = False
         self._held: Any = None  # collections.deque of steps handed over, not yet queued
         self._release_lock = threading.Lock()  # queues held steps in order (serving or drain)
+        # Paced: the engine's step runs (`step_started` .. `step_ended`); the tap thread, between
+        # two stages of a step's work, gives way to it (`make_way`). HSTRACE_TAP_YIELD=0: never
+        # (the bench's side by side).
+        self.in_step = False
+        self.give_way = os.environ.get("HSTRACE_TAP_YIELD", "1") != "0"
+        self._gap_waiter: threading.Event | None = None  # the tap thread, waiting for a gap
+        self._tap_ident: int | None = None  # the tap thread's (make_way runs there only)
 
     # the `work` levels (protocol.WORK_LEVELS) an engine's hooks honour: only a recording here
     WORK_LEVELS: tuple[str, ...] = ("rows",)
@@ -176,14 +183,50 @@ class Recorder:
     def step_started(self) -> None:
         """The engine's step has started (its serving thread, armed only): the writer process
         is told, so that it works while the step runs, not in the gap after it."""
+        self.in_step = True
         self._phase(True)
 
     def step_ended(self) -> None:
         """The engine's step has handed back (its serving thread, armed only): the writer is
-        told, and the steps it handed over go to the tap thread now."""
+        told, a tap thread waiting for the gap goes on, and the steps it handed over go to the
+        tap thread now."""
+        self._open_gap()
         self._phase(False)
         if self._held:
             self._release()
+
+    def _open_gap(self) -> None:
+        self.in_step = False
+        waiter = self._gap_waiter
+        if waiter is not None:
+            self._gap_waiter = None
+            waiter.set()
+
+    # the longest the tap thread waits for a step's end before it goes on (`make_way`)
+    GAP_WAIT_S = 0.05
+
+    def make_way(self) -> None:
+        """Between two stages of a step's work, on the tap thread (paced engines only). First
+        a yield with the GIL released: vLLM's worker, woken in the gap for its next step, waits
+        for the GIL, and the tap thread, which would take it back at once, otherwise keeps it
+        until its whole step is written (its Python holds it between torch calls; the forced
+        switch comes only after sys.getswitchinterval(), 5 ms). Then, if that next step has
+        begun, the rest of this step's work waits for its end (at most GAP_WAIT_S, and never
+        with half the queue waiting: the tap thread must keep up), so that it does not run
+        beside the step on the serving thread's core."""
+        if not self.paced or not self.give_way or threading.get_ident() != self._tap_ident:
+            return  # (inline, the step's own work: nothing to give way to)
+        os.sched_yield()  # releases the GIL (CPython >= 3.11.1, as vLLM's own spin relies on)
+        if not self.in_step:
+            return
+        q = self._deferred
+        if q is not None and q.qsize() >= self.DEFER_DEPTH // 2:
+            return
+        waiter = threading.Event()
+        self._gap_waiter = waiter
+        if self.in_step:  # the step may have ended since: then nobody will set it
+            waiter.wait(self.GAP_WAIT_S)
+        self._gap_waiter = None
 
     def _phase(self, running: bool) -> None:
         w = self._writer
@@ -211,6 +254,7 @@ class Recorder:
 
         placement.move_here(placement.tap_cpus())  # beside the serving thread unless named
         placement.name_thread("hstrace-taps")
+        self._tap_ident = threading.get_ident()
         q = self._deferred
         while True:
             fn = q.get()  # paced: queued at its step's end (`step_ended`)
@@ -282,6 +326,7 @@ class Recorder:
         write_status(self.cfg, {"close_on": int(CLOSE_SIGNAL), "rank": self.rank()})
 
     def close(self) -> None:
+        self._open_gap()  # the engine stops: no step end will be told
         self.drain()  # steps handed over to the tap thread are written first
         self.closed = True
         if self._writer is not None:
@@ -338,6 +383,7 @@ class Recorder:
         deadline = time.monotonic() + 30.0
         while self.stepping and time.monotonic() < deadline:
             time.sleep(0.001)
+        self._open_gap()  # no step end will be told now: the tap thread does not wait for one
         self.drain()
         self.closing = True  # `hello` says armed until the trace is closed on disk
         try:

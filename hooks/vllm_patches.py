@@ -177,11 +177,13 @@ _NOW: Any = object()
 
 def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
     """Each table group is its own tap: one that fails is disabled, the others go on. Runs on
-    the recorder's tap thread (`Recorder.defer`): the top-k, the rows and the staging copy.
+    the recorder's tap thread (`Recorder.defer`): the top-k, the rows and the staging copy,
+    in stages, giving way to the engine's next step between them (`Recorder.make_way`).
     `keep_at`: the batch indices kept by --sample-every, as they were when the step began
     (the serving thread has moved on by now); default: the recorder's current ones."""
     if callable(step.verify_probs):  # the verify's rows, built here (the step carried them)
         step.verify_probs = step.verify_probs()
+        rec.make_way()
     keep = rec.keep_at if keep_at is _NOW else keep_at
     # with no --sample-every cut to follow, the first call's rows land in its extend's rows
     rec.run_tap("draft", lambda: taps.finish_topk(step, expand=keep is None))
@@ -197,13 +199,16 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
         return  # the proposer did not run (e.g. inputs too long for the drafter)
     qs = step.query_start
     lens = [qs[i + 1] - qs[i] for i in range(len(qs) - 1)]
+    rec.make_way()
     rec.run_tap(
         "target",
         lambda: rec.emit(taps.target_rows(step, rec.capture_layers, rec.capture_convention)),
     )
     verifying = [i for i, n in enumerate(step.num_draft_tokens) if n > 0]
     if verifying:
+        rec.make_way()
         rec.run_tap("verify", lambda: rec.emit([taps.verify_rows(step, verifying)]))
+    rec.make_way()
     rec.run_tap("draft", lambda: rec.emit(taps.draft_rows(step, lens)))
 
 

@@ -317,3 +317,99 @@ def test_the_engines_step_start_and_end_reach_the_writer_and_never_raise() -> No
     rec._writer = object()  # a writer with no step_phase
     rec.step_started()
     rec.step_ended()
+
+
+def test_the_tap_thread_gives_way_to_a_step_that_began_and_goes_on_at_its_end() -> None:
+    """Between the stages of a step's rows (`Recorder.make_way`), the tap thread yields, and
+    if the engine's next step has begun it waits for that step's end before its next stage:
+    its work stays in the gaps between steps, not beside the step on the serving thread's
+    core. Never on the serving thread (inline work is the step's own), never longer than
+    GAP_WAIT_S, and a disarm (no step end will come) lets it go on at once;
+    HSTRACE_TAP_YIELD=0 turns it off."""
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.paced = True
+    rec.GAP_WAIT_S = 30.0  # long: a test that waits it out fails on time, not by luck
+    stages: list[str] = []
+
+    def work() -> None:
+        stages.append("a")
+        rec.make_way()
+        stages.append("b")
+
+    def waiting() -> None:  # the tap thread has stopped at make_way for the step's end
+        deadline = time.monotonic() + 10
+        while rec._gap_waiter is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert rec._gap_waiter is not None and stages == ["a"]
+
+    rec.step_started()
+    t0 = time.monotonic()
+    rec.make_way()  # the serving thread: returns at once, however long the step
+    assert time.monotonic() - t0 < 10
+    rec.defer(work)
+    rec._release()  # queued mid-step (as a full hold is)
+    waiting()
+    time.sleep(0.1)
+    assert stages == ["a"]  # stage b waits for the step's end
+    rec.step_ended()
+    rec.drain()
+    assert stages == ["a", "b"]
+
+    # a disarm mid-step: no step end will be told, the tap thread goes on
+    stages.clear()
+    rec.armed = rec.session_open = True
+    rec.step_started()
+    rec.defer(work)
+    rec._release()
+    waiting()
+    t0 = time.monotonic()
+    assert rec.disarm()
+    assert stages == ["a", "b"] and time.monotonic() - t0 < 10
+
+    # switched off: no wait, even mid-step
+    stages.clear()
+    rec.give_way = False
+    rec.step_started()
+    rec.defer(work)
+    rec._release()
+    t0 = time.monotonic()
+    rec.drain()
+    assert stages == ["a", "b"] and time.monotonic() - t0 < 10
+    rec.step_ended()
+
+
+def test_the_tap_threads_wait_for_a_gap_is_bounded_and_never_with_a_backlog() -> None:
+    """A step end that never comes holds the tap thread GAP_WAIT_S at most; with half the
+    queue waiting behind it, it does not wait at all: waiting would let the queue fill and
+    block serving."""
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.paced = True
+    rec.GAP_WAIT_S = 0.3
+    waited: list[float] = []
+
+    def work() -> None:
+        t0 = time.monotonic()
+        rec.make_way()
+        waited.append(time.monotonic() - t0)
+
+    rec.step_started()
+    rec.defer(work)
+    rec._release()
+    rec.drain()
+    assert waited[0] >= 0.25  # waited for an end that never came, then went on
+
+    rec.GAP_WAIT_S = 30.0
+    waited.clear()
+    gate = threading.Event()
+    rec.defer(lambda: gate.wait(10))
+    for _ in range(Recorder.DEFER_DEPTH // 2 + 1):
+        rec.defer(work)
+    rec._release()
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not waited and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert waited and waited[0] < 10  # the first ran with the rest queued behind it
+    rec.step_ended()  # the later ones (a shorter queue behind them) waited for it
+    rec.drain()
+    assert len(waited) == Recorder.DEFER_DEPTH // 2 + 1
