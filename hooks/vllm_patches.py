@@ -277,7 +277,8 @@ def wrap_execute_model(original: Callable) -> Callable:
     """V1 `GPUModelRunner.execute_model` (the step's start: the target's forward, then the
     sampling and the drafts in `sample_tokens`): the writer process is told the step runs
     (`Recorder.step_started`) and keeps its work out of the gap that follows `sample_tokens`,
-    where vLLM's engine core, on the writer's core, schedules the next step."""
+    where vLLM's engine core, on the writer's core, schedules the next step; the tap thread
+    leaves the rest of a step's rows for the gap after it (`Recorder.make_way`)."""
 
     @functools.wraps(original)
     def execute_model(self, *args, **kwargs):
