@@ -210,7 +210,9 @@ class Recorder:
         a yield with the GIL released: vLLM's worker, woken in the gap for its next step, waits
         for the GIL, and the tap thread, which would take it back at once, otherwise keeps it
         until its whole step is written (its Python holds it between torch calls; the forced
-        switch comes only after sys.getswitchinterval(), 5 ms). Then, if that next step has
+        switch comes only after sys.getswitchinterval(), 5 ms): reasoned from vLLM's wait loop
+        and CPython's GIL, not traced; the bench's side by side is the evidence
+        (bench/README.md, twenty-first pass). Then, if that next step has
         begun, the rest of this step's work waits for its end (at most GAP_WAIT_S, and never
         with half the queue waiting: the tap thread must keep up), so that it does not run
         beside the step on the serving thread's core."""

@@ -319,7 +319,9 @@ def test_the_engines_step_start_and_end_reach_the_writer_and_never_raise() -> No
     rec.step_ended()
 
 
-def test_the_tap_thread_gives_way_to_a_step_that_began_and_goes_on_at_its_end() -> None:
+def test_the_tap_thread_gives_way_to_a_step_that_began_and_goes_on_at_its_end(
+    monkeypatch,
+) -> None:
     """Between the stages of a step's rows (`Recorder.make_way`), the tap thread yields, and
     if the engine's next step has begun it waits for that step's end before its next stage:
     its work stays in the gaps between steps, not beside the step on the serving thread's
@@ -367,6 +369,8 @@ def test_the_tap_thread_gives_way_to_a_step_that_began_and_goes_on_at_its_end() 
     assert stages == ["a", "b"] and time.monotonic() - t0 < 10
 
     # switched off: no wait, even mid-step
+    monkeypatch.setenv("HSTRACE_TAP_YIELD", "0")
+    assert not Recorder({"streams": []}, (0, 32, 0)).give_way  # what the switch sets
     stages.clear()
     rec.give_way = False
     rec.step_started()
