@@ -36,6 +36,9 @@ import sys
 from pathlib import Path
 
 ORDER = ["x", "X", "s", "r", "R", "p", "P", "e"]
+# in the gap, where the tree's instrument marks it: the engine core's take_draft_token_ids call
+# in the worker (entry d, return D)
+GAP_ORDER = ["d", "D"]
 # A new round: no step started for this long (its first steps carry prefill and a session's
 # start); a step's gap is the stretch to the next step started within it.
 NEW_ROUND_S = 0.03
@@ -58,14 +61,23 @@ def segments(ev: list[tuple]) -> dict[bool, dict[str, list[float]]]:
             if cur:
                 cycles.append(cur)
             cur = {"armed": e[2], "x": e[1]}
-        elif cur is not None and e[0] in ORDER and e[0] not in cur:
+        elif cur is not None and e[0] in ORDER + GAP_ORDER and e[0] not in cur:
             cur[e[0]] = e[1]
+        elif cur is not None and e[0] == "w":  # the tap thread's work (start, end)
+            cur.setdefault("w", []).append((e[1], e[2]))
     out: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
     for c, n in zip(cycles, cycles[1:], strict=False):
         if not all(k in c for k in ORDER) or n["x"] - c["x"] > 0.05:
             continue
         seg = {f"{a}->{b}": c[b] - c[a] for a, b in zip(ORDER, ORDER[1:], strict=False)}
         seg["gap"], seg["cycle"] = n["x"] - c["e"], n["x"] - c["x"]
+        if all(k in c for k in GAP_ORDER) and c["e"] <= c["d"] <= c["D"] <= n["x"]:
+            seg["e->d"], seg["d->D"], seg["D->x"] = c["d"] - c["e"], c["D"] - c["d"], n["x"] - c["D"]
+            # the tap thread's work inside each part of the gap (spans logged in this cycle or
+            # the next: a span is logged under the cycle it started in)
+            spans = c.get("w", []) + n.get("w", [])
+            for name, a, b in (("e->d", c["e"], c["d"]), ("d->D", c["d"], c["D"]), ("D->x", c["D"], n["x"])):
+                seg[f"tap in {name}"] = sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in spans)
         for k, v in seg.items():
             out[c["armed"]].setdefault(k, []).append(v)
     return out

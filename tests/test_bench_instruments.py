@@ -148,3 +148,34 @@ def test_gap_cores_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
         assert got.returncode == 2, (argv, got.stderr)
         lines = got.stderr.strip().splitlines()
         assert len(lines) == 1 and said in lines[0], got.stderr
+
+
+def test_step_segments_splits_the_gap_at_the_engine_cores_draft_call(monkeypatch) -> None:
+    """bench/step_segments.py: where the instrument marks vLLM's `take_draft_token_ids` in the
+    gap (d, D), the gap splits into e->d, d->D and D->x, and the tap thread's work spans (w)
+    are booked to each part they overlap, on made-up events whose answer is known."""
+    import sys
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    sys.modules.pop("step_segments", None)
+    import step_segments
+
+    def cycle(t0: float, armed: bool) -> list[tuple]:
+        marks = ["x", "X", "s", "r", "R", "p", "P", "e"]
+        ev = [(m, t0 + 0.001 * i, armed) for i, m in enumerate(marks)]  # e at t0 + 7 ms
+        return ev + [("d", t0 + 0.0075, armed), ("D", t0 + 0.0076, armed)]
+
+    ev = cycle(10.0, True) + cycle(10.009, True) + cycle(10.018, True)
+    # the tap thread worked from e + 0.2 ms to d + 0.3 ms (0.3 ms in e->d, 0.1 ms in d->D,
+    # 0.2 ms in D->x) after the first step
+    ev.append(("w", 10.0072, 10.0078))
+    ev.sort(key=lambda e: e[1])
+    seg = step_segments.segments(ev)[True]
+    assert len(seg["gap"]) == 2  # the last cycle has no next x
+    assert seg["e->d"][0] == pytest.approx(0.0005)
+    assert seg["d->D"][0] == pytest.approx(0.0001)
+    assert seg["D->x"][0] == pytest.approx(0.009 - 0.0076)
+    assert seg["tap in e->d"][0] == pytest.approx(0.0003)
+    assert seg["tap in d->D"][0] == pytest.approx(0.0001)
+    assert seg["tap in D->x"][0] == pytest.approx(0.0002)
+    assert seg["tap in e->d"][1] == 0.0  # the second gap had no work in it
