@@ -12,6 +12,7 @@ The patch (a scratch instrument, not part of hstrace: it adds work to every patc
 `time.perf_counter()` (CLOCK_MONOTONIC, one clock for every process) in the worker at
 `execute_model` entry (x) and return (X), `sample_tokens` entry (s) and return (e),
 `RejectionSampler.forward` entry/return (r, R), `propose_draft_token_ids` entry/return (p, P),
+`take_draft_token_ids` entry/return (d, D: vLLM's engine core taking the drafts in the gap),
 each with whether a session was armed; the tap thread's work per step (w); the worker's
 garbage collections (g, G); and in the writer process its batches of steps, its encoder jobs
 and the spans between two sleeps. Each process dumps its log as JSON at a disarm (the writer
@@ -20,7 +21,10 @@ every few batches).
 Prints, armed and dormant: the median and mean of each segment of a cycle (x->X the target
 forward, X->s, s->r, r->R the rejection sampler with hstrace's verify snapshot, R->p, p->P
 the drafter with hstrace's draft-side copies and the hand-over, P->e, e->next x the gap in
-which vLLM's engine core schedules the next step), the gaps by a step's place in its round
+which vLLM's engine core schedules the next step; split at d and D into e->d (the worker's
+output to the engine core, and its bookkeeping), d->D (the worker answering the draft call) and
+D->x (the engine core schedules), each with the tap thread's work inside it), the gaps by a
+step's place in its round
 (a round's first steps carry the session's start), the serving thread's taps (each
 `Recorder.run_tap` off the tap thread, timed: what the wrappers' own work costs a step, by
 function), and the gaps a writer span (under 1 ms) overlaps against the others.
