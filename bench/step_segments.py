@@ -76,11 +76,19 @@ def segments(ev: list[tuple]) -> dict[bool, dict[str, list[float]]]:
         seg = {f"{a}->{b}": c[b] - c[a] for a, b in zip(ORDER, ORDER[1:], strict=False)}
         seg["gap"], seg["cycle"] = n["x"] - c["e"], n["x"] - c["x"]
         if all(k in c for k in GAP_ORDER) and c["e"] <= c["d"] <= c["D"] <= n["x"]:
-            seg["e->d"], seg["d->D"], seg["D->x"] = c["d"] - c["e"], c["D"] - c["d"], n["x"] - c["D"]
+            seg["e->d"], seg["d->D"], seg["D->x"] = (
+                c["d"] - c["e"],
+                c["D"] - c["d"],
+                n["x"] - c["D"],
+            )
             # the tap thread's work inside each part of the gap (spans logged in this cycle or
             # the next: a span is logged under the cycle it started in)
             spans = c.get("w", []) + n.get("w", [])
-            for name, a, b in (("e->d", c["e"], c["d"]), ("d->D", c["d"], c["D"]), ("D->x", c["D"], n["x"])):
+            for name, a, b in (
+                ("e->d", c["e"], c["d"]),
+                ("d->D", c["d"], c["D"]),
+                ("D->x", c["D"], n["x"]),
+            ):
                 seg[f"tap in {name}"] = sum(max(0.0, min(b, t1) - max(a, t0)) for t0, t1 in spans)
         for k, v in seg.items():
             out[c["armed"]].setdefault(k, []).append(v)
