@@ -143,6 +143,11 @@ class Recorder:
         # (the bench's side by side).
         self.in_step = False
         self.give_way = os.environ.get("HSTRACE_TAP_YIELD", "1") != "0"
+        # make_way also inside a stage: between the tables it stages and between the draft
+        # top-k's calls (vLLM's worker, whose engine core's call arrives mid-stage, waits for
+        # the rest of the stage). HSTRACE_TAP_FINE=0: between stages only (the bench's side by
+        # side; bench/README.md, twenty-second pass)
+        self.fine_way = os.environ.get("HSTRACE_TAP_FINE", "1") != "0"
         self._gap_waiter: threading.Event | None = None  # the tap thread, waiting for a gap
         self._tap_ident: int | None = None  # the tap thread's (make_way runs there only)
 
@@ -229,6 +234,15 @@ class Recorder:
         if self.in_step:  # the step may have ended since: then nobody will set it
             waiter.wait(self.GAP_WAIT_S)
         self._gap_waiter = None
+
+    def make_way_within(self) -> None:
+        """`make_way` inside a stage (between its rows built and staged, between its tables,
+        between the top-k's calls), where `fine_way` is on. In the gap after a step, vLLM's
+        engine core calls the worker once more (`take_draft_token_ids`) before it schedules
+        the next step; the call waits for the tap thread's stage to end, and a shorter stage
+        leaves it less to wait (bench/README.md, twenty-second pass: traced)."""
+        if self.fine_way:
+            self.make_way()
 
     def _phase(self, running: bool) -> None:
         w = self._writer
@@ -449,9 +463,13 @@ class Recorder:
             if not self.session_open:  # the session is closed: nothing more to write
                 return
             w = self.writer()
+            first = True
             for tw in writes:
                 if tw.table in self.streams:
+                    if not first:
+                        self.make_way_within()
                     write_rows(w, tw)
+                    first = False
 
     def run_tap(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one tap; an exception disables it (recorded in the trace) and never reaches the

@@ -186,7 +186,9 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
         rec.make_way()
     keep = rec.keep_at if keep_at is _NOW else keep_at
     # with no --sample-every cut to follow, the first call's rows land in its extend's rows
-    rec.run_tap("draft", lambda: taps.finish_topk(step, expand=keep is None))
+    rec.run_tap(
+        "draft", lambda: taps.finish_topk(step, expand=keep is None, between=rec.make_way_within)
+    )
     if keep is not None:
         cut = rec.run_tap("step", lambda: taps.restrict(step, keep))
         if cut is None:
@@ -202,14 +204,23 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
     rec.make_way()
     rec.run_tap(
         "target",
-        lambda: rec.emit(taps.target_rows(step, rec.capture_layers, rec.capture_convention)),
+        lambda: _emit_built(
+            rec, taps.target_rows(step, rec.capture_layers, rec.capture_convention)
+        ),
     )
     verifying = [i for i, n in enumerate(step.num_draft_tokens) if n > 0]
     if verifying:
         rec.make_way()
-        rec.run_tap("verify", lambda: rec.emit([taps.verify_rows(step, verifying)]))
+        rec.run_tap("verify", lambda: _emit_built(rec, [taps.verify_rows(step, verifying)]))
     rec.make_way()
-    rec.run_tap("draft", lambda: rec.emit(taps.draft_rows(step, lens)))
+    rec.run_tap("draft", lambda: _emit_built(rec, taps.draft_rows(step, lens)))
+
+
+def _emit_built(rec: VLLMRecorder, writes: list) -> None:
+    """A stage's rows, built, then staged: the tap thread gives way between the two
+    (`Recorder.make_way_within`), and between the tables (`Recorder.emit`)."""
+    rec.make_way_within()
+    rec.emit(writes)
 
 
 def _on_cpu(step: taps.Step) -> bool:

@@ -417,3 +417,51 @@ def test_the_tap_threads_wait_for_a_gap_is_bounded_and_never_with_a_backlog() ->
     rec.step_ended()  # the later ones (a shorter queue behind them) waited for it
     rec.drain()
     assert len(waited) == Recorder.DEFER_DEPTH // 2 + 1
+
+
+def test_fine_way_gives_way_between_the_tables_of_a_stage_and_the_top_ks_calls(
+    monkeypatch,
+) -> None:
+    """With `fine_way` (the default; HSTRACE_TAP_FINE=0 turns it off), the tap thread also
+    gives way inside a stage: between two tables it stages (`Recorder.emit`) and between the
+    draft top-k's native calls (`taps.finish_topk`'s `between`); with it off,
+    `make_way_within` does nothing. The tables written are the same either way."""
+    import torch
+
+    from hstrace.engines import tapmath
+    from hstrace.engines.rows import TableWrite
+    from hstrace.engines.vllm import taps
+
+    class Writer:
+        def __init__(self) -> None:
+            self.tables: list[str] = []
+
+        def write(self, table: str, **kwargs) -> None:
+            self.tables.append(table)
+
+    ways: list[str] = []
+    for fine in ("1", "0"):
+        monkeypatch.setenv("HSTRACE_TAP_FINE", fine)
+        rec = Recorder({"streams": ["a", "b", "c"]}, (0, 32, 0))
+        assert rec.fine_way is (fine == "1")
+        rec.make_way = lambda: ways.append("way")  # type: ignore[method-assign]
+        w = Writer()
+        rec.writer_factory = lambda rank, w=w: w
+        rec.session_open = True
+        rec.emit([TableWrite("a"), TableWrite("skipped"), TableWrite("b"), TableWrite("c")])
+        assert w.tables == ["a", "b", "c"]
+        assert ways == (["way", "way"] if fine == "1" else [])  # between a|b and b|c only
+        ways.clear()
+
+    if tapmath.native() is None:
+        pytest.skip("the native top-k is not built")
+    gen = torch.Generator().manual_seed(0)
+    calls = [
+        taps.DraftCall(torch.zeros(2, dtype=torch.int64), torch.zeros(2), None) for _ in range(3)
+    ]
+    for c in calls:
+        c.logits = torch.randn(2, 16, generator=gen)
+    step = taps.Step(req_ids=["r0", "r1"], num_draft_tokens=[0, 0], calls=calls)
+    between: list[int] = []
+    taps.finish_topk(step, between=lambda: between.append(1))
+    assert len(between) == 2 and all(c.topk is not None and c.logits is None for c in calls)

@@ -165,13 +165,13 @@ def test_step_segments_splits_the_gap_at_the_engine_cores_draft_call(monkeypatch
         ev = [(m, t0 + 0.001 * i, armed) for i, m in enumerate(marks)]  # e at t0 + 7 ms
         return ev + [("d", t0 + 0.0075, armed), ("D", t0 + 0.0076, armed)]
 
-    ev = cycle(10.0, True) + cycle(10.009, True) + cycle(10.018, True)
+    ev = cycle(10.0, True) + cycle(10.009, True) + cycle(10.018, True) + cycle(10.027, True)
     # the tap thread worked from e + 0.2 ms to d + 0.3 ms (0.3 ms in e->d, 0.1 ms in d->D,
     # 0.2 ms in D->x) after the first step
     ev.append(("w", 10.0072, 10.0078))
     ev.sort(key=lambda e: e[1])
     seg = step_segments.segments(ev)[True]
-    assert len(seg["gap"]) == 2  # the last cycle has no next x
+    assert len(seg["gap"]) == 2  # a cycle counts once the next one starts: the last two do not
     assert seg["e->d"][0] == pytest.approx(0.0005)
     assert seg["d->D"][0] == pytest.approx(0.0001)
     assert seg["D->x"][0] == pytest.approx(0.009 - 0.0076)

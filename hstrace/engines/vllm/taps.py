@@ -11,6 +11,7 @@ Nothing here imports vLLM: the inputs are tensors and plain lists (duck-typed in
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,16 +104,20 @@ class DraftCall:
     expanded: bool = False
 
 
-def finish_topk(step: Step, expand: bool = False) -> None:
+def finish_topk(
+    step: Step, expand: bool = False, between: Callable[[], None] | None = None
+) -> None:
     """The draft top-k of every call whose logits were kept, then the logits dropped. Native
     (`tapmath`), one call each, and with `expand` (no `restrict` to follow) the first call's
     rows land straight in its draft extend's rows; through torch, one `draft_topk` over the
-    step's calls stacked (same drafter, same vocabulary), split back."""
+    step's calls stacked (same drafter, same vocabulary), split back. `between`: called between two native calls (the tap thread gives way)."""
     todo = [c for c in step.calls if c.topk is None and c.logits is not None]
     if tapmath.native() is not None:
         first = step.calls[0] if step.calls else None
         rows = step.sample_rows
-        for call in todo:
+        for i, call in enumerate(todo):
+            if i and between is not None:
+                between()
             if (
                 expand
                 and call is first
