@@ -1144,6 +1144,9 @@ def main() -> None:
                 # HSTRACE_TAP_YIELD=0 (the server inherits it): the tap thread never gives way
                 # to the engine's next step (`Recorder.make_way`): the side by side's baseline
                 "tap_thread_gives_way": os.environ.get("HSTRACE_TAP_YIELD", "1") != "0",
+                # HSTRACE_TAP_FINE=0: it gives way between stages only, not inside them
+                "tap_thread_gives_way_within_stages": os.environ.get("HSTRACE_TAP_FINE", "1")
+                != "0",
                 "burn_ms_per_period": [args.burn_ms, args.burn_period_ms],  # --burn-ms
                 "speculative_config": WORLD.spec,
                 "sampling": SAMPLING,
