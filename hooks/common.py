@@ -236,8 +236,9 @@ class Recorder:
         self._gap_waiter = None
 
     def make_way_within(self) -> None:
-        """`make_way` inside a stage (between its rows built and staged, between its tables,
-        between the top-k's calls), where `fine_way` is on. In the gap after a step, vLLM's
+        """`make_way` inside a stage (between its rows built and staged, between the tables it
+        stages, between the top-k's calls), where `fine_way` is on. Never called holding
+        `session_lock` (a wait here may last GAP_WAIT_S). In the gap after a step, vLLM's
         engine core calls the worker once more (`take_draft_token_ids`) before it schedules
         the next step; the call waits for the tap thread's stage to end, and a shorter stage
         leaves it less to wait (bench/README.md, twenty-second pass: traced)."""
@@ -463,13 +464,9 @@ class Recorder:
             if not self.session_open:  # the session is closed: nothing more to write
                 return
             w = self.writer()
-            first = True
             for tw in writes:
                 if tw.table in self.streams:
-                    if not first:
-                        self.make_way_within()
                     write_rows(w, tw)
-                    first = False
 
     def run_tap(self, name: str, fn: Callable[[], Any]) -> Any:
         """Run one tap; an exception disables it (recorded in the trace) and never reaches the

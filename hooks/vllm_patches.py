@@ -24,6 +24,7 @@ from hstrace.hooks import control, load_weights
 from hstrace.hooks.common import Recorder, bind_args, install_points
 
 from hstrace.engines import load_audit, protocol, tapmath
+from hstrace.engines.rows import TableWrite
 from hstrace.engines.support import Version
 from hstrace.engines.vllm import audit, taps, taps_v2
 from hstrace.engines.vllm.versions import SUPPORT
@@ -216,11 +217,13 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
     rec.run_tap("draft", lambda: _emit_built(rec, taps.draft_rows(step, lens)))
 
 
-def _emit_built(rec: VLLMRecorder, writes: list) -> None:
-    """A stage's rows, built, then staged: the tap thread gives way between the two
-    (`Recorder.make_way_within`), and between the tables (`Recorder.emit`)."""
-    rec.make_way_within()
-    rec.emit(writes)
+def _emit_built(rec: VLLMRecorder, writes: list[TableWrite]) -> None:
+    """A stage's rows, built, then staged table by table: the tap thread gives way before
+    each table it records (`Recorder.make_way_within`), outside `Recorder.emit`'s lock."""
+    for tw in writes:
+        if tw.table in rec.streams:
+            rec.make_way_within()
+            rec.emit([tw])
 
 
 def _on_cpu(step: taps.Step) -> bool:

@@ -423,35 +423,41 @@ def test_fine_way_gives_way_between_the_tables_of_a_stage_and_the_top_ks_calls(
     monkeypatch,
 ) -> None:
     """With `fine_way` (the default; HSTRACE_TAP_FINE=0 turns it off), the tap thread also
-    gives way inside a stage: between two tables it stages (`Recorder.emit`) and between the
-    draft top-k's native calls (`taps.finish_topk`'s `between`); with it off,
-    `make_way_within` does nothing. The tables written are the same either way."""
+    gives way inside a stage: before each table a stage stages (`vllm_patches._emit_built`:
+    the first after the rows are built, the others between tables), never inside
+    `Recorder.emit`, which holds the session's lock, and between the draft top-k's native
+    calls (`taps.finish_topk`'s `between`); with it off, `make_way_within` does nothing. The
+    tables written are the same either way."""
     import torch
+    from hstrace.hooks.vllm_patches import _emit_built
 
     from hstrace.engines import tapmath
     from hstrace.engines.rows import TableWrite
     from hstrace.engines.vllm import taps
 
+    seen: list[str] = []
+
     class Writer:
-        def __init__(self) -> None:
-            self.tables: list[str] = []
-
         def write(self, table: str, **kwargs) -> None:
-            self.tables.append(table)
+            seen.append(table)
 
-    ways: list[str] = []
+    tables = [TableWrite("a"), TableWrite("skipped"), TableWrite("b"), TableWrite("c")]
     for fine in ("1", "0"):
         monkeypatch.setenv("HSTRACE_TAP_FINE", fine)
         rec = Recorder({"streams": ["a", "b", "c"]}, (0, 32, 0))
         assert rec.fine_way is (fine == "1")
-        rec.make_way = lambda: ways.append("way")  # type: ignore[method-assign]
-        w = Writer()
-        rec.writer_factory = lambda rank, w=w: w
+        rec.make_way = lambda: seen.append("way")  # type: ignore[method-assign]
+        rec.writer_factory = lambda rank: Writer()
         rec.session_open = True
-        rec.emit([TableWrite("a"), TableWrite("skipped"), TableWrite("b"), TableWrite("c")])
-        assert w.tables == ["a", "b", "c"]
-        assert ways == (["way", "way"] if fine == "1" else [])  # between a|b and b|c only
-        ways.clear()
+        rec.emit(tables)  # emit itself never gives way (it holds session_lock)
+        assert seen == ["a", "b", "c"]
+        seen.clear()
+        _emit_built(rec, tables)
+        if fine == "1":
+            assert seen == ["way", "a", "way", "b", "way", "c"]
+        else:
+            assert seen == ["a", "b", "c"]
+        seen.clear()
 
     if tapmath.native() is None:
         pytest.skip("the native top-k is not built")

@@ -110,7 +110,8 @@ def finish_topk(
     """The draft top-k of every call whose logits were kept, then the logits dropped. Native
     (`tapmath`), one call each, and with `expand` (no `restrict` to follow) the first call's
     rows land straight in its draft extend's rows; through torch, one `draft_topk` over the
-    step's calls stacked (same drafter, same vocabulary), split back. `between`: called between two native calls (the tap thread gives way)."""
+    step's calls stacked (same drafter, same vocabulary), split back. `between`: called
+    between two native calls (the tap thread gives way there)."""
     todo = [c for c in step.calls if c.topk is None and c.logits is not None]
     if tapmath.native() is not None:
         first = step.calls[0] if step.calls else None
