@@ -95,6 +95,33 @@ def write_rows(w: Any, tw: TableWrite) -> None:
     w.write(tw.table, **kwargs)
 
 
+def _may_raise_back(soft_rlimit: int, nice: int, cap_eff: int) -> bool:
+    """Whether a thread lowered to SCHED_IDLE may be raised back to SCHED_OTHER at `nice`
+    (sched_setscheduler(2), Linux: CAP_SYS_NICE, or RLIMIT_NICE's soft limit at least
+    20 - nice)."""
+    return 20 - nice <= soft_rlimit or bool(cap_eff >> 23 & 1)  # bit 23: CAP_SYS_NICE
+
+
+def _may_restore_policy() -> bool:
+    """`_may_raise_back` for this process; never guessed: unreadable means no."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NICE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return True
+        cap_eff = 0
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    cap_eff = int(line.split()[1], 16)
+        return _may_raise_back(soft, os.nice(0), cap_eff)
+    except (OSError, ValueError, ImportError):
+        return False
+
+
 class Recorder:
     """Per-process state: the config, the lazily opened writer (only processes that record a
     row or an audit item open one), disabled taps.
@@ -150,6 +177,15 @@ class Recorder:
         self.fine_way = os.environ.get("HSTRACE_TAP_FINE", "1") != "0"
         self._gap_waiter: threading.Event | None = None  # the tap thread, waiting for a gap
         self._tap_ident: int | None = None  # the tap thread's (make_way runs there only)
+        # A step that starts while the tap thread is mid-stage (it gives way only between its
+        # stages) lowers it to SCHED_IDLE until the step ends: the kernel then runs it only when
+        # the serving thread's core would idle, not in the step's time slices (where it took the
+        # GIL from the step's forward). Only where this process may raise it back
+        # (`_may_restore_policy`). HSTRACE_TAP_IDLE=0: never (the bench's side by side).
+        self.step_idle = os.environ.get("HSTRACE_TAP_IDLE", "1") != "0"
+        self._tap_tid: int | None = None  # the tap thread's kernel id, where it may be lowered
+        self._tap_parked = True  # waiting for work or for a gap (not mid-stage)
+        self._tap_lowered = False  # lowered for the step that runs
 
     # the `work` levels (protocol.WORK_LEVELS) an engine's hooks honour: only a recording here
     WORK_LEVELS: tuple[str, ...] = ("rows",)
@@ -189,6 +225,10 @@ class Recorder:
         """The engine's step has started (its serving thread, armed only): the writer process
         is told, so that it works while the step runs, not in the gap after it."""
         self.in_step = True
+        if self._tap_tid is not None and not self._tap_parked and not self._behind():
+            self._tap_lowered = self._tap_policy(True)
+            if not self.armed:  # a disarm came in between: its `_open_gap` may have run
+                self._open_gap()
         self._phase(True)
 
     def step_ended(self) -> None:
@@ -201,7 +241,12 @@ class Recorder:
             self._release()
 
     def _open_gap(self) -> None:
+        """No step runs now (its end, or a disarm's): the tap thread, if lowered for the step,
+        is raised back before it is let go on."""
         self.in_step = False
+        if self._tap_lowered:
+            self._tap_lowered = False
+            self._tap_policy(False)
         waiter = self._gap_waiter
         if waiter is not None:
             self._gap_waiter = None
@@ -226,13 +271,14 @@ class Recorder:
         os.sched_yield()  # releases the GIL (CPython >= 3.11.1, as vLLM's own spin relies on)
         if not self.in_step:
             return
-        q = self._deferred
-        if q is not None and q.qsize() >= self.DEFER_DEPTH // 2:
+        if self._behind():
             return
         waiter = threading.Event()
         self._gap_waiter = waiter
         if self.in_step:  # the step may have ended since: then nobody will set it
+            self._tap_parked = True
             waiter.wait(self.GAP_WAIT_S)
+            self._tap_parked = False
         self._gap_waiter = None
 
     def make_way_within(self) -> None:
@@ -244,6 +290,27 @@ class Recorder:
         leaves it less to wait (bench/README.md, twenty-second pass: traced)."""
         if self.fine_way:
             self.make_way()
+
+    def _behind(self) -> bool:
+        """Half the tap thread's queue waits: it must keep up, in the steps too (`make_way`
+        does not wait then either, and it is not lowered)."""
+        q = self._deferred
+        return q is not None and q.qsize() >= self.DEFER_DEPTH // 2
+
+    def _tap_policy(self, lowered: bool) -> bool:
+        """The tap thread to SCHED_IDLE or back to SCHED_OTHER (the serving thread's call: two
+        a step at most, only while the tap thread is mid-stage). A refusal to lower turns this
+        off for good; one to raise it back (not expected: `_may_restore_policy`) too."""
+        tid = self._tap_tid
+        if tid is None:
+            return False
+        try:
+            policy = os.SCHED_IDLE if lowered else os.SCHED_OTHER
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+            return True
+        except OSError:
+            self._tap_tid = None
+            return False
 
     def _phase(self, running: bool) -> None:
         w = self._writer
@@ -272,9 +339,13 @@ class Recorder:
         placement.move_here(placement.tap_cpus())  # beside the serving thread unless named
         placement.name_thread("hstrace-taps")
         self._tap_ident = threading.get_ident()
+        if self.step_idle and self.paced and _may_restore_policy():
+            self._tap_tid = threading.get_native_id()
         q = self._deferred
         while True:
+            self._tap_parked = True
             fn = q.get()  # paced: queued at its step's end (`step_ended`)
+            self._tap_parked = False
             try:
                 fn()  # its taps run under run_tap: a failure disables one and is recorded
             except Exception as exc:  # never let the tap thread die

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.armed import arm_in_thread
-from hstrace.hooks import control
+from hstrace.hooks import common, control
 from hstrace.hooks.common import Recorder
 
 from hstrace.engines import control as client
@@ -471,3 +471,106 @@ def test_fine_way_gives_way_between_the_tables_of_a_stage_and_the_top_ks_calls(
     between: list[int] = []
     taps.finish_topk(step, between=lambda: between.append(1))
     assert len(between) == 2 and all(c.topk is not None and c.logits is None for c in calls)
+
+
+def _policy(tid: int) -> int:
+    return os.sched_getscheduler(tid)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "SCHED_IDLE") or not common._may_restore_policy(),
+    reason="this process may not raise a thread back from SCHED_IDLE (no CAP_SYS_NICE, "
+    "RLIMIT_NICE 0): the hooks then never lower it (the next test)",
+)
+def test_a_step_that_starts_mid_stage_lowers_the_tap_thread_until_it_ends() -> None:
+    """A step that starts while the tap thread is mid-stage (it gives way only between
+    stages) puts it in SCHED_IDLE until the step ends or a disarm says none runs: the kernel
+    runs it only when the serving thread's core would idle (bench/README.md, twenty-third
+    pass). A tap thread waiting for work or for a gap is left as it is."""
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.paced = True
+    gate, inside = threading.Event(), threading.Event()
+
+    def stage() -> None:  # mid-stage: neither waiting for work nor for a gap
+        inside.set()
+        gate.wait(10)
+
+    rec.defer(stage)
+    rec.step_ended()
+    assert inside.wait(10)
+    tid = rec._tap_tid
+    assert tid is not None and _policy(tid) == os.SCHED_OTHER
+    rec.step_started()
+    assert _policy(tid) == os.SCHED_IDLE
+    rec.step_ended()
+    assert _policy(tid) == os.SCHED_OTHER
+    rec.step_started()
+    assert _policy(tid) == os.SCHED_IDLE
+    rec.armed = rec.session_open = True
+    gate.set()
+    assert rec.disarm()  # no step end will come: raised back all the same
+    assert _policy(tid) == os.SCHED_OTHER and not rec._tap_lowered
+
+    # behind (half the queue waiting): not lowered, it must keep up
+    gate.clear()
+    inside.clear()
+    rec.defer(stage)
+    rec.step_ended()
+    assert inside.wait(10)
+    for _ in range(Recorder.DEFER_DEPTH // 2):
+        rec.defer(lambda: None)
+    rec._release()
+    rec.step_started()
+    assert _policy(tid) == os.SCHED_OTHER and not rec._tap_lowered
+    gate.set()
+    rec.step_ended()
+    rec.drain()
+
+    # parked (waiting for work): a step's start leaves it alone
+    deadline = time.monotonic() + 10
+    while not rec._tap_parked and time.monotonic() < deadline:
+        time.sleep(0.001)
+    rec.step_started()
+    assert _policy(tid) == os.SCHED_OTHER and not rec._tap_lowered
+    rec.step_ended()
+
+
+def test_the_tap_thread_is_never_lowered_where_it_could_not_be_raised_back(
+    monkeypatch,
+) -> None:
+    """Lowered to SCHED_IDLE, a thread needs CAP_SYS_NICE or RLIMIT_NICE to leave it; without
+    them the hooks never lower it (a tap thread stuck there would starve beside vLLM's
+    spinning worker). A kernel that refuses a change turns it off for good; HSTRACE_TAP_IDLE=0
+    turns it off; neither ever reaches the engine."""
+    assert common._may_raise_back(soft_rlimit=0, nice=0, cap_eff=0) is False
+    assert common._may_raise_back(soft_rlimit=20, nice=0, cap_eff=0) is True
+    assert common._may_raise_back(soft_rlimit=10, nice=10, cap_eff=0) is True
+    assert common._may_raise_back(soft_rlimit=0, nice=0, cap_eff=1 << 23) is True  # SYS_NICE
+    assert common._may_raise_back(soft_rlimit=0, nice=0, cap_eff=(1 << 23) - 1) is False
+
+    calls: list[tuple[int, int]] = []
+
+    def refuse(tid: int, policy: int, param: object) -> None:
+        calls.append((tid, policy))
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(common.os, "sched_setscheduler", refuse)
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.paced = True
+    rec._tap_tid, rec._tap_parked = 12345, False  # a tap thread mid-stage
+    rec.step_started()  # refused: never raises, and off from now on
+    assert calls == [(12345, os.SCHED_IDLE)] and rec._tap_tid is None and not rec._tap_lowered
+    rec.step_ended()
+    rec.step_started()
+    assert len(calls) == 1
+
+    monkeypatch.setattr(common, "_may_restore_policy", lambda: False)
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.paced = True
+    rec.defer(lambda: None)
+    rec.step_ended()
+    rec.drain()
+    assert rec._tap_tid is None  # the tap thread runs, never to be lowered
+
+    monkeypatch.setenv("HSTRACE_TAP_IDLE", "0")
+    assert not Recorder({"streams": []}, (0, 32, 0)).step_idle
