@@ -183,7 +183,10 @@ def _emit_step(rec: VLLMRecorder, step: taps.Step, keep_at: Any = _NOW) -> None:
     `keep_at`: the batch indices kept by --sample-every, as they were when the step began
     (the serving thread has moved on by now); default: the recorder's current ones."""
     if callable(step.verify_probs):  # the verify's rows, built here (the step carried them)
-        step.verify_probs = step.verify_probs()
+        # first a yield: woken at the step's end, this thread would otherwise start its first
+        # stage while vLLM's worker still sends the step's output
+        rec.make_way_within()
+        step.verify_probs = step.verify_probs(rec.make_way_within)
         rec.make_way()
     keep = rec.keep_at if keep_at is _NOW else keep_at
     # with no --sample-every cut to follow, the first call's rows land in its extend's rows
@@ -384,8 +387,9 @@ def wrap_compute_logits(original: Callable) -> Callable:
                 d2t = getattr(self, "draft_id_to_target_id", None)
                 if logits.is_cuda:  # an async kernel here (see propose_draft_token_ids)
                     last.topk = taps.draft_topk(logits.detach(), d2t)
-                else:  # top-k off the serving thread
-                    last.logits, last.d2t = logits.detach(), d2t
+                else:  # top-k off the serving thread (inference mode: nothing to detach)
+                    last.logits = logits.detach() if logits.requires_grad else logits
+                    last.d2t = d2t
 
             rec.run_tap("draft", tap)
         return logits
@@ -403,7 +407,7 @@ def _rule(sampler: Any, draft_probs: Any, sm: Any) -> int:
 
 def _verify_tap(
     sampler: Any, a: dict[str, Any], raw: Any, proc: Any
-) -> Callable[[], taps.VerifyProbs]:
+) -> Callable[..., taps.VerifyProbs]:
     """What the rule compared, snapshotted on the serving thread; returns the work that turns
     it into batch columns (`taps.verify_probs`: log-sum-exp, gathers, history counts), which
     runs on the tap thread on CPU. Snapshotted here: the target's rows at the drafted
@@ -418,7 +422,9 @@ def _verify_tap(
     import torch
 
     meta, sm, draft_probs = a["metadata"], a["sampling_metadata"], a["draft_probs"]
-    draft_ids = _copy(meta.draft_token_ids)
+    # vLLM builds the step's drafted ids afresh (an index of its input ids, or
+    # `SpecDecodeMetadata.make_dummy`'s tensor) and never writes them again: no copy
+    draft_ids = meta.draft_token_ids
     vocab = raw.shape[-1]
 
     def clamped(device: Any) -> Any:  # the drafted ids as gather indices [N, 1]
@@ -454,12 +460,14 @@ def _verify_tap(
     draft_probs = _copy(draft_probs) if draft_probs is not None else None
     rule = _rule(sampler, draft_probs, sm)
 
-    def rows() -> taps.VerifyProbs:
+    def rows(between: Callable[[], None] | None = None) -> taps.VerifyProbs:
         resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
         if greedy:
             resolved["temperature"] = taps.filled(n_req, 0.0, torch.float32)
         if kept is not None:
             resolved.update(zip(present, _param_columns(kept), strict=True))
+        if between is not None:  # the tap thread gives way here too (`_emit_step`)
+            between()
         return taps.verify_probs(  # pen_logit None: the identity, the raw logit
             draft_ids, num_draft, _float(tapmath.tensor_of(raw)), pen_logit, proc, draft_probs,
             resolved, rule, prompt_ids=prompt_ids, output_ids=output_ids,
@@ -492,6 +500,18 @@ def _raw_rows(logits: Any, at: Any) -> Any:
 # `rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
 # draft_probs, target_logits, ...)`: the processed target rows are its sixth argument.
 _TARGET_LOGITS_ARG = 5
+
+
+def _verify_rows_later(
+    rec: VLLMRecorder, rows: Callable[..., taps.VerifyProbs]
+) -> Callable[..., taps.VerifyProbs | None]:
+    """The verify's rows, built when called (with `between`: the tap thread's give-way inside
+    them), as the verify tap: a failure disables it and is recorded."""
+
+    def later(between: Callable[[], None] | None = None) -> taps.VerifyProbs | None:
+        return rec.run_tap("verify_probs", lambda: rows(between))
+
+    return later
 
 
 def wrap_rejection_forward(original: Callable) -> Callable:
@@ -538,10 +558,10 @@ def wrap_rejection_forward(original: Callable) -> Callable:
                     "verify_probs", lambda: _verify_tap(self, a, seen["raw"], seen["proc"])
                 )
                 if rows is not None:
-                    later = functools.partial(rec.run_tap, "verify_probs", rows)
                     # emitted on this thread: built now; else the step's own hand-over carries
-                    # the work to the tap thread (`_emit_step`): one hand-over per step
+                    # the work to the tap thread (`_emit_step`, which gives way inside it)
                     inline = not rec.tap_thread or seen["proc"].is_cuda
+                    later = _verify_rows_later(rec, rows)
                     rec.pending_verify = (a["metadata"], later() if inline else later)
 
     return forward

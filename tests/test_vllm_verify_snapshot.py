@@ -79,12 +79,13 @@ def test_a_sampled_verify_keeps_what_the_rule_used_not_later_updates() -> None:
     sampler, a, raw, proc, drafts = _verify(0.8, 0.9, 5)
     rows = vp._verify_tap(sampler, a, raw, proc)
     # vLLM updates its persistent batch and reuses its buffers after the step
-    sm, meta = a["sampling_metadata"], a["metadata"]
+    sm = a["sampling_metadata"]
     sm.temperature.fill_(3.0)
     sm.top_p.fill_(0.1)
     sm.top_k.fill_(1)
     sm.repetition_penalties.fill_(7.0)
-    meta.draft_token_ids.fill_(0)
+    # (the drafted ids are not copied: vLLM 0.32 and 0.33 build them afresh each step, an index
+    # of the input ids' buffer, and never write them again)
     probs = rows()
     assert probs.req["temperature"].tolist() == pytest.approx([0.8, 0.5, 1.5])
     assert probs.req["top_p"].tolist() == pytest.approx([0.9] * B)
@@ -130,3 +131,32 @@ def test_the_raw_rows_are_copied_before_vllm_runs_and_leave_torch_what_it_raises
     assert vp._float(tapmath.tensor_of(half)).dtype == torch.float32
     with pytest.raises(IndexError):  # out of range: torch's route, which raises as vLLM would
         vp._raw_rows(torch.randn(3, V), torch.tensor([3]))
+
+
+def test_the_verify_rows_give_way_once_inside_and_are_the_same() -> None:
+    """The step carries its verify's rows to the tap thread unbuilt (`_verify_rows_later`, the
+    verify tap); `_emit_step` builds them there, giving way once inside
+    (`Recorder.make_way_within`); the inline path builds them with no give-way. The rows do
+    not depend on it, and a failure disables the verify tap, never reaching the engine."""
+    from hstrace.hooks import vllm_patches as vp
+    from hstrace.hooks.common import Recorder
+
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    sampler, a, raw, proc, _ = _verify(0.8, 0.9, 5)
+    ways: list[int] = []
+    split = vp._verify_rows_later(rec, vp._verify_tap(sampler, a, raw, proc))(
+        lambda: ways.append(1)
+    )
+    whole = vp._verify_rows_later(rec, vp._verify_tap(sampler, a, raw, proc))()
+    assert ways == [1] and split is not None and whole is not None
+    for part in ("req", "tok"):
+        got, want = getattr(split, part), getattr(whole, part)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k].nan_to_num(-7), want[k].nan_to_num(-7)), k
+
+    def broken(between=None):
+        raise RuntimeError("no rows")
+
+    assert vp._verify_rows_later(rec, broken)(lambda: None) is None
+    assert "verify_probs" in rec.disabled
