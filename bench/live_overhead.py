@@ -784,7 +784,18 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 session.end(f"armed round {i}")
                 disarm_s.append(time.perf_counter() - t1)
                 trace_bytes.append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
-                for name, n in verify_rules(out).items():
+                judged = verify_rules(out)
+                if args.work == "rows" and not set(judged) - {"not recorded"}:
+                    # a tap that failed drops or blanks the rows, and the round then costs
+                    # less than a recording: its ratio would not be a recording's
+                    print(
+                        f"live_overhead: {arm} round {i}: its trace holds no verify row the "
+                        f"verify tap judged ({judged or 'none at all'}): the hooks did not "
+                        f"record; see the server's log under {work}",
+                        file=sys.stderr,
+                    )
+                    raise SystemExit(3)
+                for name, n in judged.items():
                     rules[name] = rules.get(name, 0) + n
                 shutil.rmtree(out, ignore_errors=True)
             for arm in got:
