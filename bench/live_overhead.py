@@ -655,6 +655,14 @@ def rank_summary(out: Path) -> dict[str, dict[str, int]]:
     return res
 
 
+def may_lower_tap_thread() -> bool:
+    """Whether the hooks lower a mid-stage tap thread during a step (`Recorder.step_started`):
+    only where the process may raise it back (the server runs as this process does)."""
+    from hstrace.hooks.common import _may_restore_policy
+
+    return _may_restore_policy()
+
+
 def verify_rules(out: Path) -> dict[str, int]:
     """How many of a trace's verify rows (rank 0) each rule judged: with sampled traffic they
     are one-hot (the draft taken as one-hot, accepted with p_target), not greedy, which says the
@@ -1158,6 +1166,11 @@ def main() -> None:
                 # HSTRACE_TAP_FINE=0: it gives way between stages only, not inside them
                 "tap_thread_gives_way_within_stages": os.environ.get("HSTRACE_TAP_FINE", "1")
                 != "0",
+                # HSTRACE_TAP_IDLE=0: a step that starts mid-stage does not lower the tap thread
+                # to SCHED_IDLE; it never does where it could not be raised back (the server
+                # runs as this process does)
+                "tap_thread_idle_in_steps": os.environ.get("HSTRACE_TAP_IDLE", "1") != "0"
+                and may_lower_tap_thread(),
                 "burn_ms_per_period": [args.burn_ms, args.burn_period_ms],  # --burn-ms
                 "speculative_config": WORLD.spec,
                 "sampling": SAMPLING,
