@@ -223,7 +223,8 @@ class Recorder:
 
     def step_started(self) -> None:
         """The engine's step has started (its serving thread, armed only): the writer process
-        is told, so that it works while the step runs, not in the gap after it."""
+        is told, so that it works while the step runs, not in the gap after it, and a tap
+        thread caught mid-stage is lowered to SCHED_IDLE until the step ends (`_open_gap`)."""
         self.in_step = True
         if self._tap_tid is not None and not self._tap_parked and not self._behind():
             self._tap_lowered = self._tap_policy(True)
@@ -339,7 +340,12 @@ class Recorder:
         placement.move_here(placement.tap_cpus())  # beside the serving thread unless named
         placement.name_thread("hstrace-taps")
         self._tap_ident = threading.get_ident()
-        if self.step_idle and self.paced and _may_restore_policy():
+        if (
+            self.step_idle
+            and self.paced
+            and _may_restore_policy()
+            and os.sched_getscheduler(0) == os.SCHED_OTHER  # what `_tap_policy` restores
+        ):
             self._tap_tid = threading.get_native_id()
         q = self._deferred
         while True:

@@ -572,5 +572,16 @@ def test_the_tap_thread_is_never_lowered_where_it_could_not_be_raised_back(
     rec.drain()
     assert rec._tap_tid is None  # the tap thread runs, never to be lowered
 
+    # a thread that does not start in SCHED_OTHER (an operator's SCHED_BATCH, say) is left
+    # alone: raising it back would not restore what it had
+    monkeypatch.setattr(common, "_may_restore_policy", lambda: True)
+    monkeypatch.setattr(common.os, "sched_getscheduler", lambda pid: os.SCHED_BATCH)
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.paced = True
+    rec.defer(lambda: None)
+    rec.step_ended()
+    rec.drain()
+    assert rec._tap_tid is None
+
     monkeypatch.setenv("HSTRACE_TAP_IDLE", "0")
     assert not Recorder({"streams": []}, (0, 32, 0)).step_idle
