@@ -17,8 +17,13 @@ Prints one JSON object: ms per step (median, min) and the thread's CPU per step,
 --profile the calls that cost most (every torch call on the tap thread gives the GIL to the
 serving thread and takes it back: their number is the figure to watch).
 
-`--gap-ms G` sleeps G ms between steps (the tap thread in a server wakes once a step, after the
-engine's step has run), and `--spinner` runs a stand-in for vLLM's waiting worker thread beside
+`--gap-ms G` puts G ms between steps (the tap thread in a server wakes once a step, after the
+engine's step has run), spent as `--gap-work` says: `sleep` (the core idles: a wake from idle
+costs this host's vCPU more than anything a server does, whose cores never idle while vLLM's
+loops spin), `spin` (a Python loop reading the clock: the core busy, its caches left alone) or
+`forward` (a stand-in for the engine's step: the tiny world's shapes through eight small
+decoder layers in eager torch, dispatch-bound as its forward is; the closest of the three to
+the server, bench/README.md, twenty-fifth pass), and `--spinner` runs a stand-in for vLLM's waiting worker thread beside
 it, pinned to the same core: a Python loop that reads a flag and calls `os.sched_yield()`, as
 `SpinCondition.wait` does between steps (it takes the GIL each time a torch call lets it go).
 Together they say whether the tap thread's cost in a server (about three times this figure)
@@ -103,13 +108,57 @@ class Spinner:
         return self.yields
 
 
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+class _Forward:
+    """The gap spent on a stand-in for the engine's step: the tiny world's target shapes (a
+    batch's 32 rows of hidden 64, MLP 128, vocabulary 512, eight layers) through eager torch,
+    small calls that each cost their dispatch more than their arithmetic, as the world's forward
+    does in vLLM (fixed seed; the result is dropped)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.emb = torch.randn(512, 64, generator=g)
+        self.up = torch.randn(128, 64, generator=g)
+        self.down = torch.randn(64, 128, generator=g)
+        self.norm = torch.ones(64)
+        self.ids = torch.arange(32)
+
+    def once(self) -> torch.Tensor:
+        fn = torch.nn.functional
+        h = fn.embedding(self.ids, self.emb)
+        for _ in range(8):
+            a = fn.layer_norm(h, (64,), self.norm)
+            a = torch.softmax(a @ a.T / 8.0, dim=-1) @ a
+            h = h + fn.linear(fn.silu(fn.linear(a, self.up)), self.down)
+        return torch.argmax(fn.linear(h, self.emb), dim=-1)
+
+    def __call__(self, seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            self.once()
+
+
+GAPS = {"sleep": time.sleep, "spin": _spin, "forward": _Forward()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--drafter", choices=sorted(lo.WORLDS), default="eagle3")
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--gap-ms", type=float, default=0.0, help="sleep between steps")
+    ap.add_argument("--gap-ms", type=float, default=0.0, help="ms between steps")
+    ap.add_argument(
+        "--gap-work",
+        choices=("sleep", "spin", "forward"),
+        default="sleep",
+        help="what the time between steps is spent on",
+    )
     ap.add_argument(
         "--spinner",
         action="store_true",
@@ -127,9 +176,10 @@ def main() -> None:
     spinner = Spinner.start() if args.spinner else None
     prof = cProfile.Profile() if args.profile else None
     times, cpu = [], []
+    between = GAPS[args.gap_work]
     for step in steps[warm:]:
         if args.gap_ms:
-            time.sleep(args.gap_ms / 1e3)
+            between(args.gap_ms / 1e3)
         t0, c0 = time.perf_counter(), time.thread_time()
         if prof is not None:
             prof.enable()
@@ -144,6 +194,7 @@ def main() -> None:
         "batch": args.batch,
         "steps": args.steps,
         "gap_ms": args.gap_ms,
+        "gap_work": args.gap_work if args.gap_ms else None,
         "spinner_yields": spins,
         "ms_per_step_median": round(1e3 * statistics.median(times), 3),
         "ms_per_step_min": round(1e3 * min(times), 3),

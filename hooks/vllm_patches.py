@@ -405,6 +405,11 @@ def _rule(sampler: Any, draft_probs: Any, sm: Any) -> int:
     return taps.RULE_ONE_HOT if draft_probs is None else taps.RULE_DRAFT_PROBS
 
 
+# Each request's penalties where vLLM's batch has none in force (`SamplingMetadata.no_penalties`:
+# no request holds another value): vLLM's SamplingParams defaults.
+NO_PENALTY = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
+
+
 def _verify_tap(
     sampler: Any, a: dict[str, Any], raw: Any, proc: Any
 ) -> Callable[..., taps.VerifyProbs]:
@@ -417,8 +422,10 @@ def _verify_tap(
     masks: otherwise it returns its input); the processed rows vLLM itself handed
     `rejection_sample` (`proc`, a per-step tensor vLLM drops after `forward`; never
     recomputed: its temperature expansion reads fresh memory on CPU); the draft's
-    probabilities; the sampling parameters and the histories the penalties count, copied
-    (vLLM updates its persistent batch in place)."""
+    probabilities; the sampling parameters in force and the histories the penalties count,
+    copied (vLLM updates its persistent batch in place). A batch without penalties
+    (`no_penalties`) copies none of them: its columns are the defaults (`NO_PENALTY`), what the
+    rule used."""
     import torch
 
     meta, sm, draft_probs = a["metadata"], a["sampling_metadata"], a["draft_probs"]
@@ -449,6 +456,10 @@ def _verify_tap(
         "frequency_penalty": sm.frequency_penalties,
         "presence_penalty": sm.presence_penalties,
     }
+    no_penalties = bool(sm.no_penalties)
+    if no_penalties:  # vLLM applies none (`apply_penalties` returns its input): every
+        for name in NO_PENALTY:  # request's are the defaults, written off this thread; no copy
+            params[name] = None
     # a copy of every parameter in force (float32 [B] each, off this thread): vLLM updates
     # its batch in place
     present = [k for k, v in params.items() if v is not None]
@@ -464,6 +475,9 @@ def _verify_tap(
         resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
         if greedy:
             resolved["temperature"] = taps.filled(n_req, 0.0, torch.float32)
+        if no_penalties:
+            for name, value in NO_PENALTY.items():
+                resolved[name] = taps.filled(n_req, value, torch.float32)
         if kept is not None:
             resolved.update(zip(present, _param_columns(kept), strict=True))
         if between is not None:  # the tap thread gives way here too (`_emit_step`)

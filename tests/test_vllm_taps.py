@@ -414,3 +414,16 @@ def test_the_tap_threads_batched_work_equals_the_per_call_and_per_request_work()
         only_c.other["proposed"]["logit_raw"].tolist()
         == v.other["proposed"]["logit_raw"][2:].tolist()
     )
+
+
+def test_a_steady_batch_shares_its_request_key_column() -> None:
+    from hstrace.engines.rows import request_keys
+
+    first = request_keys(["a", "b"])
+    assert first.tolist() == [request_key("a"), request_key("b")]
+    again = request_keys(("a", "b"))  # the next decode step: the same batch, the same column
+    assert again is first
+    other = request_keys(["b", "a"])  # another batch (order counts): its own column
+    assert other is not first and other.tolist() == [request_key("b"), request_key("a")]
+    assert request_keys(["a", "b"]).tolist() == first.tolist()
+    assert request_keys([]).tolist() == []

@@ -14,7 +14,12 @@ pytestmark = pytest.mark.vllm
 B, K, V = 3, 2, 40
 
 
-def _verify(temperature: float | None, top_p: float | None, top_k: int | None):
+def _verify(
+    temperature: float | None, top_p: float | None, top_k: int | None, penalties: bool = True
+):
+    """One verify; `penalties`: the batch holds some (no_penalties False: vLLM applies them,
+    over the prompts and outputs below), else none (no_penalties True: every buffer value is a
+    default; the buffers below still hold stale values of requests gone, which vLLM ignores)."""
     from vllm.v1.sample.logits_processor import LogitsProcessors
     from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.rejection_sampler import RejectionSampler
@@ -37,13 +42,14 @@ def _verify(temperature: float | None, top_p: float | None, top_k: int | None):
         top_k=None if top_k is None else torch.full((B,), top_k, dtype=torch.int32),
         generators={},
         max_num_logprobs=None,
-        no_penalties=True,
-        prompt_token_ids=None,
+        no_penalties=not penalties,
+        # each request's prompt holds its drafted tokens (rows padded with V, as vLLM pads them)
+        prompt_token_ids=torch.tensor([[*d, V] for d in drafts]) if penalties else None,
         frequency_penalties=torch.tensor([0.0, 0.25, 0.0]),
         presence_penalties=torch.zeros(B),
         # a persistent batch is longer than the step's requests: the first B rows are theirs
         repetition_penalties=torch.tensor([1.0, 1.1, 1.2, 9.0]),
-        output_token_ids=[[] for _ in range(B)],
+        output_token_ids=[[4], [], [5, 5]],
         allowed_token_ids_mask=None,
         bad_words_token_ids={},
         logitsprocs=LogitsProcessors(),
@@ -70,7 +76,33 @@ def test_a_greedy_verify_resolves_temperature_zero_and_the_penalties_in_force() 
     assert probs.req["frequency_penalty"].tolist() == [0.0, 0.25, 0.0]
     ids = torch.tensor(drafts).reshape(-1, 1)
     assert torch.equal(probs.tok["logit_raw"], raw.gather(1, ids).reshape(-1))
+    # vLLM's own penalties, on a copy of the raw rows
+    pen = sampler.apply_logits_processors(raw.clone(), a["sampling_metadata"], a["metadata"])
+    assert torch.equal(probs.tok["logit_pen"], pen.gather(1, ids).reshape(-1))
+    assert not torch.equal(probs.tok["logit_pen"], probs.tok["logit_raw"])
+
+
+def test_a_batch_without_penalties_has_the_defaults_and_copies_none(monkeypatch) -> None:
+    from hstrace.hooks import vllm_patches as vp
+
+    copied = []
+    real = vp._param_copies
+    monkeypatch.setattr(vp, "_param_copies", lambda v, n: copied.append(len(v)) or real(v, n))
+    sampler, a, raw, proc, drafts = _verify(None, None, None, penalties=False)
+    rows = vp._verify_tap(sampler, a, raw, proc)
+    assert copied == []  # greedy, no penalties: no parameter copied on the serving thread
+    probs = rows()
+    # vLLM applied none: the defaults, not the stale values its buffers hold
+    assert probs.req["repetition_penalty"].tolist() == [1.0] * B
+    assert probs.req["frequency_penalty"].tolist() == [0.0] * B
+    assert probs.req["presence_penalty"].tolist() == [0.0] * B
+    assert probs.req["repetition_penalty"].dtype == torch.float32
+    ids = torch.tensor(drafts).reshape(-1, 1)
     assert torch.equal(probs.tok["logit_pen"], raw.gather(1, ids).reshape(-1))
+    # sampled, no penalties: only the sampling parameters in force are copied
+    sampler, a, raw, proc, drafts = _verify(0.8, 0.9, None, penalties=False)
+    vp._verify_tap(sampler, a, raw, proc)()
+    assert copied == [2]  # temperature and top_p
 
 
 def test_a_sampled_verify_keeps_what_the_rule_used_not_later_updates() -> None:

@@ -34,15 +34,24 @@ class TableWrite:
 
 _KEYS: dict[str, int] = {}  # request id -> its key: a decode batch's ids recur every step
 _KEYS_MAX = 4096  # ids kept before the cache starts over
+# the last batch's ids and their column: a steady decode batch's column is made once, not at
+# every step (a column is only ever read: staged, compared; never written in place)
+_LAST_KEYS: tuple[tuple[str, ...], Any] | None = None
 
 
 def request_keys(rids: Sequence[str]) -> Any:
     """The store's stable 63-bit hash of each request id, as the `req_key` column (each id
-    hashed once while it is among the last `_KEYS_MAX` ids seen)."""
+    hashed once while it is among the last `_KEYS_MAX` ids seen; the last batch's column
+    shared while the batch stays the same)."""
+    global _LAST_KEYS
     import torch
 
     from hstrace.trace import request_key
 
+    batch = tuple(rids)
+    last = _LAST_KEYS  # one read: another thread may replace it
+    if last is not None and last[0] == batch:
+        return last[1]
     keys, out = _KEYS, []
     for rid in rids:
         key = keys.get(rid)
@@ -51,7 +60,9 @@ def request_keys(rids: Sequence[str]) -> Any:
                 keys.clear()
             key = keys[rid] = request_key(rid)
         out.append(key)
-    return torch.tensor(out, dtype=torch.int64)
+    column = torch.tensor(out, dtype=torch.int64)
+    _LAST_KEYS = (batch, column)
+    return column
 
 
 # The sampling parameters of a request as the engine resolved them: the trace's columns
