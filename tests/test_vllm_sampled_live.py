@@ -88,6 +88,9 @@ def test_every_verify_holds_the_one_hot_rule_inputs(sampled) -> None:
         assert v.rule == 1  # rejection sampling, draft one-hot (vLLM's default draft rule)
         assert v.params["temperature"] == pytest.approx(0.8)
         assert v.params["top_p"] == pytest.approx(0.9)
+        # no penalty in force (vLLM's no_penalties): its defaults, nothing copied for them
+        assert v.params["repetition_penalty"] == 1.0
+        assert v.params["frequency_penalty"] == v.params["presence_penalty"] == 0.0
         t = v.tokens
         assert (t["q_draft"] == 1.0).all()
         assert (t["seen_prompt"] == -1).all()  # no penalties: vLLM keeps no history for them
