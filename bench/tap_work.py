@@ -23,9 +23,10 @@ costs this host's vCPU more than anything a server does, whose cores never idle 
 loops spin), `spin` (a Python loop reading the clock: the core busy, its caches left alone) or
 `forward` (a stand-in for the engine's step: the tiny world's shapes through eight small
 decoder layers in eager torch, dispatch-bound as its forward is; the closest of the three to
-the server, bench/README.md, twenty-fifth pass), and `--spinner` runs a stand-in for vLLM's waiting worker thread beside
-it, pinned to the same core: a Python loop that reads a flag and calls `os.sched_yield()`, as
-`SpinCondition.wait` does between steps (it takes the GIL each time a torch call lets it go).
+the server, bench/README.md, twenty-fifth pass), and `--spinner` runs a stand-in for vLLM's
+waiting worker thread beside it, pinned to the same core: a Python loop that reads a flag and
+calls `os.sched_yield()`, as `SpinCondition.wait` does between steps (it takes the GIL each
+time a torch call lets it go).
 Together they say whether the tap thread's cost in a server (about three times this figure)
 comes from the GIL hand-overs or from running cold (bench/README.md, sixteenth pass).
 """

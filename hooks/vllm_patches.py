@@ -29,6 +29,7 @@ from hstrace.engines.support import Version
 from hstrace.engines.vllm import audit, taps, taps_v2
 from hstrace.engines.vllm.versions import SUPPORT
 from hstrace.findings import from_fact
+from hstrace.trace.schema import NO_PENALTY
 
 
 class VLLMRecorder(Recorder):
@@ -405,11 +406,6 @@ def _rule(sampler: Any, draft_probs: Any, sm: Any) -> int:
     return taps.RULE_ONE_HOT if draft_probs is None else taps.RULE_DRAFT_PROBS
 
 
-# Each request's penalties where vLLM's batch has none in force (`SamplingMetadata.no_penalties`:
-# no request holds another value): vLLM's SamplingParams defaults.
-NO_PENALTY = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-
-
 def _verify_tap(
     sampler: Any, a: dict[str, Any], raw: Any, proc: Any
 ) -> Callable[..., taps.VerifyProbs]:
@@ -456,10 +452,10 @@ def _verify_tap(
         "frequency_penalty": sm.frequency_penalties,
         "presence_penalty": sm.presence_penalties,
     }
-    no_penalties = bool(sm.no_penalties)
-    if no_penalties:  # vLLM applies none (`apply_penalties` returns its input): every
-        for name in NO_PENALTY:  # request's are the defaults, written off this thread; no copy
-            params[name] = None
+    # a batch without penalties (`no_penalties`: no request holds another value; vLLM's
+    # `apply_penalties` returns its input): the defaults, written off this thread; no copy
+    defaults = NO_PENALTY if sm.no_penalties else {}
+    params.update(dict.fromkeys(defaults))
     # a copy of every parameter in force (float32 [B] each, off this thread): vLLM updates
     # its batch in place
     present = [k for k, v in params.items() if v is not None]
@@ -475,9 +471,8 @@ def _verify_tap(
         resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
         if greedy:
             resolved["temperature"] = taps.filled(n_req, 0.0, torch.float32)
-        if no_penalties:
-            for name, value in NO_PENALTY.items():
-                resolved[name] = taps.filled(n_req, value, torch.float32)
+        for name, value in defaults.items():
+            resolved[name] = taps.filled(n_req, value, torch.float32)
         if kept is not None:
             resolved.update(zip(present, _param_columns(kept), strict=True))
         if between is not None:  # the tap thread gives way here too (`_emit_step`)

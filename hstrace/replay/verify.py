@@ -45,6 +45,7 @@ import numpy as np
 
 from hstrace.replay.read import ServingData, VerifyRound
 from hstrace.replay.unavailable import Unavailable
+from hstrace.trace.schema import NO_PENALTY
 
 RULE_NAMES = {0: "greedy", 1: "one-hot", 2: "draft-probs", 3: "synthetic"}
 Z_SPREAD = 4.0  # standard deviations of the binomial spread before the rule is doubted
@@ -174,12 +175,12 @@ def rule_sums(rounds: list[VerifyRound]) -> dict[str, RuleSum]:
 
 
 def penalised(z: float, seen: bool, count: int, params: dict[str, float]) -> float:
-    r = params.get("repetition_penalty", 1.0)
+    r = params.get("repetition_penalty", NO_PENALTY["repetition_penalty"])
     r = 1.0 if not np.isfinite(r) else r
     if seen and r != 1.0:
         z = z / r if z > 0 else z * r
-    f = params.get("frequency_penalty", 0.0)
-    pr = params.get("presence_penalty", 0.0)
+    f = params.get("frequency_penalty", NO_PENALTY["frequency_penalty"])
+    pr = params.get("presence_penalty", NO_PENALTY["presence_penalty"])
     z -= (0.0 if not np.isfinite(f) else f) * count
     z -= (0.0 if not np.isfinite(pr) else pr) * (1.0 if count > 0 else 0.0)
     return z
@@ -199,8 +200,7 @@ def _penalty_inputs(v: VerifyRound, j: int) -> tuple[bool, int, dict[str, float]
     x = int(v.drafts[j])
     seen_prompt, n_out = int(t["seen_prompt"][j]), int(t["n_out"][j])
     if seen_prompt < 0:  # the engine applied no penalties: the request asked for none
-        none = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
-        return False, 0, {**v.params, **none}
+        return False, 0, {**v.params, **NO_PENALTY}
     count = n_out + int((v.drafts[:j] == x).sum())
     return bool(seen_prompt) or count > 0, count, v.params
 

@@ -70,6 +70,9 @@ SAMPLING_FLOAT = (
 SAMPLING_INT = ("top_k", "seed", "max_tokens")
 SAMPLING_COLUMNS = (*SAMPLING_FLOAT, *SAMPLING_INT)
 SAMPLING_UNSET = -1
+# A request's penalties when none is in force (the engines' SamplingParams defaults): what a
+# verify's rule used then (`verify.req.*_penalty`), and what the replay reads them as.
+NO_PENALTY = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 
 # Step-axis columns the writer fills in when the producer does not give them.
 AUTO_STEP_COLUMNS = ("seq", "t_ns")
