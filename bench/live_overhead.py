@@ -309,6 +309,21 @@ def recording_cpu(root: int) -> int:
     return sum(t for k, t in thread_cpu(root).items() if "hstrace" in k[0] or "hstrace" in k[1])
 
 
+def closing_cpu(root: int) -> int:
+    """CPU ticks of a session's close: every live hstrace thread of the server's tree plus the
+    children the server's processes reaped (`cutime` + `cstime`: a writer process that exited
+    at the close is counted there, not lost with its threads)."""
+    reaped = 0
+    for pid in _tree(root):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        reaped += int(fields[13]) + int(fields[14])  # stat fields 16, 17
+    return recording_cpu(root) + reaped
+
+
 def settle(root: int, quiet_ticks: int = 2, window_s: float = 0.2, limit_s: float = 10.0) -> float:
     """Wait until recording has caught up: at most `quiet_ticks` of hstrace CPU in a window.
     The session's first steps (each table's arrays created, the first chunks staged) keep the
@@ -741,6 +756,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     rules: dict[str, int] = {}  # the verify rule of every armed round's verify rows
     arm_s: list[float] = []
     disarm_s: list[float] = []
+    disarm_cpu: list[float] = []  # recording CPU ms of each disarm, per engine step armed
     walls: dict[str, list[float]] = {"armed": [], "dormant": [], "inline": []}
     settled_s: list[float] = []  # waited after an armed session's untimed round (settle)
     setup_cpu: list[float] = []  # recording CPU from the arm to the end of that wait
@@ -771,8 +787,11 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 out = work / f"{arm}-{i}.zarr"
                 r0 = recording_cpu(proc.pid)
                 t0 = time.perf_counter()
-                session = ArmedSession(run, out, tap_thread=arm == "armed", work=args.work)
+                session = ArmedSession(
+                    run, out, tap_thread=arm == "armed", work=args.work, hold_mb=args.hold_mb
+                )
                 arm_s.append(time.perf_counter() - t0)
+                s0 = spec_steps(port)
                 burner = Burner.start(args)
                 # untimed: the session's first steps (each table's first write plans its
                 # columns, the writer creates its arrays) are a per-session cost, not a step's
@@ -788,9 +807,13 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 drafts[arm] += spec_steps(port) - d0
                 if burner is not None:
                     burner.stop()
-                t1 = time.perf_counter()
+                t1, r1, s1 = time.perf_counter(), closing_cpu(proc.pid), spec_steps(port)
                 session.end(f"armed round {i}")
                 disarm_s.append(time.perf_counter() - t1)
+                # what the disarm's close spent (held steps: their rows, built now), per step
+                # of the session (its untimed round's too)
+                hz, steps = os.sysconf("SC_CLK_TCK"), (s1 - s0) / args.prompts
+                disarm_cpu.append((closing_cpu(proc.pid) - r1) / hz * 1e3 / max(steps, 1.0))
                 trace_bytes.append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
                 judged = verify_rules(out)
                 if args.work == "rows" and not set(judged) - {"not recorded"}:
@@ -864,6 +887,12 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             arm: _median_by_name(rounds) for arm, rounds in cpu.items() if rounds
         },
         "disarm_s_median": round(statistics.median(disarm_s), 3) if disarm_s else None,
+        "hold_mb": args.hold_mb,
+        # the disarm's recording CPU (the tap thread and the writer closing the trace; held
+        # steps: their rows, built then) per engine step of the session, median over rounds
+        "disarm_recording_cpu_ms_per_session_step_median": round(statistics.median(disarm_cpu), 3)
+        if disarm_cpu
+        else None,
         # every timed round's CPU summed, per engine step of those rounds (a round is a few
         # ticks per thread: per round, the counters' 10 ms tick is the resolution)
         "cpu_ms_per_engine_step_by_thread": per_step,
@@ -876,7 +905,14 @@ class ArmedSession:
     """One recording session of the running server, armed from a thread of this process
     (`control.arm` returns when it is disarmed); `end` disarms it and checks it closed clean."""
 
-    def __init__(self, run: Path, out: Path, tap_thread: bool = True, work: str = "rows") -> None:
+    def __init__(
+        self,
+        run: Path,
+        out: Path,
+        tap_thread: bool = True,
+        work: str = "rows",
+        hold_mb: float | None = None,
+    ) -> None:
         from hstrace.engines import control
 
         self.run, self.box, ready = run, {}, threading.Event()
@@ -890,6 +926,7 @@ class ArmedSession:
                     armed=lambda s: ready.set(),
                     tap_thread=tap_thread,
                     work=work,
+                    hold_mb=hold_mb,
                 )
             finally:
                 ready.set()
@@ -924,7 +961,7 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
         got: dict[str, float] = {}
         for arm in ("armed", "dormant") if c % 2 == 0 else ("dormant", "armed"):
             session = (
-                ArmedSession(run, work / f"long-{c}.zarr", work=args.work)
+                ArmedSession(run, work / f"long-{c}.zarr", work=args.work, hold_mb=args.hold_mb)
                 if arm == "armed"
                 else None
             )
@@ -1069,7 +1106,16 @@ def main() -> None:
         "--burn-period-ms (a stand-in for a recording's CPU; use with --work none)",
     )
     ap.add_argument("--burn-period-ms", type=float, default=7.0)
+    ap.add_argument(
+        "--hold-mb",
+        type=float,
+        default=None,
+        help="arm the recording rounds with `hstrace arm --hold-mb` (steps held in memory, "
+        "their rows built at the disarm, which is not timed: its CPU is reported per step)",
+    )
     args = ap.parse_args()
+    if args.hold_mb is not None and not args.hold_mb > 0:
+        ap.error("--hold-mb must be > 0")
     if args.burn_ms < 0 or args.burn_period_ms <= args.burn_ms:
         ap.error("--burn-ms must be >= 0 and below --burn-period-ms")
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):

@@ -18,6 +18,15 @@ from hstrace.cli.options import out_option, parse_streams, stop_options, stream_
 )
 @stream_options("Comma-separated streams (as hstrace record). Default: all but logits.")
 @click.option(
+    "--hold-mb",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Hold each process's steps in memory, up to this many MiB, and build and write their "
+    "rows at the disarm: while it holds, a step costs the server only its copies. Past it, "
+    "the steps are written as they come. Steps held are lost if the server dies first. "
+    "vLLM (V1, CPU steps) only.",
+)
+@click.option(
     "--json",
     "as_json",
     is_flag=True,
@@ -31,6 +40,7 @@ def arm(
     duration: float | None,
     streams: str | None,
     on_full: str,
+    hold_mb: float | None,
     as_json: bool,
 ) -> None:
     """Arm the hooks of a running server started dormant, and record until the limit, until
@@ -59,6 +69,7 @@ def arm(
         requests=requests,
         duration_s=duration,
         armed=started,
+        hold_mb=hold_mb,
     )
     reasons = ", ".join(sorted(set(session.ended.values())))
     if as_json:

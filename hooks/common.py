@@ -16,6 +16,7 @@ import importlib.abc
 import importlib.util
 import inspect
 import json
+import math
 import os
 import sys
 import threading
@@ -122,6 +123,17 @@ def _may_restore_policy() -> bool:
         return False
 
 
+def hold_limit(hold_mb: Any) -> int | None:
+    """A session's `hold_mb` in bytes (None: not held); anything but a positive number is
+    refused (the arming client says it)."""
+    if hold_mb is None:
+        return None
+    ok = isinstance(hold_mb, int | float) and not isinstance(hold_mb, bool)
+    if not ok or not math.isfinite(hold_mb) or not hold_mb > 0:
+        raise ValueError(f"hold_mb must be a positive number of MiB, not {hold_mb!r}")
+    return max(1, int(hold_mb * 2**20))
+
+
 class Recorder:
     """Per-process state: the config, the lazily opened writer (only processes that record a
     row or an audit item open one), disabled taps.
@@ -186,6 +198,14 @@ class Recorder:
         self._tap_tid: int | None = None  # the tap thread's kernel id, where it may be lowered
         self._tap_parked = True  # waiting for work or for a gap (not mid-stage)
         self._tap_lowered = False  # lowered for the step that runs
+        # A session armed with `hold_mb` (`hstrace arm --hold-mb`): the steps handed over are
+        # held in memory, not queued, and the tap thread builds their rows only at the disarm
+        # (or once they hold `hold_bytes`: from then on they go to it as they come). While it
+        # holds, a step costs the serving thread its copies and one append; what it leaves
+        # is the same rows, later, and a server that dies first loses the held steps.
+        self.hold_bytes: int | None = None
+        self._hold_used = 0  # bytes of the steps held (the engine's `defer(..., nbytes)`)
+        self._releasing = False  # a release thread queues the held steps (the hold ran over)
 
     # the `work` levels (protocol.WORK_LEVELS) an engine's hooks honour: only a recording here
     WORK_LEVELS: tuple[str, ...] = ("rows",)
@@ -194,10 +214,14 @@ class Recorder:
 
     DEFER_DEPTH = 8  # steps handed over and not yet written; a full queue stalls serving (block)
 
-    def defer(self, fn: Callable[[], None]) -> None:
+    # engines whose step taps hand their work to the tap thread (`defer`) may hold it
+    HOLDS = False
+
+    def defer(self, fn: Callable[[], None], nbytes: int = 0) -> None:
         """Run `fn` (a step's top-k, row building and staging) on this process's tap thread,
         in order, so the serving thread only collects. `fn` must own what it reads (copies, or
-        tensors the engine never writes again). A full queue blocks: nothing is dropped."""
+        tensors the engine never writes again). A full queue blocks: nothing is dropped.
+        `nbytes`: what `fn` holds, counted against a session's `hold_bytes`."""
         q = self._deferred
         if q is None:
             import queue
@@ -209,17 +233,36 @@ class Recorder:
                         target=self._tap_loop, name="hstrace-taps", daemon=True
                     ).start()
             q = self._deferred
-        if self.paced:
-            held = self._held
-            if held is None:
-                import collections
+        held = self._held
+        if held is None:
+            import collections
 
-                held = self._held = collections.deque()
-            held.append(fn)  # queued at the step's end (`step_ended`), or by `drain`
-            if len(held) >= self.DEFER_DEPTH:  # a step whose end never came: no unbounded hold
+            held = self._held = collections.deque()
+        if self.hold_bytes is not None:
+            held.append(fn)  # queued at the disarm (`drain`)
+            self._hold_used += nbytes
+            if self._hold_used >= self.hold_bytes:  # full: from now on the tap thread works
+                self.hold_bytes = None
+                self._releasing = True  # its queue takes DEFER_DEPTH: never this thread's wait
+                threading.Thread(
+                    target=self._release_held, name="hstrace-release", daemon=True
+                ).start()
+            return
+        if self.paced or self._releasing or held:
+            held.append(fn)  # paced: queued at the step's end (`step_ended`), or by `drain`
+            # a step whose end never came: no unbounded hold (unpaced: queued now, in order)
+            if not self._releasing and (not self.paced or len(held) >= self.DEFER_DEPTH):
                 self._release()
             return
         q.put(fn)
+
+    def _release_held(self) -> None:
+        """The held steps to the tap thread, in order, off the serving thread (a hold that ran
+        over its bytes): the steps handed over meanwhile join the same deque behind them."""
+        try:
+            self._release()
+        finally:
+            self._releasing = False
 
     def step_started(self) -> None:
         """The engine's step has started (its serving thread, armed only): the writer process
@@ -238,7 +281,7 @@ class Recorder:
         tap thread now."""
         self._open_gap()
         self._phase(False)
-        if self._held:
+        if self._held and self.hold_bytes is None and not self._releasing:
             self._release()
 
     def _open_gap(self) -> None:
@@ -438,6 +481,9 @@ class Recorder:
             raise ValueError(
                 f"work {work!r}: this engine's hooks take {', '.join(self.WORK_LEVELS)}"
             )
+        hold_bytes = hold_limit(session.get("hold_mb"))
+        if hold_bytes is not None and not self.HOLDS:
+            raise ValueError("hold_mb: this engine's hooks build a step's rows as it runs")
         with self.session_lock:
             if self.armed or self.session_open:
                 raise RuntimeError("already armed")
@@ -453,6 +499,7 @@ class Recorder:
             self.limit_rids = set()
             self.tap_thread = bool(session.get("tap_thread", True))
             self.work = work
+            self.hold_bytes, self._hold_used = hold_bytes, 0
             self.on_arm()
             if self.kept_static or self.kept_errors:
                 w = self.writer()
@@ -471,6 +518,7 @@ class Recorder:
             if not self.armed:
                 return False
             self.armed = False  # no new step starts recording
+            self.hold_bytes = None  # the steps held are queued by the drain below
         # a step that began armed is finished and written into this session's trace
         import time
 

@@ -35,6 +35,10 @@ from hstrace.trace.schema import NO_PENALTY
 class VLLMRecorder(Recorder):
     # protocol.WORK_LEVELS, all of them, in V1's wrappers (a V2 runner's process: rows only)
     WORK_LEVELS: tuple[str, ...] = tuple(protocol.WORK_LEVELS)
+    # V1's step wrapper hands a CPU step to the tap thread: it may be held (`hold_mb`); a
+    # V2 runner's process and a CUDA step build their rows as they run (`wrap_v2_load_model`,
+    # the wrapper's inline branch, which says so in the trace)
+    HOLDS = True
 
     def __init__(self, cfg: dict[str, Any], version: Version) -> None:
         super().__init__(cfg, version)
@@ -230,6 +234,27 @@ def _emit_built(rec: VLLMRecorder, writes: list[TableWrite]) -> None:
             rec.emit([tw])
 
 
+def held_nbytes(step: taps.Step) -> int:
+    """The bytes a step handed over holds until its rows are built (its tensors: the aux
+    concat, the drafter calls' inputs and kept logits); what `hold_mb` counts."""
+    n = 0
+    for t in (step.target_ids, step.target_positions, step.target_aux, step.draft_token_ids):
+        if t is not None:
+            n += t.nbytes
+    for c in step.calls:
+        for t in (c.input_ids, c.positions, c.hidden_in, c.logits):
+            if t is not None:
+                n += t.nbytes
+    return n
+
+
+def _hold_inline() -> None:
+    raise RuntimeError(
+        "hold_mb: steps not held, their rows built as they ran (CUDA tensors, or the bench's "
+        "inline variant)"
+    )
+
+
 def _on_cpu(step: taps.Step) -> bool:
     t = step.target_ids if step.target_ids is not None else step.draft_token_ids
     return t is None or not t.is_cuda
@@ -258,9 +283,13 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
                 rec.defer(lambda: step)
             elif rec.tap_thread and _on_cpu(step):  # the rest off this thread
                 keep = rec.keep_at
-                rec.defer(lambda: _emit_step(rec, step, keep))
+                held = held_nbytes(step) if rec.hold_bytes is not None else 0
+                rec.defer(lambda: _emit_step(rec, step, keep), held)
             else:  # CUDA: another thread's stream would not wait for the
-                _emit_step(rec, step)  # copies queued on this one (unverified without a GPU)
+                if rec.hold_bytes is not None:  # copies queued on this one (unverified
+                    rec.hold_bytes = None  # without a GPU): nothing is held, and the trace
+                    rec.run_tap("hold", _hold_inline)  # says so (a disabled `hold` tap)
+                _emit_step(rec, step)
         finally:
             rec.stepping = False
         return result
@@ -883,6 +912,7 @@ def wrap_v2_load_model(original: Callable) -> Callable:
         rec = REC
         if rec is not None:  # the V2 wrappers take no `work` level but a recording's
             rec.WORK_LEVELS = ("rows",)
+            rec.HOLDS = False  # nor a hold: their rows are built as the step runs
         if rec is not None and getattr(self, "use_aux_hidden_state_outputs", False):
             rec.run_tap("aux_layers", lambda: _aux_layers_tap(rec, self, "v2"))
         return result

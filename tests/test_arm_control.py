@@ -585,3 +585,110 @@ def test_the_tap_thread_is_never_lowered_where_it_could_not_be_raised_back(
 
     monkeypatch.setenv("HSTRACE_TAP_IDLE", "0")
     assert not Recorder({"streams": []}, (0, 32, 0)).step_idle
+
+
+class _Holds(Recorder):
+    HOLDS = True  # as vLLM V1's recorder: its step taps hand their work to the tap thread
+
+
+@pytest.fixture
+def holding(tmp_path):
+    run = tmp_path / "run-held"  # its own run dir: beside `dormant`, a socket of the same pid
+    rec = _Holds(json.loads(dormant_env("vllm", str(run))), (0, 32, 0))
+    rec.paced = True  # vLLM V1: the step's end is told (`step_ended`)
+    channel = control.serve(rec, "vllm")
+    assert channel is not None
+    yield rec, run
+    rec.disarm()
+    if channel.server is not None:
+        channel.server.close()
+    channel._unlink()
+
+
+def held_step(rec: Recorder, rid: str, ran: list[str], nbytes: int = 1000) -> None:
+    """What vLLM's step wrapper does armed: the step's work handed over (`defer`), with the
+    bytes its copies hold; then the step's end."""
+    rec.defer(
+        lambda: (ran.append(rid), rec.emit([requests_write([rid], [[1, 2, 3]], [0])])), nbytes
+    )
+    rec.step_ended()
+
+
+def test_a_held_session_builds_its_rows_only_at_the_disarm(holding, tmp_path) -> None:
+    """`hstrace arm --hold-mb`: while armed, the steps handed over stay in memory (the tap
+    thread is not woken, nothing reaches the writer); the disarm builds and writes every one,
+    in order, into a trace that closes clean."""
+    rec, run = holding
+    out = tmp_path / "held.zarr"
+    t, box = arm_in_thread(run, out, hold_mb=1)
+    assert "error" not in box and rec.hold_bytes == 2**20
+    ran: list[str] = []
+    for i in range(20):  # 20 KB held of 1 MiB
+        held_step(rec, f"r{i}", ran)
+    time.sleep(0.3)
+    assert ran == [] and rec._deferred.qsize() == 0 and len(rec._held) == 20
+    client.disarm(str(run))
+    t.join(30)
+    assert box["session"].ok and ran == [f"r{i}" for i in range(20)]
+    assert rec.hold_bytes is None and not rec._held
+    with open_trace(out) as tr:
+        assert tr.rank(0).clean_close
+        assert tr.rank(0).table("requests").num_rows("req") == 20
+    # the next session, armed without a hold, streams again: the tap thread builds each step
+    t, box = arm_in_thread(run, tmp_path / "streamed.zarr")
+    assert rec.hold_bytes is None
+    held_step(rec, "s0", ran)
+    deadline = time.monotonic() + 10
+    while "s0" not in ran and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ran[-1] == "s0" and rec.armed  # built while still armed
+    client.disarm(str(run))
+    t.join(30)
+
+
+def test_a_hold_that_runs_over_streams_on_in_order_and_never_blocks_serving(
+    holding, tmp_path
+) -> None:
+    """Past `hold_mb`, the held steps (more than the tap thread's queue takes) go to the tap
+    thread from a thread of their own, so the step that ran over does not wait for them; the
+    steps that come while they are queued join them in order, and the disarm writes the rest:
+    nothing dropped, nothing reordered. (From then on a step waits only as a streamed one does,
+    for a full queue.)"""
+    rec, run = holding
+    out = tmp_path / "over.zarr"
+    t, box = arm_in_thread(run, out, hold_mb=1)
+    gate = threading.Event()
+    ran: list[str] = []
+    rec.defer(lambda: (gate.wait(10), ran.append("gate")), 0)  # holds the tap thread up
+    n = 3 * Recorder.DEFER_DEPTH  # more than the tap thread's queue takes
+    for i in range(n):
+        held_step(rec, f"r{i}", ran)
+    assert rec.hold_bytes is not None and len(rec._held) == n + 1
+    t0 = time.monotonic()
+    held_step(rec, f"r{n}", ran, nbytes=2**20)  # runs over 1 MiB
+    for i in range(n + 1, n + 4):  # the release is stuck behind the tap thread: these join it
+        held_step(rec, f"r{i}", ran)
+    assert time.monotonic() - t0 < 1.0  # a queue put here would have waited for the gate
+    assert rec.hold_bytes is None and rec._releasing and ran == []
+    gate.set()
+    client.disarm(str(run))
+    t.join(30)
+    assert box["session"].ok and not rec._releasing
+    assert ran == ["gate"] + [f"r{i}" for i in range(n + 4)]
+    with open_trace(out) as tr:
+        assert tr.rank(0).table("requests").num_rows("req") == n + 4
+
+
+def test_a_hold_is_refused_by_hooks_that_cannot_hold_and_when_not_a_positive_size(
+    dormant, holding, tmp_path
+) -> None:
+    rec, run, _ = dormant  # the base recorder: SGLang's hooks build a step's rows as it runs
+    with pytest.raises(HstraceError, match="hold_mb: this engine's hooks build a step's rows"):
+        client.arm(str(run), tmp_path / "h.zarr", ["requests"], hold_mb=64)
+    assert not rec.armed and not rec.session_open and rec.hold_bytes is None
+    rec, run = holding
+    for bad in (0, -1, float("nan"), float("inf"), "64", True):
+        with pytest.raises(HstraceError, match="hold_mb must be a positive number of MiB"):
+            client.arm(str(run), tmp_path / f"bad-{bad}.zarr", ["requests"], hold_mb=bad)
+        assert not rec.armed and rec.hold_bytes is None
+    assert common.hold_limit(0.5) == 2**19 and common.hold_limit(None) is None

@@ -8,7 +8,9 @@ RUN_DIR)`; the hooks get into every process through vLLM's `vllm.general_plugins
 3. `hstrace arm PID --out b.zarr --requests 2`: the session ends by itself inside the server
    once the first two requests finished;
 4. `hstrace arm RUN_DIR --out c.zarr` killed with SIGKILL while armed: every process disarms
-   (the lease closed), and serving goes on.
+   (the lease closed), and serving goes on;
+5. the bench's work levels; 6. `hstrace arm --hold-mb 64`: the steps held while armed, written
+   at the disarm.
 
 Run under the engine semaphore: `/work/locks/engine-run $(bash scripts/vllm-venv.sh | tail -1)
 -m pytest -m vllm tests/test_vllm_arm_live.py`.
@@ -20,6 +22,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers.vllm_live import (
@@ -116,6 +119,8 @@ def served(tmp_path_factory):
             got["armed_hellos"] = wait_armed(run, True)
             got["armed"] = send(prompts)
             got["masks"] = thread_masks(proc.pid)
+            time.sleep(FLUSHED_S)
+            got["a_steps_before_disarm"] = committed_steps(tmp / "a.zarr")
             dis = subprocess.run(
                 [sys.executable, "-m", "hstrace", "disarm", str(run)],
                 capture_output=True,
@@ -145,11 +150,38 @@ def served(tmp_path_factory):
             # 5. the bench's levels (bench/live_overhead.py --work): no step rows, same outputs
             for level in ("handover", "collect", "none"):
                 got[f"work_{level}"] = session_at(run, tmp / f"w-{level}.zarr", level, prompts)
+
+            # 6. a held session (--hold-mb): the steps stay in memory while armed, their rows
+            # are built and written at the disarm
+            h = hstrace("arm", str(run), "--out", str(tmp / "h.zarr"), "--hold-mb", "64")
+            wait_armed(run, True)
+            got["held"] = send(prompts)
+            time.sleep(FLUSHED_S)
+            got["h_steps_before_disarm"] = committed_steps(tmp / "h.zarr")
+            control.disarm(str(run))
+            got["arm_h"] = (h.wait(120), *h.communicate())
+            got["after_h"] = wait_armed(run, False)
         finally:
             stop_server(proc)
     got["log"] = (tmp / "server.log").read_text(errors="replace")
     got["replay_a"] = replay_trace(tmp / "a.zarr", TRAINING)
+    got["replay_h"] = replay_trace(tmp / "h.zarr", TRAINING)
     return got
+
+
+# longer than the writer's tail-flush period (2 s): a step written as it came is committed
+FLUSHED_S = 3.0
+
+
+def committed_steps(out) -> dict[str, int]:
+    """Per step table, the steps committed on disk so far (a trace still recording: its
+    committed prefix)."""
+    with open_trace(out) as tr:
+        rank = tr.rank(0)
+        return {
+            name: rank.table(name).num_steps if rank.table(name) is not None else 0
+            for name in ("target", "verify", "draft_step")
+        }
 
 
 def test_dormant_server_listens_in_every_hooked_process(served) -> None:
@@ -220,6 +252,28 @@ def test_a_killed_arming_client_leaves_no_hooks_armed(served) -> None:
     # `hello` says armed until the close is on disk (the 01:26 run stopped the server mid-close)
     with open_trace(served["tmp"] / "c.zarr") as tr:
         assert tr.rank(0).clean_close  # the process closed what it recorded
+
+
+def test_a_held_session_writes_its_steps_at_the_disarm_the_same_rows(served) -> None:
+    """`hstrace arm --hold-mb 64`: seconds after the traffic, while still armed, a streamed
+    session (a) has its steps on disk and a held one (h) has none; after the disarm the held
+    trace holds every table, closes clean and replays clean, and serving answered the same."""
+    assert all(served["a_steps_before_disarm"].values()), served["a_steps_before_disarm"]
+    assert not any(served["h_steps_before_disarm"].values()), served["h_steps_before_disarm"]
+    rc, out, err = served["arm_h"]
+    assert rc == 0, err
+    assert all(not h["armed"] for h in served["after_h"])
+    assert served["held"] == served["dormant"]
+    with open_trace(served["tmp"] / "h.zarr") as tr:
+        rank = tr.rank(0)
+        assert rank.clean_close and not rank.errors, rank.errors
+        for name in STREAMS:
+            assert rank.table(name).num_steps > 0, name
+        assert rank.table("requests").num_rows("req") == SAMPLES
+        assert tr.meta["static"]["capture"]["layers_to_capture"] == [2, 4, 5]
+    res = served["replay_h"]
+    assert res.verdict.code == "no-wiring-fault" and res.exit_code == 0, res.verdict.summary
+    assert res.metrics["engine_vs_reference"]["top1_agreement"] >= 0.99
 
 
 @pytest.mark.parametrize("level", ["handover", "collect", "none"])

@@ -125,12 +125,15 @@ def arm(
     armed: Callable[[Session], None] | None = None,
     tap_thread: bool = True,
     work: str = "rows",
+    hold_mb: float | None = None,
 ) -> Session:
     """Arm every process of SERVER into a new trace at `out`, hold the lease until every
     process says its session ended (limit reached, `hstrace disarm`, or KeyboardInterrupt
     here: then this disarms), and write how it ended into the trace. `armed` is called once
     every process is armed (tests and the bench send traffic from it). `tap_thread` and `work`
-    are the bench's (`bench/live_overhead.py`; `protocol.WORK_LEVELS`)."""
+    are the bench's (`bench/live_overhead.py`; `protocol.WORK_LEVELS`). `hold_mb`: each
+    process holds the steps in memory, up to that many MiB, and builds their rows at the
+    disarm (`hooks.common.Recorder.hold_bytes`)."""
     from hstrace.trace import create_trace
 
     if out.exists():
@@ -158,6 +161,7 @@ def arm(
             "duration": duration_s,
             "tap_thread": tap_thread,  # False: a step's rows built inline (bench's variant)
             "work": work,  # protocol.WORK_LEVELS: anything but "rows" is the bench's
+            "hold_mb": hold_mb,
         }
         live: list[Connection] = []
         for conn, hello in zip(conns, hellos, strict=True):
