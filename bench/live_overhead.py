@@ -309,6 +309,11 @@ def recording_cpu(root: int) -> int:
     return sum(t for k, t in thread_cpu(root).items() if "hstrace" in k[0] or "hstrace" in k[1])
 
 
+def tap_cpu(root: int) -> int:
+    """CPU ticks of the server's tap threads (`hstrace-taps`: a step's rows, built and staged)."""
+    return sum(t for k, t in thread_cpu(root).items() if k[1] == "hstrace-taps")
+
+
 def closing_cpu(root: int) -> int:
     """CPU ticks of a session's close: every live hstrace thread of the server's tree plus the
     children the server's processes reaped (`cutime` + `cstime`: a writer process that exited
@@ -757,6 +762,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     arm_s: list[float] = []
     disarm_s: list[float] = []
     disarm_cpu: list[float] = []  # recording CPU ms of each disarm, per engine step armed
+    disarm_tap_cpu: list[float] = []  # of it, the tap threads' (held steps: their rows)
     walls: dict[str, list[float]] = {"armed": [], "dormant": [], "inline": []}
     settled_s: list[float] = []  # waited after an armed session's untimed round (settle)
     setup_cpu: list[float] = []  # recording CPU from the arm to the end of that wait
@@ -808,12 +814,14 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 if burner is not None:
                     burner.stop()
                 t1, r1, s1 = time.perf_counter(), closing_cpu(proc.pid), spec_steps(port)
+                k1 = tap_cpu(proc.pid)
                 session.end(f"armed round {i}")
                 disarm_s.append(time.perf_counter() - t1)
                 # what the disarm's close spent (held steps: their rows, built now), per step
                 # of the session (its untimed round's too)
                 hz, steps = os.sysconf("SC_CLK_TCK"), (s1 - s0) / args.prompts
                 disarm_cpu.append((closing_cpu(proc.pid) - r1) / hz * 1e3 / max(steps, 1.0))
+                disarm_tap_cpu.append((tap_cpu(proc.pid) - k1) / hz * 1e3 / max(steps, 1.0))
                 trace_bytes.append(sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
                 judged = verify_rules(out)
                 if args.work == "rows" and not set(judged) - {"not recorded"}:
@@ -893,6 +901,11 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
         "disarm_recording_cpu_ms_per_session_step_median": round(statistics.median(disarm_cpu), 3)
         if disarm_cpu
         else None,
+        "disarm_tap_thread_cpu_ms_per_session_step_median": round(
+            statistics.median(disarm_tap_cpu), 3
+        )
+        if disarm_tap_cpu
+        else None,
         # every timed round's CPU summed, per engine step of those rounds (a round is a few
         # ticks per thread: per round, the counters' 10 ms tick is the resolution)
         "cpu_ms_per_engine_step_by_thread": per_step,
@@ -957,6 +970,7 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
     cpu: dict[str, list[dict[str, float]]] = {"armed": [], "dormant": []}
     drafts = {"armed": 0.0, "dormant": 0.0}
     ratios: list[float] = []
+    disarm: list[tuple[float, float, float]] = []  # (s, tap thread CPU ms a step, steps)
     for c in range(args.long_cycles):
         got: dict[str, float] = {}
         for arm in ("armed", "dormant") if c % 2 == 0 else ("dormant", "armed"):
@@ -966,6 +980,7 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
                 else None
             )
             burner = Burner.start(args) if session is not None else None
+            s0 = spec_steps(port)
             round_tps(port, prompts, args.warm_tokens)  # untimed, both sides
             settle(proc.pid)
             d0, c0, w0 = spec_steps(port), _cpu_of(proc.pid, burner), time.perf_counter()
@@ -979,7 +994,16 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
             got[arm] = args.long_rounds * args.prompts * args.new_tokens / wall
             tps[arm].append(got[arm])
             if session is not None:
+                t1, k1, s1 = time.perf_counter(), tap_cpu(proc.pid), spec_steps(port)
                 session.end(f"long session {c}")
+                steps = max((s1 - s0) / args.prompts, 1.0)
+                disarm.append(
+                    (
+                        time.perf_counter() - t1,
+                        (tap_cpu(proc.pid) - k1) / os.sysconf("SC_CLK_TCK") * 1e3 / steps,
+                        steps,
+                    )
+                )
                 shutil.rmtree(work / f"long-{c}.zarr", ignore_errors=True)
         ratios.append(got["armed"] / got["dormant"])
     per_step = {arm: _per_step(rounds, drafts[arm] / args.prompts) for arm, rounds in cpu.items()}
@@ -992,6 +1016,12 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
         "ratio_median_ci95": median_ci95(ratios),
         "cpu_ms_per_engine_step_by_thread": per_step,
         "extra_cpu_ms_per_engine_step": _extra_cpu(per_step),
+        # each armed block's disarm: its wall time, the tap threads' CPU then per engine step
+        # of the session (held steps: their rows, built at the disarm), the session's steps
+        "hold_mb": args.hold_mb,
+        "disarm_s_tap_cpu_ms_per_step_steps": [
+            [round(w, 3), round(ms, 3), round(n)] for w, ms, n in disarm
+        ],
     }
 
 

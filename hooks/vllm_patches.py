@@ -236,7 +236,8 @@ def _emit_built(rec: VLLMRecorder, writes: list[TableWrite]) -> None:
 
 def held_nbytes(step: taps.Step) -> int:
     """The bytes a step handed over holds until its rows are built (its tensors: the aux
-    concat, the drafter calls' inputs and kept logits); what `hold_mb` counts."""
+    concat, the drafter calls' inputs and kept logits, the verify's snapshot: the target's
+    rows at the drafted positions, raw and processed); what `hold_mb` counts."""
     n = 0
     for t in (step.target_ids, step.target_positions, step.target_aux, step.draft_token_ids):
         if t is not None:
@@ -245,6 +246,9 @@ def held_nbytes(step: taps.Step) -> int:
         for t in (c.input_ids, c.positions, c.hidden_in, c.logits):
             if t is not None:
                 n += t.nbytes
+    for t in getattr(step.verify_probs, "holds", ()):  # the verify's snapshot (`_verify_tap`)
+        if t is not None:
+            n += len(t.buf) if type(t) is tapmath.Snap else t.nbytes
     return n
 
 
@@ -511,6 +515,7 @@ def _verify_tap(
             resolved, rule, prompt_ids=prompt_ids, output_ids=output_ids,
         )  # fmt: skip
 
+    rows.holds = (raw, proc, pen_logit, draft_probs, prompt_ids)  # what `held_nbytes` counts
     return rows
 
 

@@ -104,8 +104,9 @@ def test_usage_errors_are_one_line(command, case):
         ["record", "--engine", "tgi", "--out", "x.zarr"],
         ["check", "ck", "--dialect", "medusa"],
         ["check", "ck", "--samples", "0"],
+        ["arm", "run-dir", "--out", "x.zarr", "--hold-mb", "0"],
     ],
-    ids=["bundle --redact", "record --engine", "check --dialect", "check --samples"],
+    ids=["bundle --redact", "record --engine", "check --dialect", "check --samples", "arm --hold"],
 )
 def test_bad_choices_are_one_line(args):
     run = run_main(*args)

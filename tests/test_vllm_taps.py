@@ -162,6 +162,36 @@ def test_emitted_step_reads_back_through_the_trace(tmp_path) -> None:
         assert rank.table("draft_step").column("step", "step_index").tolist() == [1, 2]
 
 
+def test_a_held_step_counts_the_bytes_of_the_tensors_it_keeps() -> None:
+    """What `hstrace arm --hold-mb` counts for a step handed over: its own tensors (the aux
+    concat above all), the drafter calls' inputs and any logits kept for the top-k."""
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.engines.tapmath import Snap
+
+    step = mixed_step()
+    target = sum(t.nbytes for t in (step.target_ids, step.target_positions, step.target_aux))
+    calls = sum(
+        t.nbytes
+        for c in step.calls
+        for t in (c.input_ids, c.positions, c.hidden_in)
+        if t is not None
+    )
+    assert vp.held_nbytes(step) == target + step.draft_token_ids.nbytes + calls
+    step.calls[0].logits = torch.zeros(2, VD)  # kept for the tap thread's top-k
+    assert vp.held_nbytes(step) == target + step.draft_token_ids.nbytes + calls + 2 * VD * 4
+    assert step.target_aux.nbytes == 9 * K * H * 4 > 0
+
+    def verify(between=None):  # the verify's work, as `_verify_tap` hands it over
+        raise AssertionError("not run: only counted")
+
+    verify.holds = (Snap(bytearray(96), torch.float32, (24,)), torch.zeros(3, VD), None)
+    step.verify_probs = verify
+    assert vp.held_nbytes(step) == (
+        target + step.draft_token_ids.nbytes + calls + 2 * VD * 4 + 96 + 3 * VD * 4
+    )
+
+
 def test_a_raising_tap_is_disabled_and_recorded_the_others_go_on(tmp_path, monkeypatch) -> None:
     from hstrace.hooks import vllm_patches as vp
 
