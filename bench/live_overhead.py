@@ -36,6 +36,11 @@ returning as if dormant. Run side by side with `rows`, the levels split the cost
 serving thread's copies, the hand-over to the tap thread, and the tap thread's rows and the
 writer (bench/README.md, thirteenth pass). Those sessions write the static audit, no step rows.
 
+`--hold-mb M`: the armed rounds' sessions hold their steps (`hstrace arm --hold-mb`): no rows
+while armed, all of them built at the disarm, which is not timed; its cost is reported per
+step of the session (`disarm_recording_cpu_ms_per_session_step_median`, of it the tap
+thread's `disarm_tap_thread_cpu_ms_per_session_step_median`; kept blocks: per block).
+
 `--burn-ms B` (a calibration, bench only): every armed round also runs a stand-in for a
 recording's CPU, another process (not the server's) that spends B ms of CPU every
 `--burn-period-ms` of wall time (default 7, about this host's dormant engine step), started with
