@@ -238,10 +238,11 @@ class Recorder:
             import collections
 
             held = self._held = collections.deque()
-        if self.hold_bytes is not None:
+        limit = self.hold_bytes  # read once: a disarm sets it to None while a step ends
+        if limit is not None:
             held.append(fn)  # queued at the disarm (`drain`)
             self._hold_used += nbytes
-            if self._hold_used >= self.hold_bytes:  # full: from now on the tap thread works
+            if self._hold_used >= limit:  # full: from now on the tap thread works
                 self.hold_bytes = None
                 self._releasing = True  # its queue takes DEFER_DEPTH: never this thread's wait
                 threading.Thread(
@@ -605,15 +606,20 @@ class Recorder:
             message = f"{type(exc).__name__}: {exc} | " + traceback.format_exc(limit=3).replace(
                 "\n", " "
             )
-            try:
-                if not self.session_open:  # dormant: written into the next session's trace
-                    self.kept_errors.append((name, message))
-                    return None
-                self.writer().note_error(name, message)
-                self.writer().flush()
-            except Exception:
-                print(f"hstrace: tap {name} disabled: {message}", file=sys.stderr)
+            self.note_error(name, message)
             return None
+
+    def note_error(self, name: str, message: str) -> None:
+        """Say in the trace what went wrong at `name` (dormant: in the next session's trace);
+        never raises."""
+        try:
+            if not self.session_open:
+                self.kept_errors.append((name, message))
+                return
+            self.writer().note_error(name, message)
+            self.writer().flush()
+        except Exception:
+            print(f"hstrace: {name}: {message}", file=sys.stderr)
 
 
 # ---- installing wrappers: now, or right after the module is imported ------------------------

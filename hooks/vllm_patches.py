@@ -37,7 +37,7 @@ class VLLMRecorder(Recorder):
     WORK_LEVELS: tuple[str, ...] = tuple(protocol.WORK_LEVELS)
     # V1's step wrapper hands a CPU step to the tap thread: it may be held (`hold_mb`); a
     # V2 runner's process and a CUDA step build their rows as they run (`wrap_v2_load_model`,
-    # the wrapper's inline branch, which says so in the trace)
+    # the wrapper's inline branch, which says so in the trace's errors, as `hold`)
     HOLDS = True
 
     def __init__(self, cfg: dict[str, Any], version: Version) -> None:
@@ -252,11 +252,10 @@ def held_nbytes(step: taps.Step) -> int:
     return n
 
 
-def _hold_inline() -> None:
-    raise RuntimeError(
-        "hold_mb: steps not held, their rows built as they ran (CUDA tensors, or the bench's "
-        "inline variant)"
-    )
+_NOT_HELD = (
+    "hold_mb: steps not held, their rows built as they ran (CUDA tensors, or the bench's "
+    "inline variant)"
+)
 
 
 def _on_cpu(step: taps.Step) -> bool:
@@ -291,8 +290,8 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
                 rec.defer(lambda: _emit_step(rec, step, keep), held)
             else:  # CUDA: another thread's stream would not wait for the
                 if rec.hold_bytes is not None:  # copies queued on this one (unverified
-                    rec.hold_bytes = None  # without a GPU): nothing is held, and the trace
-                    rec.run_tap("hold", _hold_inline)  # says so (a disabled `hold` tap)
+                    rec.hold_bytes = None  # without a GPU): nothing is held, and the session's
+                    rec.note_error("hold", _NOT_HELD)  # trace says so, once
                 _emit_step(rec, step)
         finally:
             rec.stepping = False
