@@ -40,6 +40,11 @@ writer (bench/README.md, thirteenth pass). Those sessions write the static audit
 while armed, all of them built at the disarm, which is not timed; its cost is reported per
 step of the session (`disarm_recording_cpu_ms_per_session_step_median`, of it the tap
 thread's `disarm_tap_thread_cpu_ms_per_session_step_median`; kept blocks: per block).
+`--drain-round` says what that costs serving: each armed round's disarm starts as the next
+round is sent and that round is timed too, against the pair's dormant round
+(`ratio_per_pair_drain`), and with the armed round (`ratio_per_pair_session`: the two rounds'
+tokens over their walls, against the dormant round's rate): held or streamed, what a session
+costs when the server serves on through its disarm, as a production server does.
 
 `--burn-ms B` (a calibration, bench only): every armed round also runs a stand-in for a
 recording's CPU, another process (not the server's) that spends B ms of CPU every
@@ -758,21 +763,23 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
     env = dict(base, HSTRACE_RECORD=dormant_env("vllm", str(run)))
     port = 18471
     proc = launch(port, env, work / "one-server.log")
-    tps: dict[str, list[float]] = {"armed": [], "dormant": [], "inline": []}
+    tps: dict[str, list[float]] = {"armed": [], "dormant": [], "inline": [], "drain": []}
     ratios: list[float] = []
     inline_ratios: list[float] = []
-    drafts: dict[str, float] = {"armed": 0.0, "dormant": 0.0, "inline": 0.0}
+    drain_ratios: list[float] = []  # the round served during the disarm, over the dormant
+    session_ratios: list[float] = []  # the armed round and that one together, over dormant
+    drafts: dict[str, float] = {"armed": 0.0, "dormant": 0.0, "inline": 0.0, "drain": 0.0}
     trace_bytes: list[int] = []
     rules: dict[str, int] = {}  # the verify rule of every armed round's verify rows
     arm_s: list[float] = []
     disarm_s: list[float] = []
     disarm_cpu: list[float] = []  # recording CPU ms of each disarm, per engine step armed
     disarm_tap_cpu: list[float] = []  # of it, the tap threads' (held steps: their rows)
-    walls: dict[str, list[float]] = {"armed": [], "dormant": [], "inline": []}
+    walls: dict[str, list[float]] = {"armed": [], "dormant": [], "inline": [], "drain": []}
     settled_s: list[float] = []  # waited after an armed session's untimed round (settle)
     setup_cpu: list[float] = []  # recording CPU from the arm to the end of that wait
-    cpu: dict[str, list[dict[str, float]]] = {"armed": [], "dormant": [], "inline": []}
-    api_cpu: dict[str, list[dict[int, int]]] = {"armed": [], "dormant": [], "inline": []}
+    cpu: dict[str, list[dict[str, float]]] = {k: [] for k in walls}
+    api_cpu: dict[str, list[dict[int, int]]] = {k: [] for k in walls}
     try:
         wait_healthy(port, proc)
         control.wait_sockets(run, 2, 120)
@@ -820,7 +827,20 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                     burner.stop()
                 t1, r1, s1 = time.perf_counter(), closing_cpu(proc.pid), spec_steps(port)
                 k1 = tap_cpu(proc.pid)
-                session.end(f"armed round {i}")
+                if args.drain_round and arm == "armed":
+                    # the disarm while serving: the next round is sent as it starts, timed
+                    # against the dormant round (a held session's rows are built in it)
+                    ending = Ending(session, f"armed round {i}")
+                    d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
+                    with Placement(proc.pid) as where:
+                        got["drain"] = round_tps(port, prompts, args.new_tokens)
+                    walls["drain"].append(time.perf_counter() - w0)
+                    api_cpu["drain"].append(where.ns)
+                    cpu["drain"].append(cpu_by_thread(c0, thread_cpu(proc.pid)))
+                    drafts["drain"] += spec_steps(port) - d0
+                    ending.join()
+                else:
+                    session.end(f"armed round {i}")
                 disarm_s.append(time.perf_counter() - t1)
                 # what the disarm's close spent (held steps: their rows, built now), per step
                 # of the session (its untimed round's too)
@@ -847,6 +867,10 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
             ratios.append(got["armed"] / got["dormant"])
             if "inline" in got:
                 inline_ratios.append(got["inline"] / got["dormant"])
+            if "drain" in got:
+                drain_ratios.append(got["drain"] / got["dormant"])
+                # two rounds' tokens over their two walls, against two dormant rounds'
+                session_ratios.append(2 / (1 / got["armed"] + 1 / got["drain"]) / got["dormant"])
         long = long_session_blocks(port, proc, run, work, prompts, args)
     finally:
         proc.terminate()
@@ -885,6 +909,22 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
         "ratio_per_pair_inline": [round(r, 3) for r in inline_ratios],
         "ratio_per_pair_inline_median": round(statistics.median(inline_ratios), 3)
         if inline_ratios
+        else None,
+        # --drain-round: the round sent as the disarm starts (a held session's rows are
+        # built during it), over the pair's dormant round; and with the armed round, the
+        # session's two rounds over two dormant ones (what holding moved, paid)
+        "tokens_per_s_drain": [round(x, 1) for x in tps["drain"]],
+        "ratio_per_pair_drain": [round(r, 3) for r in drain_ratios],
+        "ratio_per_pair_drain_median": round(statistics.median(drain_ratios), 3)
+        if drain_ratios
+        else None,
+        "ratio_per_pair_drain_median_ci95": median_ci95(drain_ratios) if drain_ratios else None,
+        "ratio_per_pair_session": [round(r, 3) for r in session_ratios],
+        "ratio_per_pair_session_median": round(statistics.median(session_ratios), 3)
+        if session_ratios
+        else None,
+        "ratio_per_pair_session_median_ci95": median_ci95(session_ratios)
+        if session_ratios
         else None,
         "arm_s_median": round(statistics.median(arm_s), 3) if arm_s else None,
         "settle_s_median": round(statistics.median(settled_s), 3) if settled_s else None,
@@ -961,6 +1001,28 @@ class ArmedSession:
         self.thread.join(120)
         if "s" not in self.box or not self.box["s"].ok:
             raise SystemExit(f"{what}: the session did not end cleanly: {self.box}")
+
+
+class Ending:
+    """`ArmedSession.end` on a thread of its own (the disarm while a round is served);
+    `join` waits for it and raises what it raised."""
+
+    def __init__(self, session: ArmedSession, what: str) -> None:
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                session.end(what)
+            except BaseException as exc:  # SystemExit included: a thread would drop it
+                self.error = exc
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -> dict:
@@ -1148,7 +1210,16 @@ def main() -> None:
         help="arm the recording rounds with `hstrace arm --hold-mb` (steps held in memory, "
         "their rows built at the disarm, which is not timed: its CPU is reported per step)",
     )
+    ap.add_argument(
+        "--drain-round",
+        action="store_true",
+        help="each armed round's disarm starts as the next round is sent, and that round is "
+        "timed too (a held session's rows are built while it serves): its ratio to the "
+        "pair's dormant round, and the two rounds' together",
+    )
     args = ap.parse_args()
+    if args.drain_round and args.inline_too:
+        ap.error("--drain-round and --inline-too: one at a time")
     if args.hold_mb is not None and not args.hold_mb > 0:
         ap.error("--hold-mb must be > 0")
     if args.burn_ms < 0 or args.burn_period_ms <= args.burn_ms:

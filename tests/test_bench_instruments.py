@@ -179,3 +179,36 @@ def test_step_segments_splits_the_gap_at_the_engine_cores_draft_call(monkeypatch
     assert seg["tap in d->D"][0] == pytest.approx(0.0001)
     assert seg["tap in D->x"][0] == pytest.approx(0.0002)
     assert seg["tap in e->d"][1] == 0.0  # the second gap had no work in it
+
+
+def test_a_disarm_ended_beside_a_round_raises_what_it_raised(monkeypatch) -> None:
+    """bench/live_overhead.py's Ending (`--drain-round`): the disarm runs on a thread while the
+    next round is served; a session that did not close clean stops the bench at `join`, as a
+    disarm on the main thread would (a thread drops a SystemExit silently)."""
+    import sys
+    import threading
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    sys.modules.pop("live_overhead", None)
+    import live_overhead as lo
+
+    gate, ended = threading.Event(), []
+
+    class Session:
+        def __init__(self, ok: bool) -> None:
+            self.ok = ok
+
+        def end(self, what: str) -> None:
+            assert gate.wait(10)
+            ended.append(what)
+            if not self.ok:
+                raise SystemExit(f"{what}: the session did not end cleanly")
+
+    clean = lo.Ending(Session(True), "round 0")
+    broken = lo.Ending(Session(False), "round 1")
+    assert ended == []  # both wait on the gate: the caller went on (the round is served)
+    gate.set()
+    clean.join()
+    with pytest.raises(SystemExit, match="round 1: the session did not end cleanly"):
+        broken.join()
+    assert sorted(ended) == ["round 0", "round 1"]
