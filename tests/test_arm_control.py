@@ -692,3 +692,79 @@ def test_a_hold_is_refused_by_hooks_that_cannot_hold_and_when_not_a_positive_siz
             client.arm(str(run), tmp_path / f"bad-{bad}.zarr", ["requests"], hold_mb=bad)
         assert not rec.armed and rec.hold_bytes is None
     assert common.hold_limit(0.5) == 2**19 and common.hold_limit(None) is None
+
+
+def test_a_held_sessions_disarm_gives_way_to_the_steps_served_meanwhile(
+    holding, tmp_path, monkeypatch
+) -> None:
+    """The disarm of a held session queues its backlog, and the server serves on: the engine's
+    step cues still count (`draining`), the tap thread waits for a running step's end before
+    its next stage although its queue is full (the backlog is not `_behind`), and the serving
+    thread's step end never waits for the backlog. Once steps stop, the rest is built at once,
+    every step in order; HSTRACE_DRAIN_PACED=0 builds the backlog beside the step."""
+    rec, run = holding
+    rec.GAP_WAIT_S = 30.0  # long: a test that waits it out fails on time, not by luck
+    stages: list[str] = []
+
+    def work(i: int):
+        def fn() -> None:
+            stages.append(f"a{i}")
+            rec.make_way()  # between two stages of a step's rows
+            stages.append(f"b{i}")
+            rec.emit([requests_write([f"r{i}"], [[1, 2, 3]], [0])])
+
+        return fn
+
+    def parked() -> None:
+        deadline = time.monotonic() + 10
+        while rec._gap_waiter is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert rec._gap_waiter is not None
+
+    out = tmp_path / "paced.zarr"
+    t, box = arm_in_thread(run, out, hold_mb=1)
+    n = 2 * Recorder.DEFER_DEPTH  # more than the queue takes: the disarm's puts wait
+    for i in range(n):
+        rec.defer(work(i), 1000)
+        rec.step_ended()
+    rec.step_started()  # the server serves on: a step runs as the disarm comes
+    disarm = threading.Thread(target=client.disarm, args=(str(run),), daemon=True)
+    disarm.start()
+    parked()
+    time.sleep(0.1)
+    assert stages == ["a0"] and rec.draining and not rec.armed
+    assert rec._deferred.qsize() >= Recorder.DEFER_DEPTH // 2 and not rec._behind()
+    t0 = time.monotonic()
+    rec.step_ended()  # the serving thread: the step's end, then the next step's start
+    rec.step_started()
+    assert time.monotonic() - t0 < 1.0
+    deadline = time.monotonic() + 10
+    while "b0" not in stages and time.monotonic() < deadline:
+        time.sleep(0.001)
+    parked()  # at the next stage boundary, for the step that runs now
+    time.sleep(0.1)
+    assert stages[:2] == ["a0", "b0"] and stages[-1].startswith("a") and disarm.is_alive()
+    rec.step_ended()  # the server goes idle: no step runs, the rest goes on at once
+    disarm.join(30)
+    t.join(30)
+    assert not disarm.is_alive() and box["session"].ok
+    assert stages == [f"{s}{i}" for i in range(n) for s in "ab"]
+    assert not rec.draining and not rec.in_step and not rec._held
+    with open_trace(out) as tr:
+        assert tr.rank(0).clean_close
+        assert tr.rank(0).table("requests").num_rows("req") == n
+
+    # HSTRACE_DRAIN_PACED=0: the disarm builds the backlog while the step still runs
+    monkeypatch.setenv("HSTRACE_DRAIN_PACED", "0")
+    assert not _Holds({"streams": []}, (0, 32, 0)).pace_drain  # what the switch sets
+    rec.pace_drain = False
+    stages.clear()
+    t, box = arm_in_thread(run, tmp_path / "at-once.zarr", hold_mb=1)
+    for i in range(n):
+        rec.defer(work(i), 1000)
+        rec.step_ended()
+    rec.step_started()  # and never ends before the disarm returns
+    client.disarm(str(run))
+    t.join(30)
+    assert box["session"].ok and stages == [f"{s}{i}" for i in range(n) for s in "ab"]
+    rec.step_ended()
