@@ -206,16 +206,6 @@ class Recorder:
         self.hold_bytes: int | None = None
         self._hold_used = 0  # bytes of the steps held (the engine's `defer(..., nbytes)`)
         self._releasing = False  # a release thread queues the held steps (the hold ran over)
-        self._session_holds = False  # the session was armed with a hold
-        # The disarm of a held session queues every step it held, and a server serves on
-        # through it: while that backlog drains, the engine's step cues still come
-        # (`step_started` / `step_ended`: `draining`), and the tap thread gives way to the
-        # steps as in a streamed session (`make_way`; lowered in them), the backlog not
-        # counted as falling behind (`_behind`): the disarm lasts longer, the serving pays
-        # less (bench/README.md, twenty-seventh pass). HSTRACE_DRAIN_PACED=0: the backlog is
-        # built at once, beside the steps (the bench's side by side).
-        self.pace_drain = os.environ.get("HSTRACE_DRAIN_PACED", "1") != "0"
-        self.draining = False
 
     # the `work` levels (protocol.WORK_LEVELS) an engine's hooks honour: only a recording here
     WORK_LEVELS: tuple[str, ...] = ("rows",)
@@ -282,8 +272,8 @@ class Recorder:
         self.in_step = True
         if self._tap_tid is not None and not self._tap_parked and not self._behind():
             self._tap_lowered = self._tap_policy(True)
-            if not (self.armed or self.draining):  # a disarm (or its drain's end) came
-                self._open_gap()  # in between: its `_open_gap` may have run
+            if not self.armed:  # a disarm came in between: its `_open_gap` may have run
+                self._open_gap()
         self._phase(True)
 
     def step_ended(self) -> None:
@@ -292,8 +282,8 @@ class Recorder:
         tap thread now."""
         self._open_gap()
         self._phase(False)
-        if self._held and self.hold_bytes is None and not self._releasing and not self.draining:
-            self._release()  # (a drain's backlog is queued by the disarm's thread, not here)
+        if self._held and self.hold_bytes is None and not self._releasing:
+            self._release()
 
     def _open_gap(self) -> None:
         """No step runs now (its end, or a disarm's): the tap thread, if lowered for the step,
@@ -350,7 +340,7 @@ class Recorder:
         """Half the tap thread's queue waits: it must keep up, in the steps too (`make_way`
         does not wait then either, and it is not lowered)."""
         q = self._deferred
-        return q is not None and q.qsize() >= self.DEFER_DEPTH // 2 and not self.draining
+        return q is not None and q.qsize() >= self.DEFER_DEPTH // 2
 
     def _tap_policy(self, lowered: bool) -> bool:
         """The tap thread to SCHED_IDLE or back to SCHED_OTHER (the serving thread's call: two
@@ -511,7 +501,6 @@ class Recorder:
             self.tap_thread = bool(session.get("tap_thread", True))
             self.work = work
             self.hold_bytes, self._hold_used = hold_bytes, 0
-            self._session_holds = hold_bytes is not None
             self.on_arm()
             if self.kept_static or self.kept_errors:
                 w = self.writer()
@@ -529,8 +518,6 @@ class Recorder:
         with self.session_lock:
             if not self.armed:
                 return False
-            # a held session's backlog drains paced: the engine's step cues go on
-            self.draining = self.pace_drain and self.paced and self._session_holds
             self.armed = False  # no new step starts recording
             self.hold_bytes = None  # the steps held are queued by the drain below
         # a step that began armed is finished and written into this session's trace
@@ -539,13 +526,8 @@ class Recorder:
         deadline = time.monotonic() + 30.0
         while self.stepping and time.monotonic() < deadline:
             time.sleep(0.001)
-        if not self.draining:
-            self._open_gap()  # no step end will be told now: the tap thread does not wait
-        try:
-            self.drain()
-        finally:
-            self.draining = False
-            self._open_gap()  # the cues stop: a step that began draining ends untold
+        self._open_gap()  # no step end will be told now: the tap thread does not wait for one
+        self.drain()
         self.closing = True  # `hello` says armed until the trace is closed on disk
         try:
             with self.session_lock:

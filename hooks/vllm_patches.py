@@ -317,7 +317,7 @@ def wrap_sample_tokens(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         finally:
             rec = REC
-            if rec is not None and (rec.armed or rec.draining):
+            if rec is not None and rec.armed:
                 rec.step_ended()
 
     return sample_tokens
@@ -333,7 +333,7 @@ def wrap_execute_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def execute_model(self, *args, **kwargs):
         rec = REC
-        if rec is not None and (rec.armed or rec.draining):
+        if rec is not None and rec.armed:
             rec.step_started()
         return original(self, *args, **kwargs)
 

@@ -259,17 +259,11 @@ def _finish(session: Session) -> None:
     root.attrs["hstrace"] = meta
 
 
-# A process replies to a disarm once its trace is closed: a held session's steps are built
-# first, paced by the steps the server serves meanwhile (hooks/common.py: Recorder.draining).
-DISARM_WAIT_S = 600.0
-
-
 def disarm(server: str) -> dict[int, bool]:
     """Ask every process of SERVER to end its session: pid -> whether one was armed."""
     done: dict[int, bool] = {}
     for conn in connect_all(run_dir_of(server)):
         try:
-            conn.sock.settimeout(DISARM_WAIT_S)
             reply = conn.ask({"cmd": "disarm"})
             done[int(reply["pid"])] = bool(reply.get("disarmed"))
         finally:
