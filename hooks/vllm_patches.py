@@ -328,14 +328,23 @@ def wrap_execute_model(original: Callable) -> Callable:
     sampling and the drafts in `sample_tokens`): the writer process is told the step runs
     (`Recorder.step_started`) and keeps its work out of the gap that follows `sample_tokens`,
     where vLLM's engine core, on the writer's core, schedules the next step; the tap thread
-    leaves the rest of a step's rows for the gap after it (`Recorder.make_way`)."""
+    leaves the rest of a step's rows for the gap after it (`Recorder.make_way`). A call that
+    returns its output itself ends the step there (None means `sample_tokens` follows; vLLM
+    0.32.0 returns `EMPTY_MODEL_RUNNER_OUTPUT` for a step with no token scheduled, which its
+    engine core sends after requests finish, to clear them: `Scheduler.has_requests`): its
+    end is told, or the tap thread would wait out `GAP_WAIT_S` at each give-way for an end
+    that never comes (seen live, bench/README.md, twenty-seventh pass)."""
 
     @functools.wraps(original)
     def execute_model(self, *args, **kwargs):
         rec = REC
-        if rec is not None and rec.armed:
+        cued = rec is not None and rec.armed
+        if cued:
             rec.step_started()
-        return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
+        if cued and out is not None:
+            rec.step_ended()
+        return out
 
     return execute_model
 

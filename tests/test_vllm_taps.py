@@ -457,3 +457,36 @@ def test_a_steady_batch_shares_its_request_key_column() -> None:
     assert other is not first and other.tolist() == [request_key("b"), request_key("a")]
     assert request_keys(["a", "b"]).tolist() == first.tolist()
     assert request_keys([]).tolist() == []
+
+
+def test_a_step_that_returns_from_execute_model_is_told_ended_there() -> None:
+    """V1's `execute_model` returns None when `sample_tokens` follows (the step's end), and its
+    output itself for a step with no token scheduled (EMPTY_MODEL_RUNNER_OUTPUT, sent after
+    requests finish): that step's end is told at once, or the tap thread would wait for it."""
+    from hstrace.hooks import vllm_patches as vp
+    from hstrace.hooks.common import Recorder
+
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.armed = True
+    told: list[bool] = []
+    rec._phase = lambda running: told.append(running)  # what the writer is told
+
+    seen: list[bool] = []  # whether the step was told started as it ran
+
+    def execute_model(self, scheduler_output):
+        seen.append(rec.in_step)
+        return scheduler_output
+
+    saved, vp.REC = vp.REC, rec
+    try:
+        run, sample = vp.wrap_execute_model(execute_model), vp.wrap_sample_tokens(lambda s: "out")
+        assert run(None, None) is None and rec.in_step  # sample_tokens follows: still running
+        assert sample(None) == "out" and not rec.in_step
+        empty = object()
+        assert run(None, empty) is empty and not rec.in_step  # ended where it returned
+        assert told == [True, False, True, False] and seen == [True, True]
+        rec.armed = False  # dormant: one flag check, nothing told
+        assert run(None, empty) is empty and told == [True, False, True, False]
+        assert seen == [True, True, False]
+    finally:
+        vp.REC = saved
