@@ -23,8 +23,9 @@ from hstrace.cli.options import out_option, parse_streams, stop_options, stream_
     default=None,
     help="Hold each process's steps in memory, up to this many MiB, and build and write their "
     "rows at the disarm: while it holds, a step costs the server only its copies. Past it, "
-    "the steps are written as they come. Steps held are lost if the server dies first. "
-    "vLLM (V1, CPU steps) only.",
+    "the steps are written as they come. The rows' CPU moves to the disarm, it is not saved: "
+    "a server serving through the disarm pays it then. Steps held are lost if the server dies "
+    "first. vLLM (V1, CPU steps) only.",
 )
 @click.option(
     "--json",
