@@ -338,12 +338,13 @@ def wrap_execute_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def execute_model(self, *args, **kwargs):
         rec = REC
-        cued = rec is not None and rec.armed
-        if cued:
+        if rec is not None and rec.armed:
             rec.step_started()
         out = original(self, *args, **kwargs)
-        if cued and out is not None:
-            rec.step_ended()
+        if out is not None:
+            rec = REC
+            if rec is not None and rec.armed:  # as `sample_tokens`: a disarm since opened
+                rec.step_ended()  # the gap itself, and its drain is not this thread's
         return out
 
     return execute_model

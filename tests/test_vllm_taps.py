@@ -488,5 +488,13 @@ def test_a_step_that_returns_from_execute_model_is_told_ended_there() -> None:
         rec.armed = False  # dormant: one flag check, nothing told
         assert run(None, empty) is empty and told == [True, False, True, False]
         assert seen == [True, True, False]
+
+        def disarmed_meanwhile(self, scheduler_output):
+            rec.armed = False  # a disarm while the step ran: it opens the gap itself, and
+            return scheduler_output  # the serving thread never queues its drain's steps
+
+        rec.armed = True
+        run = vp.wrap_execute_model(disarmed_meanwhile)
+        assert run(None, empty) is empty and told == [True, False, True, False, True]
     finally:
         vp.REC = saved
