@@ -86,7 +86,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -830,7 +830,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 if args.drain_round and arm == "armed":
                     # the disarm while serving: the next round is sent as it starts, timed
                     # against the dormant round (a held session's rows are built in it)
-                    ending = Ending(session, f"armed round {i}")
+                    ending = end_beside(session, f"armed round {i}")
                     d0, c0, w0 = spec_steps(port), thread_cpu(proc.pid), time.perf_counter()
                     with Placement(proc.pid) as where:
                         got["drain"] = round_tps(port, prompts, args.new_tokens)
@@ -838,7 +838,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                     api_cpu["drain"].append(where.ns)
                     cpu["drain"].append(cpu_by_thread(c0, thread_cpu(proc.pid)))
                     drafts["drain"] += spec_steps(port) - d0
-                    ending.join()
+                    ending.result()
                 else:
                     session.end(f"armed round {i}")
                 disarm_s.append(time.perf_counter() - t1)
@@ -1003,26 +1003,14 @@ class ArmedSession:
             raise SystemExit(f"{what}: the session did not end cleanly: {self.box}")
 
 
-class Ending:
-    """`ArmedSession.end` on a thread of its own (the disarm while a round is served);
-    `join` waits for it and raises what it raised."""
-
-    def __init__(self, session: ArmedSession, what: str) -> None:
-        self.error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                session.end(what)
-            except BaseException as exc:  # SystemExit included: a thread would drop it
-                self.error = exc
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
+def end_beside(session: ArmedSession, what: str) -> Future:
+    """`ArmedSession.end` on a thread of its own (the disarm while a round is served): the
+    future's `result()` waits for it and raises what it raised (its SystemExit too)."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(session.end, what)
+    finally:
+        pool.shutdown(wait=False)
 
 
 def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -> dict:

@@ -182,9 +182,9 @@ def test_step_segments_splits_the_gap_at_the_engine_cores_draft_call(monkeypatch
 
 
 def test_a_disarm_ended_beside_a_round_raises_what_it_raised(monkeypatch) -> None:
-    """bench/live_overhead.py's Ending (`--drain-round`): the disarm runs on a thread while the
-    next round is served; a session that did not close clean stops the bench at `join`, as a
-    disarm on the main thread would (a thread drops a SystemExit silently)."""
+    """bench/live_overhead.py's end_beside (`--drain-round`): the disarm runs on a thread while
+    the next round is served; a session that did not close clean stops the bench at `result`,
+    as a disarm on the main thread would (a bare thread drops a SystemExit silently)."""
     import sys
     import threading
 
@@ -204,11 +204,11 @@ def test_a_disarm_ended_beside_a_round_raises_what_it_raised(monkeypatch) -> Non
             if not self.ok:
                 raise SystemExit(f"{what}: the session did not end cleanly")
 
-    clean = lo.Ending(Session(True), "round 0")
-    broken = lo.Ending(Session(False), "round 1")
+    clean = lo.end_beside(Session(True), "round 0")
+    broken = lo.end_beside(Session(False), "round 1")
     assert ended == []  # both wait on the gate: the caller went on (the round is served)
     gate.set()
-    clean.join()
+    clean.result()
     with pytest.raises(SystemExit, match="round 1: the session did not end cleanly"):
-        broken.join()
+        broken.result()
     assert sorted(ended) == ["round 0", "round 1"]
