@@ -45,6 +45,12 @@ round is sent and that round is timed too, against the pair's dormant round
 (`ratio_per_pair_drain`), and with the armed round (`ratio_per_pair_session`: the two rounds'
 tokens over their walls, against the dormant round's rate): held or streamed, what a session
 costs when the server serves on through its disarm, as a production server does.
+`--drain-wait S` (with `--hold-mb`; `hstrace arm --drain-wait`): the held rows wait at the
+disarm for the server to idle (no step for 50 ms), at most S seconds (default 30; 0: built at
+once, beside the round served, as before the twenty-eighth pass). Under `--drain-round` the
+disarm's wall (`disarm_s_median`) then runs past the round, to the rows built after it, before
+the next round is sent: the bench's rounds leave the server idle between them, as a server with
+idle moments is; one that never idles pays the rows after S seconds.
 
 `--burn-ms B` (a calibration, bench only): every armed round also runs a stand-in for a
 recording's CPU, another process (not the server's) that spends B ms of CPU every
@@ -806,7 +812,12 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
                 r0 = recording_cpu(proc.pid)
                 t0 = time.perf_counter()
                 session = ArmedSession(
-                    run, out, tap_thread=arm == "armed", work=args.work, hold_mb=args.hold_mb
+                    run,
+                    out,
+                    tap_thread=arm == "armed",
+                    work=args.work,
+                    hold_mb=args.hold_mb,
+                    drain_wait_s=args.drain_wait,
                 )
                 arm_s.append(time.perf_counter() - t0)
                 s0 = spec_steps(port)
@@ -941,6 +952,7 @@ def one_server_pairs(base: dict[str, str], work: Path, prompts, args) -> dict:
         },
         "disarm_s_median": round(statistics.median(disarm_s), 3) if disarm_s else None,
         "hold_mb": args.hold_mb,
+        "drain_wait_s": args.drain_wait,
         # the disarm's recording CPU (the tap thread and the writer closing the trace; held
         # steps: their rows, built then) per engine step of the session, median over rounds
         "disarm_recording_cpu_ms_per_session_step_median": round(statistics.median(disarm_cpu), 3)
@@ -970,6 +982,7 @@ class ArmedSession:
         tap_thread: bool = True,
         work: str = "rows",
         hold_mb: float | None = None,
+        drain_wait_s: float | None = None,
     ) -> None:
         from hstrace.engines import control
 
@@ -985,6 +998,7 @@ class ArmedSession:
                     tap_thread=tap_thread,
                     work=work,
                     hold_mb=hold_mb,
+                    drain_wait_s=drain_wait_s,
                 )
             finally:
                 ready.set()
@@ -1030,7 +1044,13 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
         got: dict[str, float] = {}
         for arm in ("armed", "dormant") if c % 2 == 0 else ("dormant", "armed"):
             session = (
-                ArmedSession(run, work / f"long-{c}.zarr", work=args.work, hold_mb=args.hold_mb)
+                ArmedSession(
+                    run,
+                    work / f"long-{c}.zarr",
+                    work=args.work,
+                    hold_mb=args.hold_mb,
+                    drain_wait_s=args.drain_wait,
+                )
                 if arm == "armed"
                 else None
             )
@@ -1205,7 +1225,16 @@ def main() -> None:
         "timed too (a held session's rows are built while it serves): its ratio to the "
         "pair's dormant round, and the two rounds' together",
     )
+    ap.add_argument(
+        "--drain-wait",
+        type=float,
+        default=None,
+        help="with --hold-mb: the held rows wait at the disarm for the server to idle, at most "
+        "this many seconds (hstrace arm --drain-wait; default 30; 0: built at once)",
+    )
     args = ap.parse_args()
+    if args.drain_wait is not None and (args.hold_mb is None or not args.drain_wait >= 0):
+        ap.error("--drain-wait takes a number of seconds >= 0, with --hold-mb")
     if args.drain_round and args.inline_too:
         ap.error("--drain-round and --inline-too: one at a time")
     if args.hold_mb is not None and not args.hold_mb > 0:

@@ -28,6 +28,15 @@ from hstrace.cli.options import out_option, parse_streams, stop_options, stream_
     "first. vLLM (V1, CPU steps) only.",
 )
 @click.option(
+    "--drain-wait",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="S",
+    help="With --hold-mb: at the disarm, the held steps' rows wait for the server to idle (no "
+    "step for 50 ms), at most S seconds (default 30), before they are built beside the steps "
+    "it serves; 0: built at once. The disarm returns once the trace is closed.",
+)
+@click.option(
     "--json",
     "as_json",
     is_flag=True,
@@ -42,6 +51,7 @@ def arm(
     streams: str | None,
     on_full: str,
     hold_mb: float | None,
+    drain_wait: float | None,
     as_json: bool,
 ) -> None:
     """Arm the hooks of a running server started dormant, and record until the limit, until
@@ -54,6 +64,9 @@ def arm(
     Exit 0 = the session was recorded and closed, 1 = it ended otherwise (a process gone),
     2 = bad input or usage."""
     from hstrace.engines import control
+
+    if drain_wait is not None and hold_mb is None:
+        raise click.UsageError("--drain-wait applies to a held session: give --hold-mb too")
 
     def started(session: control.Session) -> None:
         pids = ", ".join(
@@ -71,6 +84,7 @@ def arm(
         duration_s=duration,
         armed=started,
         hold_mb=hold_mb,
+        drain_wait_s=drain_wait,
     )
     reasons = ", ".join(sorted(set(session.ended.values())))
     if as_json:

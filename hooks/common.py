@@ -20,6 +20,7 @@ import math
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -134,6 +135,21 @@ def hold_limit(hold_mb: Any) -> int | None:
     return max(1, int(hold_mb * 2**20))
 
 
+# How long a held session's rows wait at the disarm for the server to idle (`Recorder.IDLE_S`
+# without a step) before they are built beside its steps: `hstrace arm --drain-wait`'s default.
+DRAIN_WAIT_S = 30.0
+
+
+def drain_wait(value: Any) -> float:
+    """A session's `drain_wait_s` (None: the default); anything but a number >= 0 is refused."""
+    if value is None:
+        return DRAIN_WAIT_S
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value < 0:
+        raise ValueError(f"drain_wait_s must be a number of seconds >= 0, not {value!r}")
+    return float(value)
+
+
 class Recorder:
     """Per-process state: the config, the lazily opened writer (only processes that record a
     row or an audit item open one), disabled taps.
@@ -206,6 +222,21 @@ class Recorder:
         self.hold_bytes: int | None = None
         self._hold_used = 0  # bytes of the steps held (the engine's `defer(..., nbytes)`)
         self._releasing = False  # a release thread queues the held steps (the hold ran over)
+        # The disarm of a held session: its steps are built when the server idles (no step
+        # for IDLE_S), not beside the steps it serves on: the engine's step cues go on while
+        # they drain (`cued`, `draining`), and the tap thread waits for a quiet server before
+        # each held step and inside it (`_wait_idle`), for `drain_wait_s` in all; past that
+        # it builds the rest at once, as it did before. A server that never idles pays the
+        # rows then, as a streamed session pays them while armed (bench/README.md,
+        # twenty-eighth pass).
+        self.drain_wait_s = DRAIN_WAIT_S  # the session's (`arm`)
+        self._session_holds = False  # the session was armed with a hold
+        self.draining = False  # a held session's steps drain, waiting for a quiet server
+        self._idle_until = 0.0  # monotonic: the drain waits no longer than this
+        self._last_step_end = 0.0  # monotonic: the last step's end told (`step_ended`)
+        # the step cues are told (`step_started` / `step_ended`): armed, or draining held steps
+        # (one flag for the engine's wrappers to read, as `armed`)
+        self.cued = self.armed
 
     # the `work` levels (protocol.WORK_LEVELS) an engine's hooks honour: only a recording here
     WORK_LEVELS: tuple[str, ...] = ("rows",)
@@ -272,18 +303,19 @@ class Recorder:
         self.in_step = True
         if self._tap_tid is not None and not self._tap_parked and not self._behind():
             self._tap_lowered = self._tap_policy(True)
-            if not self.armed:  # a disarm came in between: its `_open_gap` may have run
-                self._open_gap()
+            if not self.cued:  # a disarm (or its drain's end) came in between: its
+                self._open_gap()  # `_open_gap` may have run
         self._phase(True)
 
     def step_ended(self) -> None:
         """The engine's step has handed back (its serving thread, armed only): the writer is
         told, a tap thread waiting for the gap goes on, and the steps it handed over go to the
         tap thread now."""
+        self._last_step_end = time.monotonic()
         self._open_gap()
         self._phase(False)
-        if self._held and self.hold_bytes is None and not self._releasing:
-            self._release()
+        if self._held and self.hold_bytes is None and not self._releasing and not self.draining:
+            self._release()  # (a drain's backlog is queued by the disarm's thread, not here)
 
     def _open_gap(self) -> None:
         """No step runs now (its end, or a disarm's): the tap thread, if lowered for the step,
@@ -314,6 +346,9 @@ class Recorder:
         if not self.paced or not self.give_way or threading.get_ident() != self._tap_ident:
             return  # (inline, the step's own work: nothing to give way to)
         os.sched_yield()  # releases the GIL (CPython >= 3.11.1, as vLLM's own spin relies on)
+        if self.draining:  # a held session's steps: until the server is quiet (or the wait
+            self._wait_idle()  # is over: then at once, the backlog behind)
+            return
         if not self.in_step:
             return
         if self._behind():
@@ -338,9 +373,38 @@ class Recorder:
 
     def _behind(self) -> bool:
         """Half the tap thread's queue waits: it must keep up, in the steps too (`make_way`
-        does not wait then either, and it is not lowered)."""
+        does not wait then either, and it is not lowered). A held session's drain is not
+        behind while it waits for a quiet server (a step that starts mid-stage lowers it)."""
         q = self._deferred
-        return q is not None and q.qsize() >= self.DEFER_DEPTH // 2
+        if q is None or q.qsize() < self.DEFER_DEPTH // 2:
+            return False
+        return not self.draining or time.monotonic() >= self._idle_until
+
+    # a server is quiet once no step has run for this long (vLLM's steps under load follow
+    # each other within a few ms; the tiny world's take 5-11 ms on this project's CPU host)
+    IDLE_S = 0.05
+
+    def _wait_idle(self) -> None:
+        """On the tap thread, draining a held session: wait until no step has run for IDLE_S,
+        or until the drain's wait (`drain_wait_s` from the disarm) is over. It looks every
+        IDLE_S at most while the server serves (a wake per step would cost serving, the
+        `handover` rung of bench/README.md's ladder). Only where the engine tells its steps
+        (`paced`); a step whose end is never told keeps it waiting to the deadline."""
+        if not self.paced:
+            return
+        while self.draining:
+            now = time.monotonic()
+            left = self._idle_until - now
+            if left <= 0:
+                return
+            quiet = 0.0 if self.in_step else now - self._last_step_end
+            if quiet >= self.IDLE_S:
+                return
+            self._tap_parked = True  # waiting: a step that starts does not lower it
+            try:
+                time.sleep(min(self.IDLE_S - quiet, left))
+            finally:
+                self._tap_parked = False
 
     def _tap_policy(self, lowered: bool) -> bool:
         """The tap thread to SCHED_IDLE or back to SCHED_OTHER (the serving thread's call: two
@@ -397,6 +461,8 @@ class Recorder:
             fn = q.get()  # paced: queued at its step's end (`step_ended`)
             self._tap_parked = False
             try:
+                if self.draining:  # a held step, at the disarm: once the server is quiet
+                    self._wait_idle()
                 fn()  # its taps run under run_tap: a failure disables one and is recorded
             except Exception as exc:  # never let the tap thread die
                 print(f"hstrace: deferred tap: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -483,6 +549,7 @@ class Recorder:
                 f"work {work!r}: this engine's hooks take {', '.join(self.WORK_LEVELS)}"
             )
         hold_bytes = hold_limit(session.get("hold_mb"))
+        wait_s = drain_wait(session.get("drain_wait_s"))
         if hold_bytes is not None and not self.HOLDS:
             raise ValueError("hold_mb: this engine's hooks build a step's rows as it runs")
         with self.session_lock:
@@ -501,6 +568,8 @@ class Recorder:
             self.tap_thread = bool(session.get("tap_thread", True))
             self.work = work
             self.hold_bytes, self._hold_used = hold_bytes, 0
+            self._session_holds = hold_bytes is not None
+            self.drain_wait_s = wait_s
             self.on_arm()
             if self.kept_static or self.kept_errors:
                 w = self.writer()
@@ -509,7 +578,7 @@ class Recorder:
                 for name, message in self.kept_errors:
                     w.note_error(name, message)
                 w.flush()
-            self.session_open = self.armed = True
+            self.session_open = self.armed = self.cued = True
         return {"rank": self.rank(), "main_static": dict(self.kept_main_static)}
 
     def disarm(self) -> bool:
@@ -518,16 +587,24 @@ class Recorder:
         with self.session_lock:
             if not self.armed:
                 return False
+            # a held session's steps wait for a quiet server: the step cues go on meanwhile
+            self._last_step_end = time.monotonic()  # (quiet counted from the disarm at most)
+            self._idle_until = self._last_step_end + self.drain_wait_s
+            self.draining = self._session_holds and self.paced and self.drain_wait_s > 0
+            self.cued = self.draining
             self.armed = False  # no new step starts recording
             self.hold_bytes = None  # the steps held are queued by the drain below
         # a step that began armed is finished and written into this session's trace
-        import time
-
         deadline = time.monotonic() + 30.0
         while self.stepping and time.monotonic() < deadline:
             time.sleep(0.001)
-        self._open_gap()  # no step end will be told now: the tap thread does not wait for one
-        self.drain()
+        if not self.draining:
+            self._open_gap()  # no step end will be told now: the tap thread does not wait
+        try:
+            self.drain()
+        finally:
+            self.draining = self.cued = False  # the cues stop: a step that began while
+            self._open_gap()  # draining ends untold
         self.closing = True  # `hello` says armed until the trace is closed on disk
         try:
             with self.session_lock:

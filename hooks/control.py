@@ -153,7 +153,7 @@ class Channel:
         """A child forked from this process has its recorder (inherited) but not the listener
         thread: a fresh, disarmed session and a socket of its own."""
         rec = self.rec
-        rec.armed = rec.session_open = rec.stepping = False
+        rec.armed = rec.session_open = rec.stepping = rec.cued = rec.draining = False
         rec._writer, rec._deferred = None, None  # the parent's writer and tap thread
         rec.session_lock = threading.Lock()
         rec.lock = threading.Lock()

@@ -317,7 +317,7 @@ def wrap_sample_tokens(original: Callable) -> Callable:
             return original(self, *args, **kwargs)
         finally:
             rec = REC
-            if rec is not None and rec.armed:
+            if rec is not None and rec.cued:  # armed, or a held session's drain waits
                 rec.step_ended()
 
     return sample_tokens
@@ -338,12 +338,12 @@ def wrap_execute_model(original: Callable) -> Callable:
     @functools.wraps(original)
     def execute_model(self, *args, **kwargs):
         rec = REC
-        if rec is not None and rec.armed:
+        if rec is not None and rec.cued:  # armed, or a held session's drain waits
             rec.step_started()
         out = original(self, *args, **kwargs)
         if out is not None:
             rec = REC
-            if rec is not None and rec.armed:  # as `sample_tokens`: a disarm since opened
+            if rec is not None and rec.cued:  # as `sample_tokens`: a disarm since opened
                 rec.step_ended()  # the gap itself, and its drain is not this thread's
         return out
 

@@ -692,3 +692,143 @@ def test_a_hold_is_refused_by_hooks_that_cannot_hold_and_when_not_a_positive_siz
             client.arm(str(run), tmp_path / f"bad-{bad}.zarr", ["requests"], hold_mb=bad)
         assert not rec.armed and rec.hold_bytes is None
     assert common.hold_limit(0.5) == 2**19 and common.hold_limit(None) is None
+
+
+class Serving:
+    """The engine's serving thread while a held session drains: its step cues, told as vLLM's
+    wrappers tell them (only while `rec.cued`), a step every `every_s`, until stopped."""
+
+    def __init__(self, rec: Recorder, every_s: float = 0.005) -> None:
+        self.rec, self.every_s, self.stop, self.steps = rec, every_s, threading.Event(), 0
+        self.thread = threading.Thread(target=self.run, daemon=True)
+        self.thread.start()
+
+    def run(self) -> None:
+        rec = self.rec
+        while not self.stop.is_set():
+            if rec.cued:  # what `wrap_execute_model` / `wrap_sample_tokens` read
+                rec.step_started()
+                time.sleep(self.every_s / 2)
+                if rec.cued:
+                    rec.step_ended()
+                self.steps += 1
+            time.sleep(self.every_s / 2)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.thread.join(10)
+
+
+def disarm_in_thread(run: Path) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def go() -> None:
+        box["reply"] = client.disarm(str(run))
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t, box
+
+
+def test_a_held_sessions_rows_wait_for_a_quiet_server_at_the_disarm(holding, tmp_path) -> None:
+    """The disarm of a held session: while the server serves on (steps told), the held steps
+    are not built; the step cues go on meanwhile; once no step has run for IDLE_S, they are
+    built in order and the trace closes clean; then the cues stop."""
+    rec, run = holding
+    out = tmp_path / "quiet.zarr"
+    t, box = arm_in_thread(run, out, hold_mb=1)
+    ran: list[str] = []
+    for i in range(12):  # more than the tap thread's queue takes: the disarm's thread queues
+        held_step(rec, f"r{i}", ran)
+    serving = Serving(rec)
+    d, reply = disarm_in_thread(run)
+    time.sleep(0.6)
+    steps = serving.steps
+    assert ran == [] and rec.draining and rec.cued and not rec.armed  # waiting, cues told
+    assert steps >= 20 and d.is_alive()
+    serving.end()  # the server goes quiet: the rows are built now
+    d.join(30)
+    t.join(30)
+    assert not d.is_alive() and reply["reply"] == {os.getpid(): True}
+    assert box["session"].ok and ran == [f"r{i}" for i in range(12)]
+    assert not rec.draining and not rec.cued and not rec.in_step
+    with open_trace(out) as tr:
+        assert tr.rank(0).clean_close
+        assert tr.rank(0).table("requests").num_rows("req") == 12
+
+
+def test_a_held_step_begun_in_a_quiet_moment_waits_inside_it_for_the_next_one(
+    holding, tmp_path
+) -> None:
+    """A held step whose build began while the server was quiet, then a step started: at its
+    next give-way (`make_way`) the tap thread waits until the server is quiet again, not just
+    for that step's end."""
+    rec, run = holding
+    t, box = arm_in_thread(run, tmp_path / "inside.zarr", hold_mb=1)
+    stages: list[str] = []
+    began = threading.Event()
+
+    def two_stages() -> None:
+        stages.append("a")
+        began.set()
+        time.sleep(0.05)  # the test's serving thread starts meanwhile
+        rec.make_way()
+        stages.append("b")
+
+    rec.defer(two_stages, 10)
+    rec.step_ended()
+    d, _ = disarm_in_thread(run)
+    assert began.wait(10)
+    serving = Serving(rec)
+    time.sleep(0.5)
+    assert stages == ["a"] and serving.steps >= 20
+    serving.end()
+    d.join(30)
+    t.join(30)
+    assert stages == ["a", "b"] and box["session"].ok
+
+
+def test_a_server_that_never_idles_gets_its_held_rows_after_the_drain_wait(
+    holding, tmp_path
+) -> None:
+    """The wait is bounded: past `drain_wait_s` the rows are built beside the steps served,
+    and the disarm returns while the server still serves. `drain_wait_s=0`: at once, the cues
+    stop at the disarm."""
+    rec, run = holding
+    out = tmp_path / "busy.zarr"
+    t, box = arm_in_thread(run, out, hold_mb=1, drain_wait_s=0.4)
+    assert rec.drain_wait_s == 0.4
+    ran: list[str] = []
+    for i in range(5):
+        held_step(rec, f"r{i}", ran)
+    serving = Serving(rec)
+    t0 = time.monotonic()
+    d, _ = disarm_in_thread(run)
+    d.join(30)
+    waited = time.monotonic() - t0
+    assert not serving.stop.is_set()  # it served throughout
+    serving.end()
+    t.join(30)
+    assert 0.4 <= waited < 10 and ran == [f"r{i}" for i in range(5)] and box["session"].ok
+
+    t, box = arm_in_thread(run, tmp_path / "now.zarr", hold_mb=1, drain_wait_s=0)
+    held_step(rec, "n0", ran)
+    serving = Serving(rec)
+    t0 = time.monotonic()
+    client.disarm(str(run))  # while it serves: the default wait (30 s) would not be over
+    t.join(30)
+    assert time.monotonic() - t0 < 10 and ran[-1] == "n0" and box["session"].ok
+    n = serving.steps
+    time.sleep(0.1)
+    assert not rec.cued and serving.steps == n  # no cue told from the disarm on
+    serving.end()
+
+
+def test_a_drain_wait_that_is_not_a_number_of_seconds_is_refused(holding, tmp_path) -> None:
+    rec, run = holding
+    for bad in (-1, float("nan"), float("inf"), "30", True):
+        with pytest.raises(HstraceError, match="drain_wait_s must be a number of seconds >= 0"):
+            client.arm(str(run), tmp_path / f"w-{bad}.zarr", ["requests"], hold_mb=1,
+                       drain_wait_s=bad)  # fmt: skip
+        assert not rec.armed and not rec.cued
+    assert common.drain_wait(None) == common.DRAIN_WAIT_S and common.drain_wait(0) == 0.0

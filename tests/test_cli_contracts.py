@@ -105,8 +105,16 @@ def test_usage_errors_are_one_line(command, case):
         ["check", "ck", "--dialect", "medusa"],
         ["check", "ck", "--samples", "0"],
         ["arm", "run-dir", "--out", "x.zarr", "--hold-mb", "0"],
+        ["arm", "run-dir", "--out", "x.zarr", "--hold-mb", "64", "--drain-wait", "-1"],
     ],
-    ids=["bundle --redact", "record --engine", "check --dialect", "check --samples", "arm --hold"],
+    ids=[
+        "bundle --redact",
+        "record --engine",
+        "check --dialect",
+        "check --samples",
+        "arm --hold",
+        "arm --drain-wait",
+    ],
 )
 def test_bad_choices_are_one_line(args):
     run = run_main(*args)
@@ -114,6 +122,14 @@ def test_bad_choices_are_one_line(args):
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"hstrace: error: hstrace {args[0]}: ")
     assert "Invalid value for" in lines[0]
+
+
+def test_a_drain_wait_without_a_hold_is_one_line():
+    run = run_main("arm", "run-dir", "--out", "x.zarr", "--drain-wait", "5")
+    assert run.returncode == 2 and run.stdout == ""
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hstrace: error: hstrace arm: ")
+    assert "--drain-wait applies to a held session: give --hold-mb too" in lines[0]
 
 
 def test_unknown_command_is_one_line():

@@ -467,7 +467,7 @@ def test_a_step_that_returns_from_execute_model_is_told_ended_there() -> None:
     from hstrace.hooks.common import Recorder
 
     rec = Recorder({"streams": []}, (0, 32, 0))
-    rec.armed = True
+    rec.cued = True
     told: list[bool] = []
     rec._phase = lambda running: told.append(running)  # what the writer is told
 
@@ -485,15 +485,15 @@ def test_a_step_that_returns_from_execute_model_is_told_ended_there() -> None:
         empty = object()
         assert run(None, empty) is empty and not rec.in_step  # ended where it returned
         assert told == [True, False, True, False] and seen == [True, True]
-        rec.armed = False  # dormant: one flag check, nothing told
+        rec.cued = False  # dormant: one flag check, nothing told
         assert run(None, empty) is empty and told == [True, False, True, False]
         assert seen == [True, True, False]
 
         def disarmed_meanwhile(self, scheduler_output):
-            rec.armed = False  # a disarm while the step ran: it opens the gap itself, and
+            rec.cued = False  # a disarm while the step ran: it opens the gap itself, and
             return scheduler_output  # the serving thread never queues its drain's steps
 
-        rec.armed = True
+        rec.cued = True
         run = vp.wrap_execute_model(disarmed_meanwhile)
         assert run(None, empty) is empty and told == [True, False, True, False, True]
     finally:

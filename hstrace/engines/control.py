@@ -126,6 +126,7 @@ def arm(
     tap_thread: bool = True,
     work: str = "rows",
     hold_mb: float | None = None,
+    drain_wait_s: float | None = None,
 ) -> Session:
     """Arm every process of SERVER into a new trace at `out`, hold the lease until every
     process says its session ended (limit reached, `hstrace disarm`, or KeyboardInterrupt
@@ -133,7 +134,8 @@ def arm(
     every process is armed (tests and the bench send traffic from it). `tap_thread` and `work`
     are the bench's (`bench/live_overhead.py`; `protocol.WORK_LEVELS`). `hold_mb`: each
     process holds the steps in memory, up to that many MiB, and builds their rows at the
-    disarm (`hooks.common.Recorder.hold_bytes`)."""
+    disarm (`hooks.common.Recorder.hold_bytes`), once the server has run no step for 50 ms,
+    waiting at most `drain_wait_s` (None: `hooks.common.DRAIN_WAIT_S`; 0: at once)."""
     from hstrace.trace import create_trace
 
     if out.exists():
@@ -162,6 +164,7 @@ def arm(
             "tap_thread": tap_thread,  # False: a step's rows built inline (bench's variant)
             "work": work,  # protocol.WORK_LEVELS: anything but "rows" is the bench's
             "hold_mb": hold_mb,
+            "drain_wait_s": drain_wait_s,
         }
         live: list[Connection] = []
         for conn, hello in zip(conns, hellos, strict=True):
@@ -259,11 +262,17 @@ def _finish(session: Session) -> None:
     root.attrs["hstrace"] = meta
 
 
+# A process replies to a disarm once its trace is closed: a held session's steps are built
+# first, once the server is quiet (up to the session's drain wait, 30 s by default).
+DISARM_WAIT_S = 600.0
+
+
 def disarm(server: str) -> dict[int, bool]:
     """Ask every process of SERVER to end its session: pid -> whether one was armed."""
     done: dict[int, bool] = {}
     for conn in connect_all(run_dir_of(server)):
         try:
+            conn.sock.settimeout(DISARM_WAIT_S)
             reply = conn.ask({"cmd": "disarm"})
             done[int(reply["pid"])] = bool(reply.get("disarmed"))
         finally:
