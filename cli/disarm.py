@@ -12,8 +12,10 @@ import click
 )
 def disarm(server: str, as_json: bool) -> None:
     """End the recording session of a running server (every process closes its trace; the
-    `hstrace arm` holding the session then finishes the trace and exits). SERVER: the control
-    run dir or a pid of the server."""
+    `hstrace arm` holding the session then finishes the trace and exits). A session armed with
+    --hold-mb builds its held rows first, once the server has run no step for 50 ms (at most
+    its --drain-wait, 30 s by default): this returns when they are written. SERVER: the
+    control run dir or a pid of the server."""
     from hstrace.engines import control
 
     done = control.disarm(server)

@@ -282,8 +282,14 @@ class Recorder:
             return
         if self.paced or self._releasing or held:
             held.append(fn)  # paced: queued at the step's end (`step_ended`), or by `drain`
-            # a step whose end never came: no unbounded hold (unpaced: queued now, in order)
-            if not self._releasing and (not self.paced or len(held) >= self.DEFER_DEPTH):
+            # a step whose end never came: no unbounded hold (unpaced: queued now, in order);
+            # disarmed (the step that ran as the disarm came): queued by the disarm's drain,
+            # never here, where it would wait on a held session's backlog
+            if (
+                self.armed
+                and not self._releasing
+                and (not self.paced or len(held) >= self.DEFER_DEPTH)
+            ):
                 self._release()
             return
         q.put(fn)

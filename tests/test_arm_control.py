@@ -832,3 +832,38 @@ def test_a_drain_wait_that_is_not_a_number_of_seconds_is_refused(holding, tmp_pa
                        drain_wait_s=bad)  # fmt: skip
         assert not rec.armed and not rec.cued
     assert common.drain_wait(None) == common.DRAIN_WAIT_S and common.drain_wait(0) == 0.0
+
+
+def test_the_step_in_flight_at_a_held_sessions_disarm_never_waits_for_the_backlog(
+    holding, tmp_path
+) -> None:
+    """The step that runs as a held session is disarmed hands its work over after the hold is
+    lifted: it joins the held steps (the disarm's thread queues them, in order), and the
+    serving thread never queues the backlog itself (it would wait on the tap thread's full
+    queue, the tap thread waiting for a quiet server meanwhile)."""
+    rec, run = holding
+    out = tmp_path / "inflight.zarr"
+    t, box = arm_in_thread(run, out, hold_mb=1)
+    ran: list[str] = []
+    for i in range(3 * Recorder.DEFER_DEPTH):
+        held_step(rec, f"r{i}", ran)
+    serving = Serving(rec)
+    rec.stepping = True  # a step runs as the disarm comes (the disarm waits for it)
+    d, _ = disarm_in_thread(run)
+    deadline = time.monotonic() + 10
+    while rec.armed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert not rec.armed and rec.draining
+    t0 = time.monotonic()
+    rec.defer(lambda: (ran.append("last"), rec.emit([requests_write(["last"], [[1]], [0])])), 9)
+    assert time.monotonic() - t0 < 1.0  # appended, not queued: the serving thread went on
+    rec.stepping = False
+    time.sleep(0.3)
+    assert ran == []  # still serving: nothing built yet
+    serving.end()
+    d.join(30)
+    t.join(30)
+    n = 3 * Recorder.DEFER_DEPTH
+    assert box["session"].ok and ran == [f"r{i}" for i in range(n)] + ["last"]
+    with open_trace(out) as tr:
+        assert tr.rank(0).table("requests").num_rows("req") == n + 1

@@ -10,7 +10,7 @@ RUN_DIR)`; the hooks get into every process through vLLM's `vllm.general_plugins
 4. `hstrace arm RUN_DIR --out c.zarr` killed with SIGKILL while armed: every process disarms
    (the lease closed), and serving goes on;
 5. the bench's work levels; 6. `hstrace arm --hold-mb 64`: the steps held while armed, written
-   at the disarm.
+   at the disarm; 7. the same, disarmed while a round is served: written once it is over.
 
 Run under the engine semaphore: `/work/locks/engine-run $(bash scripts/vllm-venv.sh | tail -1)
 -m pytest -m vllm tests/test_vllm_arm_live.py`.
@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers.vllm_live import (
@@ -52,6 +53,7 @@ from hstrace.training import open_training  # noqa: E402
 STREAMS = ["draft_extend", "draft_step", "requests", "target", "verify"]
 SAMPLES = 4
 NEW_TOKENS = 24
+BUSY_TOKENS = 128  # the round served through a held session's disarm (7.): several seconds
 PORT = 18441
 
 
@@ -161,6 +163,21 @@ def served(tmp_path_factory):
             control.disarm(str(run))
             got["arm_h"] = (h.wait(120), *h.communicate())
             got["after_h"] = wait_armed(run, False)
+
+            # 7. a held session disarmed while the server serves a round: its rows wait for
+            # the server to go quiet (`hstrace arm --drain-wait`, default 30 s), then it closes
+            h = hstrace("arm", str(run), "--out", str(tmp / "h2.zarr"), "--hold-mb", "64")
+            wait_armed(run, True)
+            got["held2"] = send(prompts)
+            with ThreadPoolExecutor(1) as pool:
+                model = str(TINY / "target")
+                busy = pool.submit(armed.send, PORT, model, prompts, BUSY_TOKENS)
+                time.sleep(0.5)
+                got["in_flight_at_disarm"] = not busy.done()
+                control.disarm(str(run))
+                got["done_at_disarm_end"] = busy.done()
+                got["busy"] = busy.result()
+            got["arm_h2"] = (h.wait(120), *h.communicate())
         finally:
             stop_server(proc)
     got["log"] = (tmp / "server.log").read_text(errors="replace")
@@ -274,6 +291,27 @@ def test_a_held_session_writes_its_steps_at_the_disarm_the_same_rows(served) -> 
     res = served["replay_h"]
     assert res.verdict.code == "no-wiring-fault" and res.exit_code == 0, res.verdict.summary
     assert res.metrics["engine_vs_reference"]["top1_agreement"] >= 0.99
+
+
+def test_a_held_session_disarmed_while_serving_writes_its_rows_once_the_server_is_quiet(
+    served,
+) -> None:
+    """`hstrace arm --hold-mb 64`, disarmed half a second into a round of longer answers: the
+    disarm returns only after that round is over (the held rows waited for a quiet server,
+    `hooks.common.Recorder._wait_idle`, told by vLLM's step cues while disarmed), and the
+    trace holds the held session's steps, closed clean, with no tap error."""
+    assert served["in_flight_at_disarm"], "the round was over before the disarm: too short"
+    assert served["done_at_disarm_end"], "the disarm returned while the round was served"
+    rc, _, err = served["arm_h2"]
+    assert rc == 0, err
+    assert served["held2"] == served["dormant"]
+    assert len(served["busy"]) == SAMPLES and all(served["busy"])
+    with open_trace(served["tmp"] / "h2.zarr") as tr:
+        rank = tr.rank(0)
+        assert rank.clean_close and not rank.errors, rank.errors
+        for name in STREAMS:
+            assert rank.table(name).num_steps > 0, name
+        assert rank.table("requests").num_rows("req") == SAMPLES  # the busy round: disarmed
 
 
 @pytest.mark.parametrize("level", ["handover", "collect", "none"])
