@@ -17,14 +17,18 @@ from hstrace.engines import control
 from hstrace.engines.control import Connection, wait_sockets
 
 
-def complete(port: int, model: str, ids: list[int], new_tokens: int) -> list[int]:
-    """One greedy completion of the token ids `ids`: the token ids the server answered."""
+def complete(
+    port: int, model: str, ids: list[int], new_tokens: int, ignore_eos: bool = False
+) -> list[int]:
+    """One greedy completion of the token ids `ids`: the token ids the server answered
+    (`ignore_eos`: all `new_tokens` of them)."""
     body = {
         "model": model,
         "prompt": ids,
         "max_tokens": new_tokens,
         "temperature": 0.0,
         "return_token_ids": True,
+        **({"ignore_eos": True} if ignore_eos else {}),
     }
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
@@ -35,10 +39,14 @@ def complete(port: int, model: str, ids: list[int], new_tokens: int) -> list[int
         return list(json.loads(r.read())["choices"][0]["token_ids"])
 
 
-def send(port: int, model: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def send(
+    port: int, model: str, prompts: list[list[int]], new_tokens: int, ignore_eos: bool = False
+) -> list[list[int]]:
     """The prompts, two in flight (the scheduler batches them); answers in prompt order."""
     with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda ids: complete(port, model, ids, new_tokens), prompts))
+        return list(
+            pool.map(lambda ids: complete(port, model, ids, new_tokens, ignore_eos), prompts)
+        )
 
 
 def hstrace_cli(*args: str) -> subprocess.Popen:
