@@ -251,6 +251,35 @@ def thread_cpu(root: int) -> dict[tuple[str, str, int], int]:
     return ticks
 
 
+def thread_faults(root: int) -> dict[str, int]:
+    """Minor page faults of the server's process tree by "process/thread" name (the kernel's
+    per-thread `minflt`): a fault is a page touched for the first time, e.g. fresh memory for
+    a copy that is kept (a held step) rather than memory freed by the step before."""
+    faults: dict[str, int] = {}
+    for pid in _tree(root):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                pname = f.read().strip()
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            name = f"{pname}/{text[text.index('(') + 1 : text.rindex(')')]}"
+            faults[name] = faults.get(name, 0) + int(text.rsplit(")", 1)[1].split()[7])
+    return faults
+
+
+def _faults_per_step(before: dict[str, int], after: dict[str, int], steps: float) -> dict:
+    """The faults of a block per engine step, by thread name (those above 1 a step)."""
+    per = {n: (after[n] - before.get(n, 0)) / max(steps, 1.0) for n in after}
+    return {n: round(v, 1) for n, v in sorted(per.items(), key=lambda kv: -kv[1]) if v >= 1}
+
+
 class Placement:
     """Where the API server ran while a round was timed (bench only): a thread of this process
     reads, every `period_s`, the server's main thread's on-CPU nanoseconds
@@ -1040,6 +1069,7 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
     drafts = {"armed": 0.0, "dormant": 0.0}
     ratios: list[float] = []
     disarm: list[tuple[float, float, float]] = []  # (s, tap thread CPU ms a step, steps)
+    faults: dict[str, list[dict]] = {"armed": [], "dormant": []}  # minor faults a step
     for c in range(args.long_cycles):
         got: dict[str, float] = {}
         for arm in ("armed", "dormant") if c % 2 == 0 else ("dormant", "armed"):
@@ -1059,11 +1089,14 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
             round_tps(port, prompts, args.warm_tokens)  # untimed, both sides
             settle(proc.pid)
             d0, c0, w0 = spec_steps(port), _cpu_of(proc.pid, burner), time.perf_counter()
+            f0 = thread_faults(proc.pid)
             for _ in range(args.long_rounds):
                 round_tps(port, prompts, args.new_tokens)
             wall = time.perf_counter() - w0
             cpu[arm].append(cpu_by_thread(c0, _cpu_of(proc.pid, burner)))
             drafts[arm] += spec_steps(port) - d0
+            steps = (spec_steps(port) - d0) / args.prompts
+            faults[arm].append(_faults_per_step(f0, thread_faults(proc.pid), steps))
             if burner is not None:
                 burner.stop()
             got[arm] = args.long_rounds * args.prompts * args.new_tokens / wall
@@ -1094,6 +1127,8 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
         # each armed block's disarm: its wall time, the tap threads' CPU then per engine step
         # of the session (held steps: their rows, built at the disarm), the session's steps
         "hold_mb": args.hold_mb,
+        # minor page faults per engine step of each block, by thread (fresh memory touched)
+        "minor_faults_per_engine_step_by_thread": faults,
         "disarm_s_tap_cpu_ms_per_step_steps": [
             [round(w, 3), round(ms, 3), round(n)] for w, ms, n in disarm
         ],
