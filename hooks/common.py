@@ -537,6 +537,7 @@ class Recorder:
 
     def close(self) -> None:
         self._open_gap()  # the engine stops: no step end will be told
+        self._idle_until = 0.0  # nor will a held session's drain wait for a quiet server
         self.drain()  # steps handed over to the tap thread are written first
         self.closed = True
         if self._writer is not None:

@@ -867,3 +867,25 @@ def test_the_step_in_flight_at_a_held_sessions_disarm_never_waits_for_the_backlo
     assert box["session"].ok and ran == [f"r{i}" for i in range(n)] + ["last"]
     with open_trace(out) as tr:
         assert tr.rank(0).table("requests").num_rows("req") == n + 1
+
+
+def test_a_server_that_closes_while_held_rows_wait_for_quiet_has_them_built_at_once(
+    holding, tmp_path
+) -> None:
+    """The engine shuts down (`Recorder.close`: atexit, a signal) while a held session's disarm
+    waits for a quiet server: the wait ends, the rows are built and the trace closes."""
+    rec, run = holding
+    t, box = arm_in_thread(run, tmp_path / "closing.zarr", hold_mb=1)
+    ran: list[str] = []
+    for i in range(3):
+        held_step(rec, f"r{i}", ran)
+    serving = Serving(rec)  # steps still told: the wait would last its 30 s
+    d, _ = disarm_in_thread(run)
+    time.sleep(0.3)
+    assert rec.draining and ran == []
+    t0 = time.monotonic()
+    rec.close()
+    d.join(30)
+    t.join(30)
+    serving.end()
+    assert time.monotonic() - t0 < 10 and ran == ["r0", "r1", "r2"] and box["session"].ok
