@@ -24,17 +24,18 @@ from hstrace.cli.options import out_option, parse_streams, stop_options, stream_
     help="Hold each process's steps in memory, up to this many MiB, and build and write their "
     "rows at the disarm: while it holds, a step costs the server only its copies. Past it, "
     "the steps are written as they come. The rows' CPU moves to the disarm, it is not saved: "
-    "a server serving through the disarm pays it then. Steps held are lost if the server dies "
-    "first. vLLM (V1, CPU steps) only.",
+    "it is spent once the server is quiet (--drain-wait); a server that never idles pays it "
+    "after the wait, beside its steps. Steps held are lost if the server dies first. vLLM (V1, "
+    "CPU steps) only.",
 )
 @click.option(
     "--drain-wait",
-    type=click.FloatRange(min=0),
+    type=click.FloatRange(min=0, max=300),
     default=None,
     metavar="S",
     help="With --hold-mb: at the disarm, the held steps' rows wait for the server to idle (no "
-    "step for 50 ms), at most S seconds (default 30), before they are built beside the steps "
-    "it serves; 0: built at once. The disarm returns once the trace is closed.",
+    "step for 50 ms), at most S seconds (default 30, at most 300), before they are built "
+    "beside the steps it serves; 0: built at once. The disarm returns once the trace is closed.",
 )
 @click.option(
     "--json",

@@ -136,17 +136,23 @@ def hold_limit(hold_mb: Any) -> int | None:
 
 
 # How long a held session's rows wait at the disarm for the server to idle (`Recorder.IDLE_S`
-# without a step) before they are built beside its steps: `hstrace arm --drain-wait`'s default.
+# without a step) before they are built beside its steps: `hstrace arm --drain-wait`'s default,
+# and the most it takes (the disarm's reply must come within the client's wait,
+# `hstrace.engines.control.DISARM_WAIT_S`, the rows' build included).
 DRAIN_WAIT_S = 30.0
+DRAIN_WAIT_MAX_S = 300.0
 
 
 def drain_wait(value: Any) -> float:
-    """A session's `drain_wait_s` (None: the default); anything but a number >= 0 is refused."""
+    """A session's `drain_wait_s` (None: the default); anything but a number of seconds in
+    [0, DRAIN_WAIT_MAX_S] is refused."""
     if value is None:
         return DRAIN_WAIT_S
     ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value < 0:
-        raise ValueError(f"drain_wait_s must be a number of seconds >= 0, not {value!r}")
+    if not ok or not math.isfinite(value) or not 0 <= value <= DRAIN_WAIT_MAX_S:
+        raise ValueError(
+            f"drain_wait_s must be a number of seconds in [0, {DRAIN_WAIT_MAX_S:g}], not {value!r}"
+        )
     return float(value)
 
 

@@ -826,12 +826,15 @@ def test_a_server_that_never_idles_gets_its_held_rows_after_the_drain_wait(
 
 def test_a_drain_wait_that_is_not_a_number_of_seconds_is_refused(holding, tmp_path) -> None:
     rec, run = holding
-    for bad in (-1, float("nan"), float("inf"), "30", True):
-        with pytest.raises(HstraceError, match="drain_wait_s must be a number of seconds >= 0"):
+    for bad in (-1, 301, float("nan"), float("inf"), "30", True):
+        with pytest.raises(
+            HstraceError, match=r"drain_wait_s must be a number of seconds in \[0, 300\]"
+        ):
             client.arm(str(run), tmp_path / f"w-{bad}.zarr", ["requests"], hold_mb=1,
                        drain_wait_s=bad)  # fmt: skip
         assert not rec.armed and not rec.cued
     assert common.drain_wait(None) == common.DRAIN_WAIT_S and common.drain_wait(0) == 0.0
+    assert common.drain_wait(300) == 300.0
 
 
 def test_the_step_in_flight_at_a_held_sessions_disarm_never_waits_for_the_backlog(

@@ -106,6 +106,7 @@ def test_usage_errors_are_one_line(command, case):
         ["check", "ck", "--samples", "0"],
         ["arm", "run-dir", "--out", "x.zarr", "--hold-mb", "0"],
         ["arm", "run-dir", "--out", "x.zarr", "--hold-mb", "64", "--drain-wait", "-1"],
+        ["arm", "run-dir", "--out", "x.zarr", "--hold-mb", "64", "--drain-wait", "301"],
     ],
     ids=[
         "bundle --redact",
@@ -114,6 +115,7 @@ def test_usage_errors_are_one_line(command, case):
         "check --samples",
         "arm --hold",
         "arm --drain-wait",
+        "arm --drain-wait max",
     ],
 )
 def test_bad_choices_are_one_line(args):
