@@ -92,6 +92,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -227,11 +228,9 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def thread_cpu(root: int) -> dict[tuple[str, str, int], int]:
-    """CPU ticks (user + system) of every thread of the server's process tree, keyed by
-    (process name, thread name, tid): the kernel's own counters, so what a thread costs is
-    counted whoever runs it. hstrace names its threads (`placement.name_thread`)."""
-    ticks: dict[tuple[str, str, int], int] = {}
+def _thread_stats(root: int) -> Iterator[tuple[str, str, int, list[str]]]:
+    """(process name, thread name, tid, the fields of /proc/.../stat after the name) of every
+    thread of the server's process tree: the kernel's own counters."""
     for pid in _tree(root):
         try:
             with open(f"/proc/{pid}/comm") as f:
@@ -246,9 +245,17 @@ def thread_cpu(root: int) -> dict[tuple[str, str, int], int]:
             except OSError:
                 continue
             tname = text[text.index("(") + 1 : text.rindex(")")]
-            fields = text.rsplit(")", 1)[1].split()
-            ticks[(pname, tname, int(tid))] = int(fields[11]) + int(fields[12])
-    return ticks
+            yield pname, tname, int(tid), text.rsplit(")", 1)[1].split()
+
+
+def thread_cpu(root: int) -> dict[tuple[str, str, int], int]:
+    """CPU ticks (user + system) of every thread of the server's process tree, keyed by
+    (process name, thread name, tid): counted whoever runs it. hstrace names its threads
+    (`placement.name_thread`)."""
+    return {
+        (pname, tname, tid): int(fields[11]) + int(fields[12])
+        for pname, tname, tid, fields in _thread_stats(root)
+    }
 
 
 def thread_faults(root: int) -> dict[str, int]:
@@ -256,21 +263,8 @@ def thread_faults(root: int) -> dict[str, int]:
     per-thread `minflt`): a fault is a page touched for the first time, e.g. fresh memory for
     a copy that is kept (a held step) rather than memory freed by the step before."""
     faults: dict[str, int] = {}
-    for pid in _tree(root):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                pname = f.read().strip()
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    text = f.read()
-            except OSError:
-                continue
-            name = f"{pname}/{text[text.index('(') + 1 : text.rindex(')')]}"
-            faults[name] = faults.get(name, 0) + int(text.rsplit(")", 1)[1].split()[7])
+    for pname, tname, _, fields in _thread_stats(root):
+        faults[f"{pname}/{tname}"] = faults.get(f"{pname}/{tname}", 0) + int(fields[7])
     return faults
 
 
