@@ -1088,9 +1088,11 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
                 round_tps(port, prompts, args.new_tokens)
             wall = time.perf_counter() - w0
             cpu[arm].append(cpu_by_thread(c0, _cpu_of(proc.pid, burner)))
-            drafts[arm] += spec_steps(port) - d0
-            steps = (spec_steps(port) - d0) / args.prompts
-            faults[arm].append(_faults_per_step(f0, thread_faults(proc.pid), steps))
+            n_drafts = spec_steps(port) - d0
+            drafts[arm] += n_drafts
+            faults[arm].append(
+                _faults_per_step(f0, thread_faults(proc.pid), n_drafts / args.prompts)
+            )
             if burner is not None:
                 burner.stop()
             got[arm] = args.long_rounds * args.prompts * args.new_tokens / wall

@@ -8,6 +8,8 @@ from pathlib import Path
 import click
 from hstrace.cli.options import out_option, parse_streams, stop_options, stream_options
 
+from hstrace.engines.protocol import DRAIN_WAIT_MAX_S, DRAIN_WAIT_S, QUIET_S
+
 
 @click.command(name="arm")
 @click.argument("server")
@@ -30,12 +32,13 @@ from hstrace.cli.options import out_option, parse_streams, stop_options, stream_
 )
 @click.option(
     "--drain-wait",
-    type=click.FloatRange(min=0, max=300),
+    type=click.FloatRange(min=0, max=DRAIN_WAIT_MAX_S),
     default=None,
     metavar="S",
-    help="With --hold-mb: at the disarm, the held steps' rows wait for the server to idle (no "
-    "step for 50 ms), at most S seconds (default 30, at most 300), before they are built "
-    "beside the steps it serves; 0: built at once. The disarm returns once the trace is closed.",
+    help=f"With --hold-mb: at the disarm, the held steps' rows wait for the server to idle (no "
+    f"step for {QUIET_S * 1e3:g} ms), at most S seconds (default {DRAIN_WAIT_S:g}, at most "
+    f"{DRAIN_WAIT_MAX_S:g}), before they are built beside the steps it serves; 0: built at "
+    "once. The disarm returns once the trace is closed.",
 )
 @click.option(
     "--json",

@@ -25,7 +25,12 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from hstrace.engines.protocol import CLOSE_SIGNAL
+from hstrace.engines.protocol import (
+    CLOSE_SIGNAL,
+    DRAIN_WAIT_MAX_S,
+    DRAIN_WAIT_S,
+    QUIET_S,
+)
 from hstrace.engines.rows import TableWrite
 from hstrace.engines.support import PatchPoint, Version
 
@@ -124,32 +129,29 @@ def _may_restore_policy() -> bool:
         return False
 
 
+def _finite(value: Any) -> bool:
+    """A finite int or float from the arm message (a bool is not a number here)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and math.isfinite(value)
+
+
 def hold_limit(hold_mb: Any) -> int | None:
     """A session's `hold_mb` in bytes (None: not held); anything but a positive number is
     refused (the arming client says it)."""
     if hold_mb is None:
         return None
-    ok = isinstance(hold_mb, int | float) and not isinstance(hold_mb, bool)
-    if not ok or not math.isfinite(hold_mb) or not hold_mb > 0:
+    if not _finite(hold_mb) or not hold_mb > 0:
         raise ValueError(f"hold_mb must be a positive number of MiB, not {hold_mb!r}")
     return max(1, int(hold_mb * 2**20))
 
 
-# How long a held session's rows wait at the disarm for the server to idle (`Recorder.IDLE_S`
-# without a step) before they are built beside its steps: `hstrace arm --drain-wait`'s default,
-# and the most it takes (the disarm's reply must come within the client's wait,
-# `hstrace.engines.control.DISARM_WAIT_S`, the rows' build included).
-DRAIN_WAIT_S = 30.0
-DRAIN_WAIT_MAX_S = 300.0
-
-
 def drain_wait(value: Any) -> float:
-    """A session's `drain_wait_s` (None: the default); anything but a number of seconds in
-    [0, DRAIN_WAIT_MAX_S] is refused."""
+    """A session's `drain_wait_s` (None: `protocol.DRAIN_WAIT_S`): how long its held rows wait
+    at the disarm for a quiet server; anything but a number of seconds in [0,
+    DRAIN_WAIT_MAX_S] is refused."""
     if value is None:
         return DRAIN_WAIT_S
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or not 0 <= value <= DRAIN_WAIT_MAX_S:
+    if not _finite(value) or not 0 <= value <= DRAIN_WAIT_MAX_S:
         raise ValueError(
             f"drain_wait_s must be a number of seconds in [0, {DRAIN_WAIT_MAX_S:g}], not {value!r}"
         )
@@ -394,7 +396,7 @@ class Recorder:
 
     # a server is quiet once no step has run for this long (vLLM's steps under load follow
     # each other within a few ms; the tiny world's take 5-11 ms on this project's CPU host)
-    IDLE_S = 0.05
+    IDLE_S = QUIET_S
 
     def _wait_idle(self) -> None:
         """On the tap thread, draining a held session: wait until no step has run for IDLE_S,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hstrace.engines.protocol import ENV, SOCKET_SUFFIX
+from hstrace.engines.protocol import DISARM_WAIT_S, ENV, SOCKET_SUFFIX
 from hstrace.errors import HstraceError
 
 
@@ -135,7 +135,7 @@ def arm(
     are the bench's (`bench/live_overhead.py`; `protocol.WORK_LEVELS`). `hold_mb`: each
     process holds the steps in memory, up to that many MiB, and builds their rows at the
     disarm (`hooks.common.Recorder.hold_bytes`), once the server has run no step for 50 ms,
-    waiting at most `drain_wait_s` (None: `hooks.common.DRAIN_WAIT_S`; 0: at once)."""
+    waiting at most `drain_wait_s` (None: `protocol.DRAIN_WAIT_S`; 0: at once)."""
     from hstrace.trace import create_trace
 
     if out.exists():
@@ -260,11 +260,6 @@ def _finish(session: Session) -> None:
         "hooks": True,
     }
     root.attrs["hstrace"] = meta
-
-
-# A process replies to a disarm once its trace is closed: a held session's steps are built
-# first, once the server is quiet (up to the session's drain wait, 30 s by default).
-DISARM_WAIT_S = 600.0
 
 
 def disarm(server: str) -> dict[int, bool]:

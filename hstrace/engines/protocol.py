@@ -58,12 +58,20 @@ def write_sitecustomize(directory: str) -> str:
 #   {"cmd": "hello"}  -> {"pid", "engine", "version", "armed", "title", "audit"} (`title`: the
 #        process title; `audit`: the static items it keeps for the next session)
 #   {"cmd": "arm", "out", "streams", "on_full", "requests"?, "duration"?, "tap_thread"?,
-#    "work"?}
+#    "work"?, "hold_mb"?, "drain_wait_s"?}
 #        -> {"armed": true, "pid", "rank", "main_static"} | {"error"}; the connection is then the
 #           session's lease: closed by the client (or its death) = disarm; when the session
 #           ends for any reason the process sends {"event": "disarmed", "reason"} on it.
 #   {"cmd": "disarm"} -> {"disarmed": true | false}
 SOCKET_SUFFIX = ".sock"
+# A session armed with `hold_mb` builds its held steps' rows at the disarm once the server is
+# quiet (no step for QUIET_S), waiting at most its `drain_wait_s` (DRAIN_WAIT_S unless given,
+# DRAIN_WAIT_MAX_S at most: the client waits DISARM_WAIT_S for the disarm's reply, the rows'
+# build included); then at once (`hstrace.hooks.common.Recorder._wait_idle`).
+QUIET_S = 0.05
+DRAIN_WAIT_S = 30.0
+DRAIN_WAIT_MAX_S = 300.0
+DISARM_WAIT_S = 600.0
 # How far an armed session takes each step (`work`; the bench's measurement of what each
 # stage costs serving, bench/live_overhead.py --work). Anything but "rows" writes no step rows,
 # only the session's static audit: never for a recording a user keeps.
