@@ -28,6 +28,9 @@ Long-session figure (`--long-rounds N`, `--long-cycles C`): in the same server, 
 rounds back to back, one session armed for the whole armed block (as a user records: its tail
 flushes every 2 s, chunk encodes and commits fall inside it; a short round above lasts less
 than one tail-flush period), against N dormant rounds, C times, the order alternating.
+`--long-gap S`: the client idles S seconds after each round of a block, armed and dormant
+alike, and only the rounds are timed: a server with quiet moments between bursts, where a held
+session builds its rows (`hstrace arm --hold-mb`: in the server's quiet moments while armed).
 
 `--work handover|collect|none` (default `rows`, a recording): the armed rounds take each step
 only so far (`hstrace.engines.protocol.WORK_LEVELS`): handed to the tap thread, which drops it;
@@ -1084,9 +1087,14 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
             settle(proc.pid)
             d0, c0, w0 = spec_steps(port), _cpu_of(proc.pid, burner), time.perf_counter()
             f0 = thread_faults(proc.pid)
+            slept = 0.0  # the client's idle gaps (`--long-gap`): not timed
             for _ in range(args.long_rounds):
                 round_tps(port, prompts, args.new_tokens)
-            wall = time.perf_counter() - w0
+                if args.long_gap:
+                    g0 = time.perf_counter()
+                    time.sleep(args.long_gap)
+                    slept += time.perf_counter() - g0
+            wall = time.perf_counter() - w0 - slept
             cpu[arm].append(cpu_by_thread(c0, _cpu_of(proc.pid, burner)))
             n_drafts = spec_steps(port) - d0
             drafts[arm] += n_drafts
@@ -1113,6 +1121,7 @@ def long_session_blocks(port: int, proc, run: Path, work: Path, prompts, args) -
     per_step = {arm: _per_step(rounds, drafts[arm] / args.prompts) for arm, rounds in cpu.items()}
     return {
         "rounds_per_block": args.long_rounds,
+        "gap_s": args.long_gap,
         "tokens_per_s_armed": [round(x, 1) for x in tps["armed"]],
         "tokens_per_s_dormant": [round(x, 1) for x in tps["dormant"]],
         "ratio_per_cycle": [round(r, 3) for r in ratios],
@@ -1201,6 +1210,13 @@ def main() -> None:
         help="rounds per block of the long-session figure (one session armed throughout; 0: skip)",
     )
     ap.add_argument("--long-cycles", type=int, default=4, help="armed/dormant long blocks")
+    ap.add_argument(
+        "--long-gap",
+        type=float,
+        default=0.0,
+        help="seconds the client idles after each round of a long block, armed and dormant "
+        "alike (a server with quiet moments between bursts); not timed",
+    )
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument(
         "--drafter",
@@ -1270,6 +1286,8 @@ def main() -> None:
         ap.error("--drain-round and --inline-too: one at a time")
     if args.hold_mb is not None and not args.hold_mb > 0:
         ap.error("--hold-mb must be > 0")
+    if not args.long_gap >= 0:
+        ap.error("--long-gap must be >= 0")
     if args.burn_ms < 0 or args.burn_period_ms <= args.burn_ms:
         ap.error("--burn-ms must be >= 0 and below --burn-period-ms")
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):

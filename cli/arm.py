@@ -24,10 +24,11 @@ from hstrace.engines.protocol import DRAIN_WAIT_MAX_S, DRAIN_WAIT_S, QUIET_S
     type=click.FloatRange(min=0, min_open=True),
     default=None,
     help="Hold each process's steps in memory, up to this many MiB, and build and write their "
-    "rows at the disarm: while it holds, a step costs the server only its copies. Past it, "
-    "the steps are written as they come. The rows' CPU moves to the disarm, it is not saved: "
-    "it is spent once the server is quiet (--drain-wait); a server that never idles pays it "
-    "after the wait, beside its steps. Steps held are lost if the server dies first. vLLM (V1, "
+    f"rows only when the server is quiet (no step for {QUIET_S * 1e3:g} ms: between bursts "
+    "while armed, and at the disarm): while it serves, a step costs it only its copies. Past "
+    "M MiB held, the steps are written as they come. The rows' CPU is not saved, it is spent "
+    "while no request waits; a server that never idles pays it at the disarm, after "
+    "--drain-wait, beside its steps. Steps held are lost if the server dies first. vLLM (V1, "
     "CPU steps) only.",
 )
 @click.option(

@@ -158,6 +158,10 @@ def drain_wait(value: Any) -> float:
     return float(value)
 
 
+def _no_work() -> None:
+    """Queued to wake the tap thread (`Recorder._wake_taps`)."""
+
+
 class Recorder:
     """Per-process state: the config, the lazily opened writer (only processes that record a
     row or an audit item open one), disabled taps.
@@ -223,12 +227,14 @@ class Recorder:
         self._tap_parked = True  # waiting for work or for a gap (not mid-stage)
         self._tap_lowered = False  # lowered for the step that runs
         # A session armed with `hold_mb` (`hstrace arm --hold-mb`): the steps handed over are
-        # held in memory, not queued, and the tap thread builds their rows only at the disarm
-        # (or once they hold `hold_bytes`: from then on they go to it as they come). While it
-        # holds, a step costs the serving thread its copies and one append; what it leaves
-        # is the same rows, later, and a server that dies first loses the held steps.
+        # held in memory, not queued, and the tap thread builds their rows only when the server
+        # is quiet (no step for IDLE_S, `_next_step`: between bursts while armed, and at the
+        # disarm), or once they hold `hold_bytes` (from then on they go to it as they come).
+        # While it holds, a step costs the serving thread its copies and one append; what it
+        # leaves is the same rows, later, and a server that dies first loses the held steps.
         self.hold_bytes: int | None = None
         self._hold_used = 0  # bytes of the steps held (the engine's `defer(..., nbytes)`)
+        self._hold_freed = 0  # of those, taken by the tap thread in a quiet moment
         self._releasing = False  # a release thread queues the held steps (the hold ran over)
         # The disarm of a held session: its steps are built when the server idles (no step
         # for IDLE_S), not beside the steps it serves on: the engine's step cues go on while
@@ -279,9 +285,9 @@ class Recorder:
             held = self._held = collections.deque()
         limit = self.hold_bytes  # read once: a disarm sets it to None while a step ends
         if limit is not None:
-            held.append(fn)  # queued at the disarm (`drain`)
-            self._hold_used += nbytes
-            if self._hold_used >= limit:  # full: from now on the tap thread works
+            held.append((fn, nbytes))  # taken when the server is quiet, or at the disarm
+            self._hold_used += nbytes  # (this thread's count; the tap thread's is `_hold_freed`)
+            if self._hold_used - self._hold_freed >= limit:  # full: the tap thread works now
                 self.hold_bytes = None
                 self._releasing = True  # its queue takes DEFER_DEPTH: never this thread's wait
                 threading.Thread(
@@ -289,7 +295,7 @@ class Recorder:
                 ).start()
             return
         if self.paced or self._releasing or held:
-            held.append(fn)  # paced: queued at the step's end (`step_ended`), or by `drain`
+            held.append((fn, 0))  # paced: queued at the step's end (`step_ended`), or by `drain`
             # a step whose end never came: no unbounded hold (unpaced: queued now, in order);
             # disarmed (the step that ran as the disarm came): queued by the disarm's drain,
             # never here, where it would wait on a held session's backlog
@@ -360,8 +366,8 @@ class Recorder:
         if not self.paced or not self.give_way or threading.get_ident() != self._tap_ident:
             return  # (inline, the step's own work: nothing to give way to)
         os.sched_yield()  # releases the GIL (CPython >= 3.11.1, as vLLM's own spin relies on)
-        if self.draining:  # a held session's steps: until the server is quiet (or the wait
-            self._wait_idle()  # is over: then at once, the backlog behind)
+        if self.draining or self._holding():  # a held step: until the server is quiet (or,
+            self._wait_idle()  # draining, the wait is over: then at once, the backlog behind)
             return
         if not self.in_step:
             return
@@ -398,20 +404,35 @@ class Recorder:
     # each other within a few ms; the tiny world's take 5-11 ms on this project's CPU host)
     IDLE_S = QUIET_S
 
+    def _holding(self) -> bool:
+        """A held session is armed and still holds (its hold not run over), in an engine that
+        tells its steps: its steps are built only when the server is quiet."""
+        return self.hold_bytes is not None and self.armed and self.paced
+
+    def _quiet_for(self) -> float:
+        """Seconds since the engine's last step ended (0 while one runs)."""
+        return 0.0 if self.in_step else time.monotonic() - self._last_step_end
+
     def _wait_idle(self) -> None:
-        """On the tap thread, draining a held session: wait until no step has run for IDLE_S,
-        or until the drain's wait (`drain_wait_s` from the disarm) is over. It looks every
-        IDLE_S at most while the server serves (a wake per step would cost serving, the
-        `handover` rung of bench/README.md's ladder). Only where the engine tells its steps
-        (`paced`); a step whose end is never told keeps it waiting to the deadline."""
+        """On the tap thread, building a held step: wait until no step has run for IDLE_S;
+        while the session is armed, for as long as it holds (its hold run over, it streams:
+        no more waiting), and at the disarm's drain until the drain's wait (`drain_wait_s`)
+        is over. It looks every IDLE_S at most while the server serves (a wake per step would
+        cost serving, the `handover` rung of bench/README.md's ladder). Only where the engine
+        tells its steps (`paced`); a step whose end is never told keeps it waiting to the
+        deadline, or, armed, until the hold runs over or the session ends."""
         if not self.paced:
             return
-        while self.draining:
-            now = time.monotonic()
-            left = self._idle_until - now
+        while True:
+            if self.draining:
+                left = self._idle_until - time.monotonic()
+            elif self._holding():
+                left = math.inf
+            else:
+                return
             if left <= 0:
                 return
-            quiet = 0.0 if self.in_step else now - self._last_step_end
+            quiet = self._quiet_for()
             if quiet >= self.IDLE_S:
                 return
             self._tap_parked = True  # waiting: a step that starts does not lower it
@@ -419,6 +440,47 @@ class Recorder:
                 time.sleep(min(self.IDLE_S - quiet, left))
             finally:
                 self._tap_parked = False
+
+    def _next_step(self, q: Any) -> Callable[[], None]:
+        """The tap thread's next work: what is queued, or, while a held session is armed, its
+        oldest held step once the server has been quiet for IDLE_S (moved to the queue here,
+        so that a drain's `join` waits for it too): a held session's rows reach its trace in
+        the server's quiet moments, not only at the disarm. It looks every IDLE_S at most
+        while the server serves, and never while no held session is armed (the arm wakes it,
+        `_wake_taps`)."""
+        import queue
+
+        while self._holding():
+            if self._held and self._quiet_for() >= self.IDLE_S and self._take_held(q):
+                break
+            wait = self.IDLE_S if not self._held else self.IDLE_S - self._quiet_for()
+            try:
+                return q.get(timeout=max(wait, 0.002))
+            except queue.Empty:
+                continue
+        return q.get()
+
+    def _take_held(self, q: Any) -> bool:
+        """Move the oldest held step to the queue (the tap thread's, in a quiet moment of an
+        armed held session); False when there is none, or the queue has no room."""
+        with self._release_lock:  # in order with a release (a hold run over, a drain)
+            held = self._held
+            if not held or not self._holding() or q.full():
+                return False
+            fn, nbytes = held.popleft()
+            q.put_nowait(fn)
+            self._hold_freed += nbytes
+            return True
+
+    def _wake_taps(self) -> None:
+        """A held session was armed: the tap thread, if it waits on its queue for good
+        (`_next_step`), goes back to looking for quiet moments."""
+        q = self._deferred
+        if q is not None:
+            try:
+                q.put_nowait(_no_work)
+            except Exception:  # full: it is awake anyway
+                pass
 
     def _tap_policy(self, lowered: bool) -> bool:
         """The tap thread to SCHED_IDLE or back to SCHED_OTHER (the serving thread's call: two
@@ -454,7 +516,7 @@ class Recorder:
             return
         with self._release_lock:  # the serving thread's step end, or a drain's
             while held:
-                q.put(held.popleft())
+                q.put(held.popleft()[0])
 
     def _tap_loop(self) -> None:
         from hstrace.trace.write import placement
@@ -472,7 +534,7 @@ class Recorder:
         q = self._deferred
         while True:
             self._tap_parked = True
-            fn = q.get()  # paced: queued at its step's end (`step_ended`)
+            fn = self._next_step(q)  # paced: queued at its step's end (`step_ended`)
             self._tap_parked = False
             try:
                 if self.draining:  # a held step, at the disarm: once the server is quiet
@@ -545,7 +607,8 @@ class Recorder:
 
     def close(self) -> None:
         self._open_gap()  # the engine stops: no step end will be told
-        self._idle_until = 0.0  # nor will a held session's drain wait for a quiet server
+        self._idle_until = 0.0  # nor will a held session's drain wait for a quiet server,
+        self.hold_bytes = None  # nor its steps held now
         self.drain()  # steps handed over to the tap thread are written first
         self.closed = True
         if self._writer is not None:
@@ -582,8 +645,9 @@ class Recorder:
             self.limit_rids = set()
             self.tap_thread = bool(session.get("tap_thread", True))
             self.work = work
-            self.hold_bytes, self._hold_used = hold_bytes, 0
+            self.hold_bytes, self._hold_used, self._hold_freed = hold_bytes, 0, 0
             self._session_holds = hold_bytes is not None
+            self._last_step_end = time.monotonic()  # (quiet counted from the arm at most)
             self.drain_wait_s = wait_s
             self.on_arm()
             if self.kept_static or self.kept_errors:
@@ -594,6 +658,8 @@ class Recorder:
                     w.note_error(name, message)
                 w.flush()
             self.session_open = self.armed = self.cued = True
+        if hold_bytes is not None:
+            self._wake_taps()
         return {"rank": self.rank(), "main_static": dict(self.kept_main_static)}
 
     def disarm(self) -> bool:

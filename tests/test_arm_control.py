@@ -614,36 +614,84 @@ def held_step(rec: Recorder, rid: str, ran: list[str], nbytes: int = 1000) -> No
     rec.step_ended()
 
 
-def test_a_held_session_builds_its_rows_only_at_the_disarm(holding, tmp_path) -> None:
-    """`hstrace arm --hold-mb`: while armed, the steps handed over stay in memory (the tap
-    thread is not woken, nothing reaches the writer); the disarm builds and writes every one,
-    in order, into a trace that closes clean."""
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
+
+
+def test_a_held_session_builds_its_rows_only_when_the_server_is_quiet(holding, tmp_path) -> None:
+    """`hstrace arm --hold-mb`: while the server serves (steps told), the steps handed over
+    stay in memory (the tap thread is not woken, nothing reaches the writer); once no step has
+    run for IDLE_S they are built, in order, while the session is still armed (the tap thread
+    was blocked on its queue by a streamed session before: the arm wakes it), and the memory
+    they took is free again; steps held after that are built at the disarm, into a trace that
+    closes clean."""
     rec, run = holding
+    t, box = arm_in_thread(run, tmp_path / "streamed.zarr")  # starts the tap thread
+    ran: list[str] = []
+    held_step(rec, "s0", ran)
+    assert wait_for(lambda: ran == ["s0"]) and rec.armed  # streamed: built while armed
+    client.disarm(str(run))
+    t.join(30)
+
     out = tmp_path / "held.zarr"
     t, box = arm_in_thread(run, out, hold_mb=1)
     assert "error" not in box and rec.hold_bytes == 2**20
-    ran: list[str] = []
+    serving = Serving(rec)
     for i in range(20):  # 20 KB held of 1 MiB
         held_step(rec, f"r{i}", ran)
     time.sleep(0.3)
-    assert ran == [] and rec._deferred.qsize() == 0 and len(rec._held) == 20
+    assert ran == ["s0"] and rec._deferred.qsize() == 0 and len(rec._held) == 20
+    assert rec._writer is None and serving.steps >= 20  # no row written: no writer opened
+    serving.end()  # quiet: built now, the session still armed and holding
+    assert wait_for(lambda: len(ran) == 21)
+    assert ran == ["s0"] + [f"r{i}" for i in range(20)]
+    assert rec.armed and rec.hold_bytes == 2**20 and not rec._held and rec._writer is not None
+    assert rec._hold_used - rec._hold_freed == 0
+    serving = Serving(rec)
+    for i in range(20, 25):  # held again while it serves; built at the disarm
+        held_step(rec, f"r{i}", ran)
+    time.sleep(0.2)
+    assert len(ran) == 21 and len(rec._held) == 5
+    serving.end()
     client.disarm(str(run))
     t.join(30)
-    assert box["session"].ok and ran == [f"r{i}" for i in range(20)]
+    assert box["session"].ok and ran == ["s0"] + [f"r{i}" for i in range(25)]
     assert rec.hold_bytes is None and not rec._held
     with open_trace(out) as tr:
         assert tr.rank(0).clean_close
-        assert tr.rank(0).table("requests").num_rows("req") == 20
+        assert tr.rank(0).table("requests").num_rows("req") == 25
     # the next session, armed without a hold, streams again: the tap thread builds each step
-    t, box = arm_in_thread(run, tmp_path / "streamed.zarr")
+    t, box = arm_in_thread(run, tmp_path / "streamed2.zarr")
     assert rec.hold_bytes is None
-    held_step(rec, "s0", ran)
-    deadline = time.monotonic() + 10
-    while "s0" not in ran and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert ran[-1] == "s0" and rec.armed  # built while still armed
+    serving = Serving(rec)
+    held_step(rec, "s1", ran)
+    assert wait_for(lambda: ran[-1] == "s1") and rec.armed  # built while serving, armed
+    serving.end()
     client.disarm(str(run))
     t.join(30)
+
+
+def test_steps_built_in_a_quiet_moment_free_their_share_of_the_hold(holding, tmp_path) -> None:
+    """The hold counts what is held now: steps built in a quiet moment give their bytes
+    back, so a session whose bursts each fit in `hold_mb` never runs over it (counting every
+    step ever held, the second burst here would: 2 x 0.75 MiB)."""
+    rec, run = holding
+    t, box = arm_in_thread(run, tmp_path / "bursts.zarr", hold_mb=1)
+    ran: list[str] = []
+    for burst in range(2):
+        serving = Serving(rec)
+        for i in range(3):
+            held_step(rec, f"b{burst}-{i}", ran, nbytes=2**18)
+        assert rec.hold_bytes == 2**20 and len(rec._held) == 3  # held, not run over
+        serving.end()
+        assert wait_for(lambda burst=burst: len(ran) == 3 * (burst + 1))
+    assert rec.hold_bytes == 2**20 and not rec._releasing
+    client.disarm(str(run))
+    t.join(30)
+    assert box["session"].ok and ran == [f"b{b}-{i}" for b in range(2) for i in range(3)]
 
 
 def test_a_hold_that_runs_over_streams_on_in_order_and_never_blocks_serving(
@@ -657,6 +705,7 @@ def test_a_hold_that_runs_over_streams_on_in_order_and_never_blocks_serving(
     rec, run = holding
     out = tmp_path / "over.zarr"
     t, box = arm_in_thread(run, out, hold_mb=1)
+    serving = Serving(rec)  # never quiet: nothing held is built before it runs over
     gate = threading.Event()
     ran: list[str] = []
     rec.defer(lambda: (gate.wait(10), ran.append("gate")), 0)  # holds the tap thread up
@@ -671,6 +720,7 @@ def test_a_hold_that_runs_over_streams_on_in_order_and_never_blocks_serving(
     assert time.monotonic() - t0 < 1.0  # a queue put here would have waited for the gate
     assert rec.hold_bytes is None and rec._releasing and ran == []
     gate.set()
+    serving.end()
     client.disarm(str(run))
     t.join(30)
     assert box["session"].ok and not rec._releasing
@@ -738,9 +788,9 @@ def test_a_held_sessions_rows_wait_for_a_quiet_server_at_the_disarm(holding, tmp
     out = tmp_path / "quiet.zarr"
     t, box = arm_in_thread(run, out, hold_mb=1)
     ran: list[str] = []
+    serving = Serving(rec)  # never quiet while armed
     for i in range(12):  # more than the tap thread's queue takes: the disarm's thread queues
         held_step(rec, f"r{i}", ran)
-    serving = Serving(rec)
     d, reply = disarm_in_thread(run)
     time.sleep(0.6)
     steps = serving.steps
@@ -799,9 +849,9 @@ def test_a_server_that_never_idles_gets_its_held_rows_after_the_drain_wait(
     t, box = arm_in_thread(run, out, hold_mb=1, drain_wait_s=0.4)
     assert rec.drain_wait_s == 0.4
     ran: list[str] = []
+    serving = Serving(rec)  # serving from the arm on: never quiet
     for i in range(5):
         held_step(rec, f"r{i}", ran)
-    serving = Serving(rec)
     t0 = time.monotonic()
     d, _ = disarm_in_thread(run)
     d.join(30)
@@ -812,8 +862,8 @@ def test_a_server_that_never_idles_gets_its_held_rows_after_the_drain_wait(
     assert 0.4 <= waited < 10 and ran == [f"r{i}" for i in range(5)] and box["session"].ok
 
     t, box = arm_in_thread(run, tmp_path / "now.zarr", hold_mb=1, drain_wait_s=0)
-    held_step(rec, "n0", ran)
     serving = Serving(rec)
+    held_step(rec, "n0", ran)
     t0 = time.monotonic()
     client.disarm(str(run))  # while it serves: the default wait (30 s) would not be over
     t.join(30)
@@ -848,9 +898,9 @@ def test_the_step_in_flight_at_a_held_sessions_disarm_never_waits_for_the_backlo
     out = tmp_path / "inflight.zarr"
     t, box = arm_in_thread(run, out, hold_mb=1)
     ran: list[str] = []
+    serving = Serving(rec)
     for i in range(3 * Recorder.DEFER_DEPTH):
         held_step(rec, f"r{i}", ran)
-    serving = Serving(rec)
     rec.stepping = True  # a step runs as the disarm comes (the disarm waits for it)
     d, _ = disarm_in_thread(run)
     deadline = time.monotonic() + 10
@@ -880,9 +930,9 @@ def test_a_server_that_closes_while_held_rows_wait_for_quiet_has_them_built_at_o
     rec, run = holding
     t, box = arm_in_thread(run, tmp_path / "closing.zarr", hold_mb=1)
     ran: list[str] = []
+    serving = Serving(rec)  # steps told throughout: the wait would last its 30 s
     for i in range(3):
         held_step(rec, f"r{i}", ran)
-    serving = Serving(rec)  # steps still told: the wait would last its 30 s
     d, _ = disarm_in_thread(run)
     time.sleep(0.3)
     assert rec.draining and ran == []
