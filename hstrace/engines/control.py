@@ -133,9 +133,10 @@ def arm(
     here: then this disarms), and write how it ended into the trace. `armed` is called once
     every process is armed (tests and the bench send traffic from it). `tap_thread` and `work`
     are the bench's (`bench/live_overhead.py`; `protocol.WORK_LEVELS`). `hold_mb`: each
-    process holds the steps in memory, up to that many MiB, and builds their rows at the
-    disarm (`hooks.common.Recorder.hold_bytes`), once the server has run no step for 50 ms,
-    waiting at most `drain_wait_s` (None: `protocol.DRAIN_WAIT_S`; 0: at once)."""
+    process holds the steps in memory, up to that many MiB, and builds their rows once the
+    server has run no step for 50 ms (`hooks.common.Recorder.hold_bytes`): in its quiet
+    moments while armed, and at the disarm, waiting then at most `drain_wait_s` (None:
+    `protocol.DRAIN_WAIT_S`; 0: at once)."""
     from hstrace.trace import create_trace
 
     if out.exists():

@@ -64,10 +64,11 @@ def write_sitecustomize(directory: str) -> str:
 #           ends for any reason the process sends {"event": "disarmed", "reason"} on it.
 #   {"cmd": "disarm"} -> {"disarmed": true | false}
 SOCKET_SUFFIX = ".sock"
-# A session armed with `hold_mb` builds its held steps' rows at the disarm once the server is
-# quiet (no step for QUIET_S), waiting at most its `drain_wait_s` (DRAIN_WAIT_S unless given,
-# DRAIN_WAIT_MAX_S at most: the client waits DISARM_WAIT_S for the disarm's reply, the rows'
-# build included); then at once (`hstrace.hooks.common.Recorder._wait_idle`).
+# A session armed with `hold_mb` builds its held steps' rows only once the server is quiet (no
+# step for QUIET_S): while armed, in its quiet moments (`hstrace.hooks.common.Recorder.
+# _next_step`), and at the disarm, waiting at most its `drain_wait_s` (DRAIN_WAIT_S unless
+# given, DRAIN_WAIT_MAX_S at most: the client waits DISARM_WAIT_S for the disarm's reply, the
+# rows' build included); then at once (`hstrace.hooks.common.Recorder._wait_idle`).
 QUIET_S = 0.05
 DRAIN_WAIT_S = 30.0
 DRAIN_WAIT_MAX_S = 300.0
