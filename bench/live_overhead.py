@@ -39,8 +39,10 @@ returning as if dormant. Run side by side with `rows`, the levels split the cost
 serving thread's copies, the hand-over to the tap thread, and the tap thread's rows and the
 writer (bench/README.md, thirteenth pass). Those sessions write the static audit, no step rows.
 
-`--hold-mb M`: the armed rounds' sessions hold their steps (`hstrace arm --hold-mb`): no rows
-while armed, all of them built at the disarm, which is not timed; its cost is reported per
+`--hold-mb M`: the armed rounds' sessions hold their steps (`hstrace arm --hold-mb M`; what
+`hstrace arm` does by default is `--hold-mb 64`, and without `--hold-mb` the bench's sessions
+stream, as `hstrace arm --stream`): no rows while the server serves, all of them built once it
+is quiet, here at the disarm, which is not timed; its cost is reported per
 step of the session (`disarm_recording_cpu_ms_per_session_step_median`, of it the tap
 thread's `disarm_tap_thread_cpu_ms_per_session_step_median`; kept blocks: per block).
 `--drain-round` says what that costs serving: each armed round's disarm starts as the next

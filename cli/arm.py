@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from hstrace.cli.options import out_option, parse_streams, stop_options, stream_options
 
-from hstrace.engines.protocol import DRAIN_WAIT_MAX_S, DRAIN_WAIT_S, QUIET_S
+from hstrace.engines.protocol import DEFAULT_HOLD_MB, DRAIN_WAIT_MAX_S, DRAIN_WAIT_S, QUIET_S
 
 
 @click.command(name="arm")
@@ -23,20 +23,27 @@ from hstrace.engines.protocol import DRAIN_WAIT_MAX_S, DRAIN_WAIT_S, QUIET_S
     "--hold-mb",
     type=click.FloatRange(min=0, min_open=True),
     default=None,
-    help="Hold each process's steps in memory, up to this many MiB, and build and write their "
-    f"rows only when the server is quiet (no step for {QUIET_S * 1e3:g} ms: between bursts "
-    "while armed, and at the disarm): while it serves, a step costs it only its copies. Past "
-    "M MiB held, the steps are written as they come. The rows' CPU is not saved, it is spent "
-    "while no request waits; a server that never idles pays it at the disarm, after "
-    "--drain-wait, beside its steps. Steps held are lost if the server dies first. vLLM (V1, "
-    "CPU steps) only.",
+    metavar="M",
+    help="Hold each process's steps in memory, up to M MiB (default "
+    f"{DEFAULT_HOLD_MB:g}), and build and write their rows only when the server is quiet (no "
+    f"step for {QUIET_S * 1e3:g} ms: between bursts while armed, and at the disarm): while it "
+    "serves, a step costs it only its copies. Past M MiB held, the steps are written as they "
+    "come until the server is quiet again. The rows' CPU is not saved, it is spent while no "
+    "request waits. Steps held are lost if the server dies first. vLLM (V1, CPU steps) holds; "
+    "by default other hooks stream, and an M given where they cannot hold is refused.",
+)
+@click.option(
+    "--stream",
+    is_flag=True,
+    help="Build each step's rows as it runs, on a thread beside serving (what a server that "
+    "never idles pays least for): no step held in memory.",
 )
 @click.option(
     "--drain-wait",
     type=click.FloatRange(min=0, max=DRAIN_WAIT_MAX_S),
     default=None,
     metavar="S",
-    help=f"With --hold-mb: at the disarm, the held steps' rows wait for the server to idle (no "
+    help=f"A held session (the default): at the disarm, the held steps' rows wait for the server to idle (no "
     f"step for {QUIET_S * 1e3:g} ms), at most S seconds (default {DRAIN_WAIT_S:g}, at most "
     f"{DRAIN_WAIT_MAX_S:g}), before they are built beside the steps it serves; 0: built at "
     "once. The disarm returns once the trace is closed.",
@@ -45,8 +52,8 @@ from hstrace.engines.protocol import DRAIN_WAIT_MAX_S, DRAIN_WAIT_S, QUIET_S
     "--json",
     "as_json",
     is_flag=True,
-    help="Print the session as JSON: out, engine, engine_version, processes, ended, wall_s, ok, "
-    "exit_code.",
+    help="Print the session as JSON: out, engine, engine_version, processes, ended, wall_s, "
+    "held (the processes that held their steps), ok, exit_code.",
 )
 def arm(
     server: str,
@@ -56,6 +63,7 @@ def arm(
     streams: str | None,
     on_full: str,
     hold_mb: float | None,
+    stream: bool,
     drain_wait: float | None,
     as_json: bool,
 ) -> None:
@@ -70,8 +78,10 @@ def arm(
     2 = bad input or usage."""
     from hstrace.engines import control
 
-    if drain_wait is not None and hold_mb is None:
-        raise click.UsageError("--drain-wait applies to a held session: give --hold-mb too")
+    if stream and hold_mb is not None:
+        raise click.UsageError("--stream and --hold-mb: a session streams or holds, not both")
+    if stream and drain_wait is not None:
+        raise click.UsageError("--drain-wait applies to a held session, not with --stream")
 
     def started(session: control.Session) -> None:
         pids = ", ".join(
@@ -88,8 +98,9 @@ def arm(
         requests=requests,
         duration_s=duration,
         armed=started,
-        hold_mb=hold_mb,
+        hold_mb=None if stream else (DEFAULT_HOLD_MB if hold_mb is None else hold_mb),
         drain_wait_s=drain_wait,
+        hold_auto=not stream and hold_mb is None,
     )
     reasons = ", ".join(sorted(set(session.ended.values())))
     if as_json:
@@ -102,12 +113,16 @@ def arm(
             "processes": [r.get("pid") for r in session.armed],
             "ended": {str(pid): why for pid, why in session.ended.items()},
             "wall_s": round(session.wall_s, 3),
+            "held": session.held,
             "ok": session.ok,
             "exit_code": 0 if session.ok else 1,
         }
         click.echo(json.dumps(doc, indent=2))
     else:
-        click.echo(f"recorded {session.wall_s:.1f} s from {session.engine} into {out} ({reasons})")
+        kind = "held" if session.held else "streamed"
+        click.echo(
+            f"recorded {session.wall_s:.1f} s from {session.engine} into {out} ({reasons}), {kind}"
+        )
     if not session.ok:
         sys.exit(1)
 

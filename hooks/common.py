@@ -236,6 +236,13 @@ class Recorder:
         self._hold_used = 0  # bytes of the steps held (the engine's `defer(..., nbytes)`)
         self._hold_freed = 0  # of those, taken by the tap thread in a quiet moment
         self._releasing = False  # a release thread queues the held steps (the hold ran over)
+        # the session's hold, kept while it streams after running over: held again once the
+        # backlog is built and the server is quiet (`_hold_again`)
+        self._hold_limit: int | None = None
+        self._hold_auto = False  # the hold is the client's default, not asked for: hooks that
+        # cannot hold stream without a word
+        self._built_quiet = False  # the tap thread built a held step in a quiet moment
+        self._quiet_flushed = 0.0  # monotonic: the last flush after those (`_flush_quiet`)
         # The disarm of a held session: its steps are built when the server idles (no step
         # for IDLE_S), not beside the steps it serves on: the engine's step cues go on while
         # they drain (`cued`, `draining`), and the tap thread waits for a quiet server before
@@ -445,20 +452,45 @@ class Recorder:
         """The tap thread's next work: what is queued, or, while a held session is armed, its
         oldest held step once the server has been quiet for IDLE_S (moved to the queue here,
         so that a drain's `join` waits for it too): a held session's rows reach its trace in
-        the server's quiet moments, not only at the disarm. It looks every IDLE_S at most
-        while the server serves, and never while no held session is armed (the arm wakes it,
-        `_wake_taps`)."""
+        the server's quiet moments, not only at the disarm. A held session that ran over its
+        hold streams until its backlog is built and the server is quiet, then holds again
+        (`_hold_again`). It looks every IDLE_S at most while the server serves, and never
+        while no held session is armed (the arm wakes it, `_wake_taps`)."""
         import queue
 
-        while self._holding():
-            if self._held and self._quiet_for() >= self.IDLE_S and self._take_held(q):
-                break
-            wait = self.IDLE_S if not self._held else self.IDLE_S - self._quiet_for()
+        while True:
+            if self._holding():
+                if self._held and self._quiet_for() >= self.IDLE_S and self._take_held(q):
+                    return q.get()
+                wait = self.IDLE_S if not self._held else self.IDLE_S - self._quiet_for()
+            elif self._overflowed():
+                wait = self.IDLE_S
+            else:
+                return q.get()
             try:
                 return q.get(timeout=max(wait, 0.002))
             except queue.Empty:
-                continue
-        return q.get()
+                self._hold_again()
+
+    def _overflowed(self) -> bool:
+        """An armed held session streams: its hold ran over."""
+        return (
+            self._hold_limit is not None and self.hold_bytes is None and self.armed and self.paced
+        )
+
+    def _hold_again(self) -> None:
+        """On the tap thread, its queue empty: a held session that ran over its hold holds
+        again once its backlog is built (nothing held, nothing being released) and the server
+        is quiet. Under the session's lock, so that a disarm (which lifts the hold) is never
+        undone here."""
+        if not self._overflowed() or self._releasing or self._held:
+            return
+        if self._quiet_for() < self.IDLE_S:
+            return
+        with self.session_lock:
+            if self._overflowed() and not self._releasing and not self._held:
+                self._hold_freed = self._hold_used  # nothing held now (the serving thread
+                self.hold_bytes = self._hold_limit  # counts only while it holds)
 
     def _take_held(self, q: Any) -> bool:
         """Move the oldest held step to the queue (the tap thread's, in a quiet moment of an
@@ -470,7 +502,31 @@ class Recorder:
             fn, nbytes = held.popleft()
             q.put_nowait(fn)
             self._hold_freed += nbytes
+            self._built_quiet = True
             return True
+
+    # a held session's rows built in a quiet moment are flushed there, at most this often
+    # (the writer's own tail flush, every 2 s, would otherwise land in the next burst)
+    QUIET_FLUSH_S = 0.5
+
+    def _flush_quiet(self) -> None:
+        """On the tap thread, once the steps held before a quiet moment are built: the writer
+        commits them now, while the server is still quiet, not at its next tail flush, in
+        the burst that follows (at most every QUIET_FLUSH_S; not once a step has started:
+        then after the next held step built in a quiet moment)."""
+        if self._quiet_for() < self.IDLE_S:
+            return
+        self._built_quiet = False
+        now = time.monotonic()
+        if now - self._quiet_flushed < self.QUIET_FLUSH_S:
+            return
+        self._quiet_flushed = now
+        try:
+            with self.session_lock:
+                if self.session_open and self._writer is not None and not self.closed:
+                    self._writer.flush()
+        except Exception as exc:  # never take serving down: the tail flush still comes
+            print(f"hstrace: quiet flush: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     def _wake_taps(self) -> None:
         """A held session was armed: the tap thread, if it waits on its queue for good
@@ -540,6 +596,8 @@ class Recorder:
                 if self.draining:  # a held step, at the disarm: once the server is quiet
                     self._wait_idle()
                 fn()  # its taps run under run_tap: a failure disables one and is recorded
+                if self._built_quiet and not self._held and self._holding():
+                    self._flush_quiet()  # the held steps built: committed while quiet
             except Exception as exc:  # never let the tap thread die
                 print(f"hstrace: deferred tap: {type(exc).__name__}: {exc}", file=sys.stderr)
             finally:
@@ -608,7 +666,7 @@ class Recorder:
     def close(self) -> None:
         self._open_gap()  # the engine stops: no step end will be told
         self._idle_until = 0.0  # nor will a held session's drain wait for a quiet server,
-        self.hold_bytes = None  # nor its steps held now
+        self.hold_bytes = self._hold_limit = None  # nor its steps held now
         self.drain()  # steps handed over to the tap thread are written first
         self.closed = True
         if self._writer is not None:
@@ -628,8 +686,11 @@ class Recorder:
             )
         hold_bytes = hold_limit(session.get("hold_mb"))
         wait_s = drain_wait(session.get("drain_wait_s"))
+        auto = session.get("hold_auto") is True  # `hstrace arm`'s default hold
         if hold_bytes is not None and not self.HOLDS:
-            raise ValueError("hold_mb: this engine's hooks build a step's rows as it runs")
+            if not auto:
+                raise ValueError("hold_mb: this engine's hooks build a step's rows as it runs")
+            hold_bytes = None  # streamed, as these hooks always are
         with self.session_lock:
             if self.armed or self.session_open:
                 raise RuntimeError("already armed")
@@ -646,6 +707,7 @@ class Recorder:
             self.tap_thread = bool(session.get("tap_thread", True))
             self.work = work
             self.hold_bytes, self._hold_used, self._hold_freed = hold_bytes, 0, 0
+            self._hold_limit, self._hold_auto = hold_bytes, auto
             self._session_holds = hold_bytes is not None
             self._last_step_end = time.monotonic()  # (quiet counted from the arm at most)
             self.drain_wait_s = wait_s
@@ -660,7 +722,11 @@ class Recorder:
             self.session_open = self.armed = self.cued = True
         if hold_bytes is not None:
             self._wake_taps()
-        return {"rank": self.rank(), "main_static": dict(self.kept_main_static)}
+        return {
+            "rank": self.rank(),
+            "main_static": dict(self.kept_main_static),
+            "holds": hold_bytes is not None,
+        }
 
     def disarm(self) -> bool:
         """End the session: the patch points go dormant, then the trace is closed (outside the
@@ -674,7 +740,7 @@ class Recorder:
             self.draining = self._session_holds and self.paced and self.drain_wait_s > 0
             self.cued = self.draining
             self.armed = False  # no new step starts recording
-            self.hold_bytes = None  # the steps held are queued by the drain below
+            self.hold_bytes = self._hold_limit = None  # the held steps: queued by the drain
         # a step that began armed is finished and written into this session's trace
         deadline = time.monotonic() + 30.0
         while self.stepping and time.monotonic() < deadline:

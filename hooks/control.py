@@ -154,7 +154,7 @@ class Channel:
         thread: a fresh, disarmed session and a socket of its own."""
         rec = self.rec
         rec.armed = rec.session_open = rec.stepping = rec.cued = rec.draining = False
-        rec.hold_bytes, rec._held = None, None  # nor the parent's held steps
+        rec.hold_bytes, rec._hold_limit, rec._held = None, None, None  # nor the parent's held
         rec._writer, rec._deferred = None, None  # the parent's writer and tap thread
         rec.session_lock = threading.Lock()
         rec.lock = threading.Lock()

@@ -290,8 +290,9 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
                 rec.defer(lambda: _emit_step(rec, step, keep), held)
             else:  # CUDA: another thread's stream would not wait for the
                 if rec.hold_bytes is not None:  # copies queued on this one (unverified
-                    rec.hold_bytes = None  # without a GPU): nothing is held, and the session's
-                    rec.note_error("hold", _NOT_HELD)  # trace says so, once
+                    rec.hold_bytes = rec._hold_limit = None  # without a GPU): nothing is held,
+                    if not rec._hold_auto:  # and, where the hold was asked for, the
+                        rec.note_error("hold", _NOT_HELD)  # session's trace says so, once
                 _emit_step(rec, step)
         finally:
             rec.stepping = False

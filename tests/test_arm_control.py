@@ -621,13 +621,19 @@ def wait_for(cond, timeout: float = 10.0) -> bool:
     return cond()
 
 
+def committed_requests(out: Path) -> int:
+    """The request rows a trace still being written has committed on disk."""
+    with open_trace(out) as tr:
+        return tr.rank(0).table("requests").num_rows("req")
+
+
 def test_a_held_session_builds_its_rows_only_when_the_server_is_quiet(holding, tmp_path) -> None:
     """`hstrace arm --hold-mb`: while the server serves (steps told), the steps handed over
     stay in memory (the tap thread is not woken, nothing reaches the writer); once no step has
     run for IDLE_S they are built, in order, while the session is still armed (the tap thread
-    was blocked on its queue by a streamed session before: the arm wakes it), and the memory
-    they took is free again; steps held after that are built at the disarm, into a trace that
-    closes clean."""
+    was blocked on its queue by a streamed session before: the arm wakes it) and committed on
+    disk while it is quiet, and the memory they took is free again; steps held after that are
+    built at the disarm, into a trace that closes clean."""
     rec, run = holding
     t, box = arm_in_thread(run, tmp_path / "streamed.zarr")  # starts the tap thread
     ran: list[str] = []
@@ -648,6 +654,8 @@ def test_a_held_session_builds_its_rows_only_when_the_server_is_quiet(holding, t
     serving.end()  # quiet: built now, the session still armed and holding
     assert wait_for(lambda: len(ran) == 21)
     assert ran == ["s0"] + [f"r{i}" for i in range(20)]
+    # and committed while quiet (`_flush_quiet`), not at the writer's tail flush 2 s later
+    assert wait_for(lambda: committed_requests(out) == 20, timeout=1.0)
     assert rec.armed and rec.hold_bytes == 2**20 and not rec._held and rec._writer is not None
     assert rec._hold_used - rec._hold_freed == 0
     serving = Serving(rec)
@@ -727,6 +735,62 @@ def test_a_hold_that_runs_over_streams_on_in_order_and_never_blocks_serving(
     assert ran == ["gate"] + [f"r{i}" for i in range(n + 4)]
     with open_trace(out) as tr:
         assert tr.rank(0).table("requests").num_rows("req") == n + 4
+
+
+def test_a_hold_that_ran_over_holds_again_once_its_backlog_is_built_and_the_server_quiet(
+    holding, tmp_path
+) -> None:
+    """Past `hold_mb` a held session streams (the backlog and the steps that follow go to the
+    tap thread as they come); once that backlog is built and the server is quiet it holds
+    again, with the whole `hold_mb` free: the next burst is held while the server serves, and
+    built in the next quiet moment; every step in order."""
+    rec, run = holding
+    out = tmp_path / "again.zarr"
+    t, box = arm_in_thread(run, out, hold_mb=1)
+    ran: list[str] = []
+    serving = Serving(rec)
+    for i in range(3):
+        held_step(rec, f"a{i}", ran, nbytes=2**19)  # the third runs over 1 MiB
+    assert rec.hold_bytes is None  # streams now
+    for i in range(3, 6):  # built as they come, while it serves
+        held_step(rec, f"a{i}", ran)
+    assert wait_for(lambda: len(ran) == 6) and rec.hold_bytes is None
+    serving.end()  # quiet: the backlog is built, so it holds again
+    assert wait_for(lambda: rec.hold_bytes == 2**20)
+    serving = Serving(rec)
+    for i in range(6, 9):  # 1.5 MiB counted in all, 0.75 held now: no run-over
+        held_step(rec, f"a{i}", ran, nbytes=2**18)
+    time.sleep(0.3)
+    assert len(ran) == 6 and len(rec._held) == 3 and rec.hold_bytes == 2**20
+    serving.end()
+    assert wait_for(lambda: len(ran) == 9) and rec.armed
+    client.disarm(str(run))
+    t.join(30)
+    assert box["session"].ok and ran == [f"a{i}" for i in range(9)]
+    with open_trace(out) as tr:
+        assert tr.rank(0).table("requests").num_rows("req") == 9
+
+
+def test_the_default_hold_streams_in_hooks_that_cannot_hold(dormant, holding, tmp_path) -> None:
+    """`hstrace arm` without `--hold-mb` asks for its default hold with `hold_auto`: hooks that
+    cannot hold (SGLang's, here the base recorder) stream instead of refusing, and say they do
+    not hold; hooks that can hold do (`Session.held` names the processes that held)."""
+    rec, run, _ = dormant
+    t, box = arm_in_thread(run, tmp_path / "auto.zarr", hold_mb=64, hold_auto=True)
+    assert "error" not in box and rec.armed and rec.hold_bytes is None
+    step(rec, "r1")
+    client.disarm(str(run))
+    t.join(30)
+    assert box["session"].ok and box["session"].held == []
+    with open_trace(tmp_path / "auto.zarr") as tr:
+        assert tr.meta["record"]["held"] == []
+        assert tr.rank(0).table("requests").num_rows("req") == 1
+    rec, run = holding
+    t, box = arm_in_thread(run, tmp_path / "auto-held.zarr", hold_mb=64, hold_auto=True)
+    assert rec.hold_bytes == 64 * 2**20
+    client.disarm(str(run))
+    t.join(30)
+    assert box["session"].held == [os.getpid()]
 
 
 def test_a_hold_is_refused_by_hooks_that_cannot_hold_and_when_not_a_positive_size(

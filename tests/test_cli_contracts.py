@@ -126,12 +126,20 @@ def test_bad_choices_are_one_line(args):
     assert "Invalid value for" in lines[0]
 
 
-def test_a_drain_wait_without_a_hold_is_one_line():
-    run = run_main("arm", "run-dir", "--out", "x.zarr", "--drain-wait", "5")
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--stream", "--drain-wait", "5"], "--drain-wait applies to a held session, not with"),
+        (["--stream", "--hold-mb", "64"], "--stream and --hold-mb: a session streams or holds"),
+    ],
+    ids=["drain-wait", "hold-mb"],
+)
+def test_a_streamed_session_with_a_holds_option_is_one_line(args, says):
+    run = run_main("arm", "run-dir", "--out", "x.zarr", *args)
     assert run.returncode == 2 and run.stdout == ""
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("hstrace: error: hstrace arm: ")
-    assert "--drain-wait applies to a held session: give --hold-mb too" in lines[0]
+    assert says in lines[0]
 
 
 def test_unknown_command_is_one_line():

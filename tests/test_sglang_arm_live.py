@@ -199,7 +199,7 @@ def test_arm_reaches_the_scheduler_and_the_trace_replays_clean(served) -> None:
     rc, out, err = served.arm_a
     assert rc == 0, err
     assert "sglang::scheduler" in err  # `armed sglang 0.5.23 processes PID (title), ...`
-    assert "(disarm)" in out
+    assert "(disarm), streamed" in out  # the default hold: SGLang's hooks stream, no refusal
     assert "disarmed processes" in served.disarm.stdout
     assert all(not h["armed"] for h in served.after_a)
     with open_trace(served.tmp / "a.zarr") as tr:

@@ -3,10 +3,10 @@
 One server start (module fixture), started dormant (`HSTRACE_RECORD` = `dormant_env("vllm",
 RUN_DIR)`; the hooks get into every process through vLLM's `vllm.general_plugins` entry point):
 1. dormant: the same prompts, greedy, answered with no trace and no writer;
-2. `hstrace arm RUN_DIR --out a.zarr` (the CLI, a subprocess): the prompts again, then
-   `hstrace disarm RUN_DIR`; the arm command exits 0 and the trace replays clean;
-3. `hstrace arm PID --out b.zarr --requests 2`: the session ends by itself inside the server
-   once the first two requests finished;
+2. `hstrace arm RUN_DIR --out a.zarr --stream` (the CLI, a subprocess): the prompts again,
+   then `hstrace disarm RUN_DIR`; the arm command exits 0 and the trace replays clean;
+3. `hstrace arm PID --out b.zarr --requests 2` (held, the default): the session ends by itself
+   inside the server once the first two requests finished;
 4. `hstrace arm RUN_DIR --out c.zarr` killed with SIGKILL while armed: every process disarms
    (the lease closed), and serving goes on;
 5. the bench's work levels; 6. `hstrace arm --hold-mb 64`: the steps held while the server
@@ -120,7 +120,7 @@ def served(tmp_path_factory):
             got["dormant"] = send(prompts)
 
             # 2. armed by the CLI, disarmed by the CLI
-            a = hstrace("arm", str(run), "--out", str(tmp / "a.zarr"))
+            a = hstrace("arm", str(run), "--out", str(tmp / "a.zarr"), "--stream")
             got["armed_hellos"] = wait_armed(run, True)
             got["armed"] = send(prompts)
             got["masks"] = thread_masks(proc.pid)
@@ -216,7 +216,7 @@ def test_arm_then_disarm_records_a_clean_trace(served) -> None:
     assert all(h["armed"] for h in served["armed_hellos"])
     rc, out, err = served["arm_a"]
     assert rc == 0, err
-    assert "(disarm)" in out
+    assert "(disarm), streamed" in out
     assert "disarmed processes" in served["disarm"].stdout
     assert all(not h["armed"] for h in served["after_a"])
     tmp = served["tmp"]
@@ -258,11 +258,13 @@ def test_outputs_armed_equal_outputs_dormant(served) -> None:
 def test_a_requests_limit_ends_the_session_inside_the_server(served) -> None:
     rc, out, err = served["arm_b"]
     assert rc == 0, err
-    assert "requests" in out  # the worker ended it; the client then disarmed the others
+    assert "(requests), held" in out  # the worker ended it; the client disarmed the others
     assert all(not h["armed"] for h in served["after_b"])
     with open_trace(served["tmp"] / "b.zarr") as tr:
         assert tr.rank(0).clean_close
         assert tr.rank(0).table("requests").num_rows("req") >= 2
+        # held by default: every vLLM process said it holds (the worker's steps are held)
+        assert tr.meta["record"]["held"] == tr.meta["record"]["processes"]
 
 
 def test_a_killed_arming_client_leaves_no_hooks_armed(served) -> None:
@@ -276,9 +278,10 @@ def test_a_killed_arming_client_leaves_no_hooks_armed(served) -> None:
 
 def test_a_held_session_writes_its_steps_once_the_server_is_quiet_the_same_rows(served) -> None:
     """`hstrace arm --hold-mb 64`: seconds after the traffic, while still armed, a held session
-    (h) has its steps on disk, as a streamed one (a) has: built in the server's quiet moment
-    (`hooks.common.Recorder._next_step`), not kept to the disarm; after the disarm the held
-    trace holds every table, closes clean and replays clean, and serving answered the same.
+    (h) has its steps on disk, as a streamed one (a, `--stream`) has: built in the server's
+    quiet moment (`hooks.common.Recorder._next_step`), not kept to the disarm; after the
+    disarm the held trace holds every table, closes clean and replays clean, and serving
+    answered the same.
     (That nothing is built while the server serves: tests/test_arm_control.py, with the real
     recorder and writer; the bench's armed rounds, tap thread CPU 0.)"""
     assert all(served["a_steps_before_disarm"].values()), served["a_steps_before_disarm"]

@@ -174,6 +174,7 @@ def test_arm_reaches_every_process_of_a_tp2_server(armed_tp2) -> None:
     assert rc == 0, stderr
     session = json.loads(stdout)
     assert session["ok"] and set(session["processes"]) == pids
+    assert set(session["held"]) == pids  # `hstrace arm` holds by default: both ranks' steps
     assert set(session["ended"].values()) == {"disarm"}
     assert "disarmed processes" in armed_tp2["disarm"].stdout
     assert all(not h["armed"] for h in armed_tp2["after"])

@@ -114,6 +114,11 @@ class Session:
     def ok(self) -> bool:
         return all(reason in ("disarm", "duration", "requests") for reason in self.ended.values())
 
+    @property
+    def held(self) -> list[int]:
+        """The processes that held their steps (the rest, if any, built them as they came)."""
+        return [r.get("pid") for r in self.armed if r.get("holds")]
+
 
 def arm(
     server: str,
@@ -127,6 +132,7 @@ def arm(
     work: str = "rows",
     hold_mb: float | None = None,
     drain_wait_s: float | None = None,
+    hold_auto: bool = False,
 ) -> Session:
     """Arm every process of SERVER into a new trace at `out`, hold the lease until every
     process says its session ended (limit reached, `hstrace disarm`, or KeyboardInterrupt
@@ -136,7 +142,8 @@ def arm(
     process holds the steps in memory, up to that many MiB, and builds their rows once the
     server has run no step for 50 ms (`hooks.common.Recorder.hold_bytes`): in its quiet
     moments while armed, and at the disarm, waiting then at most `drain_wait_s` (None:
-    `protocol.DRAIN_WAIT_S`; 0: at once)."""
+    `protocol.DRAIN_WAIT_S`; 0: at once). `hold_auto`: the hold is a default, not asked for:
+    processes whose hooks cannot hold stream instead of refusing the arm."""
     from hstrace.trace import create_trace
 
     if out.exists():
@@ -166,6 +173,7 @@ def arm(
             "work": work,  # protocol.WORK_LEVELS: anything but "rows" is the bench's
             "hold_mb": hold_mb,
             "drain_wait_s": drain_wait_s,
+            "hold_auto": hold_auto,
         }
         live: list[Connection] = []
         for conn, hello in zip(conns, hellos, strict=True):
@@ -256,6 +264,7 @@ def _finish(session: Session) -> None:
         "error": None if session.ok else f"session ended: {sorted(set(session.ended.values()))}",
         "armed_in_running_server": True,
         "processes": [r.get("pid") for r in session.armed],
+        "held": session.held,  # processes that held their steps (`hstrace arm --hold-mb`)
         "ended": {str(pid): reason for pid, reason in session.ended.items()},
         "wall_s": round(session.wall_s, 3),
         "hooks": True,

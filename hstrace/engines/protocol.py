@@ -58,8 +58,10 @@ def write_sitecustomize(directory: str) -> str:
 #   {"cmd": "hello"}  -> {"pid", "engine", "version", "armed", "title", "audit"} (`title`: the
 #        process title; `audit`: the static items it keeps for the next session)
 #   {"cmd": "arm", "out", "streams", "on_full", "requests"?, "duration"?, "tap_thread"?,
-#    "work"?, "hold_mb"?, "drain_wait_s"?}
-#        -> {"armed": true, "pid", "rank", "main_static"} | {"error"}; the connection is then the
+#    "work"?, "hold_mb"?, "drain_wait_s"?, "hold_auto"?}
+#        -> {"armed": true, "pid", "rank", "main_static", "holds"} | {"error"}; `hold_auto`: the
+#           hold is the client's default (hooks that cannot hold stream, not refuse); `holds`:
+#           this process holds its steps; the connection is then the
 #           session's lease: closed by the client (or its death) = disarm; when the session
 #           ends for any reason the process sends {"event": "disarmed", "reason"} on it.
 #   {"cmd": "disarm"} -> {"disarmed": true | false}
@@ -70,6 +72,9 @@ SOCKET_SUFFIX = ".sock"
 # given, DRAIN_WAIT_MAX_S at most: the client waits DISARM_WAIT_S for the disarm's reply, the
 # rows' build included); then at once (`hstrace.hooks.common.Recorder._wait_idle`).
 QUIET_S = 0.05
+# `hstrace arm` holds by default (`--stream`: not), this many MiB a process: on the tiny
+# world's CPU server about 400 steps, a few seconds of steady serving
+DEFAULT_HOLD_MB = 64.0
 DRAIN_WAIT_S = 30.0
 DRAIN_WAIT_MAX_S = 300.0
 DISARM_WAIT_S = 600.0
