@@ -251,7 +251,6 @@ class Recorder:
         # rows then, as a streamed session pays them while armed (bench/README.md,
         # twenty-eighth pass).
         self.drain_wait_s = DRAIN_WAIT_S  # the session's (`arm`)
-        self._session_holds = False  # the session was armed with a hold
         self.draining = False  # a held session's steps drain, waiting for a quiet server
         self._idle_until = 0.0  # monotonic: the drain waits no longer than this
         self._last_step_end = 0.0  # monotonic: the last step's end told (`step_ended`)
@@ -708,7 +707,6 @@ class Recorder:
             self.work = work
             self.hold_bytes, self._hold_used, self._hold_freed = hold_bytes, 0, 0
             self._hold_limit, self._hold_auto = hold_bytes, auto
-            self._session_holds = hold_bytes is not None
             self._last_step_end = time.monotonic()  # (quiet counted from the arm at most)
             self.drain_wait_s = wait_s
             self.on_arm()
@@ -737,7 +735,9 @@ class Recorder:
             # a held session's steps wait for a quiet server: the step cues go on meanwhile
             self._last_step_end = time.monotonic()  # (quiet counted from the disarm at most)
             self._idle_until = self._last_step_end + self.drain_wait_s
-            self.draining = self._session_holds and self.paced and self.drain_wait_s > 0
+            # (a session armed with a hold whose steps were never held, a CUDA step's, has
+            # nothing to wait for: that path lifted `_hold_limit`)
+            self.draining = self._hold_limit is not None and self.paced and self.drain_wait_s > 0
             self.cued = self.draining
             self.armed = False  # no new step starts recording
             self.hold_bytes = self._hold_limit = None  # the held steps: queued by the drain

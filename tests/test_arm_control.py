@@ -1007,3 +1007,37 @@ def test_a_server_that_closes_while_held_rows_wait_for_quiet_has_them_built_at_o
     t.join(30)
     serving.end()
     assert time.monotonic() - t0 < 10 and ran == ["r0", "r1", "r2"] and box["session"].ok
+
+
+@pytest.mark.parametrize("auto", [False, True])
+def test_a_held_session_whose_steps_cannot_be_held_disarms_without_a_drain_wait(
+    holding, tmp_path, monkeypatch, auto
+) -> None:
+    """vLLM's step wrapper (`wrap_propose_draft_token_ids`, real) with a step whose tensors
+    are not on the CPU (CUDA: what this box cannot make, so `_on_cpu` says so; the step's
+    collection and rows stood in): the step is built as it runs, the hold is lifted, and the
+    disarm, while the server serves on, does not wait for a quiet moment (nothing is held).
+    An asked-for hold leaves the trace's `hold` error entry; the default hold does not."""
+    from hstrace.hooks import vllm_patches as vp
+
+    rec, run = holding
+    ran: list[str] = []
+    monkeypatch.setattr(vp, "_begin_step", lambda rec, runner, bound: "cuda-step")
+    monkeypatch.setattr(vp, "_on_cpu", lambda step: False)
+    monkeypatch.setattr(vp, "_emit_step", lambda rec, step, *keep: ran.append(step))
+    monkeypatch.setattr(vp, "REC", rec)
+    out = tmp_path / f"cuda-{auto}.zarr"
+    t, box = arm_in_thread(run, out, hold_mb=1, hold_auto=auto)
+    assert rec.hold_bytes == 2**20
+    propose = vp.wrap_propose_draft_token_ids(lambda self, *a: "drafts")
+    serving = Serving(rec)  # never quiet
+    assert propose(object()) == "drafts" and ran == ["cuda-step"]  # built as it ran
+    assert rec.hold_bytes is None and not rec._held
+    t0 = time.monotonic()
+    client.disarm(str(run))  # the default drain wait (30 s) would not be over
+    t.join(30)
+    serving.end()
+    assert time.monotonic() - t0 < 5 and box["session"].ok and not rec.draining
+    with open_trace(out) as tr:
+        taps = [e.get("tap") for e in tr.rank(0).errors]
+    assert taps == ([] if auto else ["hold"])
