@@ -1010,13 +1010,14 @@ def test_a_server_that_closes_while_held_rows_wait_for_quiet_has_them_built_at_o
 
 
 @pytest.mark.parametrize("auto", [False, True])
-def test_a_held_session_whose_steps_cannot_be_held_disarms_without_a_drain_wait(
+def test_a_step_that_cannot_be_held_is_built_as_it_runs_and_lifts_the_hold(
     holding, tmp_path, monkeypatch, auto
 ) -> None:
     """vLLM's step wrapper (`wrap_propose_draft_token_ids`, real) with a step whose tensors
     are not on the CPU (CUDA: what this box cannot make, so `_on_cpu` says so; the step's
-    collection and rows stood in): the step is built as it runs, the hold is lifted, and the
-    disarm, while the server serves on, does not wait for a quiet moment (nothing is held).
+    collection and rows stood in): the step is built as it runs, the hold is lifted (the
+    disarm then has no held step to wait for: it returns while the server serves on, and
+    does not hold the step cues on, `draining`), the trace closes clean with the step's rows.
     An asked-for hold leaves the trace's `hold` error entry; the default hold does not."""
     from hstrace.hooks import vllm_patches as vp
 
@@ -1024,7 +1025,14 @@ def test_a_held_session_whose_steps_cannot_be_held_disarms_without_a_drain_wait(
     ran: list[str] = []
     monkeypatch.setattr(vp, "_begin_step", lambda rec, runner, bound: "cuda-step")
     monkeypatch.setattr(vp, "_on_cpu", lambda step: False)
-    monkeypatch.setattr(vp, "_emit_step", lambda rec, step, *keep: ran.append(step))
+    monkeypatch.setattr(
+        vp,
+        "_emit_step",  # the step's rows: one request's, so that the rank's trace is written
+        lambda rec, step, *keep: (
+            ran.append(step),
+            rec.emit([requests_write(["r0"], [[1, 2, 3]], [0])]),
+        ),
+    )
     monkeypatch.setattr(vp, "REC", rec)
     out = tmp_path / f"cuda-{auto}.zarr"
     t, box = arm_in_thread(run, out, hold_mb=1, hold_auto=auto)
@@ -1039,5 +1047,6 @@ def test_a_held_session_whose_steps_cannot_be_held_disarms_without_a_drain_wait(
     serving.end()
     assert time.monotonic() - t0 < 5 and box["session"].ok and not rec.draining
     with open_trace(out) as tr:
+        assert tr.rank(0).clean_close and tr.rank(0).table("requests").num_rows("req") == 1
         taps = [e.get("tap") for e in tr.rank(0).errors]
     assert taps == ([] if auto else ["hold"])
