@@ -334,14 +334,21 @@ def wrap_execute_model(original: Callable) -> Callable:
     0.32.0 returns `EMPTY_MODEL_RUNNER_OUTPUT` for a step with no token scheduled, which its
     engine core sends after requests finish, to clear them: `Scheduler.has_requests`): its
     end is told, or the tap thread would wait out `GAP_WAIT_S` at each give-way for an end
-    that never comes (seen live, bench/README.md, twenty-seventh pass)."""
+    that never comes (seen live, bench/README.md, twenty-seventh pass). A call that raises
+    ends the step too."""
 
     @functools.wraps(original)
     def execute_model(self, *args, **kwargs):
         rec = REC
         if rec is not None and rec.cued:  # armed, or a held session's drain waits
             rec.step_started()
-        out = original(self, *args, **kwargs)
+        try:
+            out = original(self, *args, **kwargs)
+        except BaseException:  # the step ended there: told, or a held session would wait
+            rec = REC  # for a quiet server that never comes (`Recorder._quiet_for`)
+            if rec is not None and rec.cued:
+                rec.step_ended()
+            raise
         if out is not None:
             rec = REC
             if rec is not None and rec.cued:  # as `sample_tokens`: a disarm since opened

@@ -212,3 +212,63 @@ def test_a_disarm_ended_beside_a_round_raises_what_it_raised(monkeypatch) -> Non
     with pytest.raises(SystemExit, match="round 1: the session did not end cleanly"):
         broken.result()
     assert sorted(ended) == ["round 0", "round 1"]
+
+
+def _run_file(path: Path, ratios: list[float]) -> Path:
+    import json
+
+    path.write_text(json.dumps({"one_server_armed_vs_dormant": {"ratio_per_pair": ratios}}))
+    return path
+
+
+def test_pool_runs_pools_runs_and_bootstraps_over_runs_then_pairs(tmp_path: Path) -> None:
+    """bench/pool_runs.py, the figures' pooling: per-run medians, the pooled median, an
+    interval that holds it and widens with the spread between runs, and the difference of two
+    sets, on made-up runs whose answers are known; the same files give the same figures."""
+    import json
+    import sys
+
+    held, streamed = tmp_path / "held", tmp_path / "streamed"
+    held.mkdir()
+    streamed.mkdir()
+    for i, base in enumerate((0.95, 0.96, 0.97)):
+        _run_file(held / f"r{i}.json", [base - 0.01, base, base + 0.01])
+    for i, base in enumerate((0.90, 0.91)):
+        _run_file(streamed / f"r{i}.json", [base - 0.01, base, base + 0.01])
+    (held / "failed.json").write_text("")  # a run that failed: skipped, named
+    script = REPO / "bench" / "pool_runs.py"
+    argv = [sys.executable, str(script), str(held / "*.json"), str(streamed / "*.json")]
+    got = subprocess.run(argv, capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    assert "failed.json: empty" in got.stderr
+    out = json.loads(got.stdout)
+    h, s = out[str(held / "*.json")], out[str(streamed / "*.json")]
+    assert h["runs"] == 3 and h["samples"] == 9 and h["per_run_median"] == [0.95, 0.96, 0.97]
+    assert h["pooled_median"] == 0.96 and h["ci95"][0] < 0.96 < h["ci95"][1]
+    assert 0.94 <= h["ci95"][0] and h["ci95"][1] <= 0.98  # within the samples' range
+    assert s["pooled_median"] == 0.905 and s["ci95"][1] < h["ci95"][0]
+    d = out["first_minus_second"]
+    assert d["ci95"][0] > 0 and d["ci95"][0] <= d["median"] <= d["ci95"][1]
+    assert abs(d["median"] - 0.055) <= 0.015
+    again = subprocess.run(argv, capture_output=True, text=True)
+    assert again.stdout == got.stdout  # fixed seeds
+
+
+def test_pool_runs_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    import sys
+
+    script = REPO / "bench" / "pool_runs.py"
+    (tmp_path / "notjson.json").write_text("{")
+    _run_file(tmp_path / "noratios.json", [])
+    (tmp_path / "other.json").write_text('{"with_vs_without": {}}')
+    cases = [
+        (str(tmp_path / "none-*.json"), "no file matches"),
+        (str(tmp_path / "notjson.json"), "not a live_overhead.py run"),
+        (str(tmp_path / "other.json"), "not a live_overhead.py run"),
+        (str(tmp_path / "noratios.json"), "not a non-empty list of numbers"),
+    ]
+    for pattern, said in cases:
+        got = subprocess.run([sys.executable, str(script), pattern], capture_output=True, text=True)
+        assert got.returncode == 2, (pattern, got.stderr)
+        lines = got.stderr.strip().splitlines()
+        assert len(lines) == 1 and said in lines[0], got.stderr

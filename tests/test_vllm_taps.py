@@ -8,6 +8,8 @@ vllm-internals.md §2), so every row can be checked by name.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -457,6 +459,43 @@ def test_a_steady_batch_shares_its_request_key_column() -> None:
     assert other is not first and other.tolist() == [request_key("b"), request_key("a")]
     assert request_keys(["a", "b"]).tolist() == first.tolist()
     assert request_keys([]).tolist() == []
+
+
+def test_a_step_whose_execute_model_raises_is_told_ended() -> None:
+    """An `execute_model` that raises has ended its step: the end is told (a held session
+    waits for a quiet server, `Recorder._quiet_for`, which a step never ended would deny it)
+    and the error goes on to vLLM unchanged; dormant, nothing is told."""
+    from hstrace.hooks import vllm_patches as vp
+    from hstrace.hooks.common import Recorder
+
+    rec = Recorder({"streams": []}, (0, 32, 0))
+    rec.cued = True
+    told: list[bool] = []
+    rec._phase = lambda running: told.append(running)
+
+    class Boom(RuntimeError):
+        pass
+
+    seen: list[bool] = []  # whether the step was told started as it ran
+
+    def execute_model(self, scheduler_output):
+        seen.append(rec.in_step)
+        raise Boom("the forward failed")
+
+    saved, vp.REC = vp.REC, rec
+    try:
+        run = vp.wrap_execute_model(execute_model)
+        with pytest.raises(Boom, match="the forward failed"):
+            run(None, None)
+        assert seen == [True] and told == [True, False] and not rec.in_step
+        time.sleep(0.02)
+        assert rec._quiet_for() >= 0.02  # quiet counts from the failed step's end
+        rec.cued = False
+        with pytest.raises(Boom):
+            run(None, None)
+        assert seen == [True, False] and told == [True, False]
+    finally:
+        vp.REC = saved
 
 
 def test_a_step_that_returns_from_execute_model_is_told_ended_there() -> None:
