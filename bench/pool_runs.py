@@ -2,7 +2,7 @@
 
     python bench/pool_runs.py [--key pair|long|drain|session] 'held-*.json' ['streamed-*.json']
 
-Each file is one run's `--json`-less output (the JSON `live_overhead.py` prints). For each
+Each file is one run's stdout (the JSON `live_overhead.py` prints). For each
 glob: the runs' own medians, the median of all their samples pooled, and its 95 % interval
 by a bootstrap over runs then samples (each resample draws as many runs as there are, with
 replacement, then each drawn run's samples, with replacement): a run's server, placement and
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import math
 import random
 import statistics
 import sys
@@ -49,9 +50,13 @@ def samples(path: Path, key: str) -> list[float]:
         raise BadInput(
             f"{path}: not a live_overhead.py run with {key!r} samples ({exc!r})"
         ) from None
-    if not isinstance(node, list) or not node or not all(isinstance(x, int | float) for x in node):
-        raise BadInput(f"{path}: its {key!r} samples are not a non-empty list of numbers")
+    if not isinstance(node, list) or not node or not all(_ratio(x) for x in node):
+        raise BadInput(f"{path}: its {key!r} samples are not a non-empty list of finite numbers")
     return [float(x) for x in node]
+
+
+def _ratio(x: object) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def runs_of(pattern: str, key: str) -> list[list[float]]:
@@ -107,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("globs", nargs="+", help="one or two globs of run files")
     args = ap.parse_args(argv)
     if len(args.globs) > 2:
-        ap.error("one or two globs")
+        print(f"pool_runs: one or two globs, not {len(args.globs)}", file=sys.stderr)
+        return 2
     try:
         sets = [runs_of(g, args.key) for g in args.globs]
     except BadInput as exc:

@@ -261,14 +261,21 @@ def test_pool_runs_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     (tmp_path / "notjson.json").write_text("{")
     _run_file(tmp_path / "noratios.json", [])
     (tmp_path / "other.json").write_text('{"with_vs_without": {}}')
+    (tmp_path / "nan.json").write_text(
+        '{"one_server_armed_vs_dormant": {"ratio_per_pair": [0.95, NaN]}}'
+    )
     cases = [
         (str(tmp_path / "none-*.json"), "no file matches"),
         (str(tmp_path / "notjson.json"), "not a live_overhead.py run"),
         (str(tmp_path / "other.json"), "not a live_overhead.py run"),
-        (str(tmp_path / "noratios.json"), "not a non-empty list of numbers"),
+        (str(tmp_path / "noratios.json"), "not a non-empty list of finite numbers"),
+        (str(tmp_path / "nan.json"), "not a non-empty list of finite numbers"),
     ]
     for pattern, said in cases:
         got = subprocess.run([sys.executable, str(script), pattern], capture_output=True, text=True)
         assert got.returncode == 2, (pattern, got.stderr)
         lines = got.stderr.strip().splitlines()
         assert len(lines) == 1 and said in lines[0], got.stderr
+    three = [sys.executable, str(script), *(str(tmp_path / "other.json"),) * 3]
+    got = subprocess.run(three, capture_output=True, text=True)
+    assert got.returncode == 2 and got.stderr.strip() == "pool_runs: one or two globs, not 3"
