@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -171,11 +172,21 @@ def _begin_step(rec: VLLMRecorder, runner: Any, a: dict[str, Any]) -> taps.Step 
     return taps.Step(
         req_ids=req_ids,
         num_draft_tokens=ndraft,
-        new_requests=new,
+        new_requests=new or (),
         draft_token_ids=_on_host(meta.draft_token_ids) if meta is not None else None,
-        sampled=[_tolist(r) for r in _tolist(sampled)] if sampled is not None else None,
+        sampled=_sampled_copy(sampled),
         verify_probs=probs,
     )
+
+
+def _sampled_copy(sampled: Any) -> Any:
+    """The runner's sampled rows, copied: a tensor as one clone (one object for a held step
+    to keep; lists on the tap thread, `taps.sampled_rows`), lists as lists."""
+    if sampled is None:
+        return None
+    if hasattr(sampled, "clone"):
+        return _copy(sampled)
+    return [list(r) for r in sampled]
 
 
 _NOW: Any = object()
@@ -239,7 +250,13 @@ def held_nbytes(step: taps.Step) -> int:
     concat, the drafter calls' inputs and kept logits, the verify's snapshot: the target's
     rows at the drafted positions, raw and processed); what `hold_mb` counts."""
     n = 0
-    for t in (step.target_ids, step.target_positions, step.target_aux, step.draft_token_ids):
+    for t in (
+        step.target_ids,
+        step.target_positions,
+        step.target_aux,
+        step.draft_token_ids,
+        step.sampled if hasattr(step.sampled, "nbytes") else None,
+    ):
         if t is not None:
             n += t.nbytes
     for c in step.calls:
@@ -287,7 +304,8 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
             elif rec.tap_thread and _on_cpu(step):  # the rest off this thread
                 keep = rec.keep_at
                 held = held_nbytes(step) if rec.hold_bytes is not None else 0
-                rec.defer(lambda: _emit_step(rec, step, keep), held)
+                # a partial, not a closure: fewer objects for a held step to keep alive
+                rec.defer(functools.partial(_emit_step, rec, step, keep), held)
             else:  # CUDA: another thread's stream would not wait for the
                 if rec.hold_bytes is not None:  # copies queued on this one (unverified
                     rec.hold_bytes = rec._hold_limit = None  # without a GPU): nothing is held,
@@ -299,6 +317,14 @@ def wrap_propose_draft_token_ids(original: Callable) -> Callable:
         return result
 
     return propose_draft_token_ids
+
+
+def _step_ended() -> None:
+    """The engine's step has ended: told to the recorder while its cues run (armed, or a held
+    session's drain waits for a quiet server)."""
+    rec = REC
+    if rec is not None and rec.cued:
+        rec.step_ended()
 
 
 def wrap_sample_tokens(original: Callable) -> Callable:
@@ -317,9 +343,7 @@ def wrap_sample_tokens(original: Callable) -> Callable:
         try:
             return original(self, *args, **kwargs)
         finally:
-            rec = REC
-            if rec is not None and rec.cued:  # armed, or a held session's drain waits
-                rec.step_ended()
+            _step_ended()
 
     return sample_tokens
 
@@ -345,14 +369,10 @@ def wrap_execute_model(original: Callable) -> Callable:
         try:
             out = original(self, *args, **kwargs)
         except BaseException:  # the step ended there: told, or a held session would wait
-            rec = REC  # for a quiet server that never comes (`Recorder._quiet_for`)
-            if rec is not None and rec.cued:
-                rec.step_ended()
+            _step_ended()  # for a quiet server that never comes (`Recorder._quiet_for`)
             raise
-        if out is not None:
-            rec = REC
-            if rec is not None and rec.cued:  # as `sample_tokens`: a disarm since opened
-                rec.step_ended()  # the gap itself, and its drain is not this thread's
+        if out is not None:  # as `sample_tokens` (a disarm since opened the gap itself,
+            _step_ended()  # and its drain is not this thread's)
         return out
 
     return execute_model
@@ -456,9 +476,61 @@ def _rule(sampler: Any, draft_probs: Any, sm: Any) -> int:
     return taps.RULE_ONE_HOT if draft_probs is None else taps.RULE_DRAFT_PROBS
 
 
-def _verify_tap(
-    sampler: Any, a: dict[str, Any], raw: Any, proc: Any
-) -> Callable[..., taps.VerifyProbs]:
+@dataclass(slots=True)
+class _VerifyRows:
+    """A verify's snapshot (`_verify_tap`) and, called (on the tap thread: `between` is its
+    give-way inside), its batch columns (`taps.verify_probs`). One object, where a closure
+    kept a cell for each name it read: a held step keeps it alive until the server is quiet,
+    and the cyclic collector walks every object a held step keeps (bench/README.md,
+    thirty-first pass)."""
+
+    draft_ids: Any  # [N] the drafted ids (vLLM's, never written again)
+    num_draft: list[int]  # per request
+    raw: Any  # the target's rows at the drafted positions, raw (a `tapmath.Snap` or tensor)
+    pen_logit: Any  # [N] the drafted ids' logits after vLLM's processors; None: the identity
+    proc: Any  # the processed rows vLLM handed `rejection_sample`
+    draft_probs: Any  # copied, or None (a one-hot draft)
+    rule: int
+    greedy: bool
+    defaults: Any  # NO_PENALTY (a batch without penalties: its columns' values), or ()
+    present: tuple[str, ...]  # the parameters in force, copied in `kept`
+    kept: Any
+    prompt_ids: Any  # the histories the penalties count (None without penalties)
+    output_ids: Any
+
+    @property
+    def holds(self) -> tuple[Any, ...]:
+        """The tensors it keeps (what `held_nbytes` counts)."""
+        return (self.raw, self.proc, self.pen_logit, self.draft_probs, self.prompt_ids)
+
+    def __call__(self, between: Callable[[], None] | None = None) -> taps.VerifyProbs:
+        import torch
+
+        n_req = len(self.num_draft)
+        resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
+        if self.greedy:  # a greedy batch's temperature (0), filled in here
+            resolved["temperature"] = taps.filled(n_req, 0.0, torch.float32)
+        for name in self.defaults:  # a batch without penalties: the defaults vLLM used
+            resolved[name] = taps.filled(n_req, NO_PENALTY[name], torch.float32)
+        if self.kept is not None:
+            resolved.update(zip(self.present, _param_columns(self.kept), strict=True))
+        if between is not None:  # the tap thread gives way here too (`_emit_step`)
+            between()
+        return taps.verify_probs(  # pen_logit None: the identity, the raw logit
+            self.draft_ids, self.num_draft, _float(tapmath.tensor_of(self.raw)), self.pen_logit,
+            self.proc, self.draft_probs, resolved, self.rule, prompt_ids=self.prompt_ids,
+            output_ids=self.output_ids,
+        )  # fmt: skip
+
+
+def _clamped(draft_ids: Any, vocab: int, device: Any) -> Any:
+    """The drafted ids as gather indices [N, 1] into rows of `vocab`."""
+    import torch
+
+    return draft_ids.to(device=device, dtype=torch.int64).clamp(0, vocab - 1).reshape(-1, 1)
+
+
+def _verify_tap(sampler: Any, a: dict[str, Any], raw: Any, proc: Any) -> _VerifyRows:
     """What the rule compared, snapshotted on the serving thread; returns the work that turns
     it into batch columns (`taps.verify_probs`: log-sum-exp, gathers, history counts), which
     runs on the tap thread on CPU. Snapshotted here: the target's rows at the drafted
@@ -472,27 +544,20 @@ def _verify_tap(
     copied (vLLM updates its persistent batch in place). A batch without penalties
     (`no_penalties`) copies none of them: its columns are the defaults (`NO_PENALTY`), what the
     rule used."""
-    import torch
-
     meta, sm, draft_probs = a["metadata"], a["sampling_metadata"], a["draft_probs"]
     # vLLM builds the step's drafted ids afresh (an index of its input ids, or
     # `SpecDecodeMetadata.make_dummy`'s tensor) and never writes them again: no copy
     draft_ids = meta.draft_token_ids
-    vocab = raw.shape[-1]
-
-    def clamped(device: Any) -> Any:  # the drafted ids as gather indices [N, 1]
-        return draft_ids.to(device=device, dtype=torch.int64).clamp(0, vocab - 1).reshape(-1, 1)
-
     transforms = (
         not sm.no_penalties or bool(sm.bad_words_token_ids) or sm.allowed_token_ids_mask is not None
     )
     if transforms:  # here, now: vLLM's processors read its batch as it is
         raw = _float(tapmath.tensor_of(raw))
         pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
-        pen_logit = pen.gather(1, clamped(pen.device)).reshape(-1)
+        pen_logit = pen.gather(1, _clamped(draft_ids, raw.shape[-1], pen.device)).reshape(-1)
     else:
         pen_logit = None  # the identity: `verify_probs` takes the raw logit
-    greedy, n_req = sm.all_greedy, len(meta.num_draft_tokens)
+    greedy = sm.all_greedy
     temperature = None if greedy or sm.temperature is None else sm.temperature
     params = {  # a greedy batch's temperature (0) is filled in off this thread
         "temperature": temperature,
@@ -504,36 +569,31 @@ def _verify_tap(
     }
     # a batch without penalties (`no_penalties`: no request holds another value; vLLM's
     # `apply_penalties` returns its input): the defaults, written off this thread; no copy
-    defaults = NO_PENALTY if sm.no_penalties else {}
-    params.update(dict.fromkeys(defaults))
+    defaults = NO_PENALTY if sm.no_penalties else ()
+    for name in defaults:
+        params[name] = None
     # a copy of every parameter in force (float32 [B] each, off this thread): vLLM updates
     # its batch in place
-    present = [k for k, v in params.items() if v is not None]
-    kept = _param_copies([params[k] for k in present], n_req) if present else None
-    penalties = not sm.no_penalties and sm.prompt_token_ids is not None
-    prompt_ids = sm.prompt_token_ids.cpu().clone() if penalties else None
-    output_ids = [list(h) for h in sm.output_token_ids] if penalties else None
+    present = tuple(k for k, v in params.items() if v is not None)
     num_draft = list(meta.num_draft_tokens)
+    kept = _param_copies([params[k] for k in present], len(num_draft)) if present else None
+    penalties = not sm.no_penalties and sm.prompt_token_ids is not None
     draft_probs = _copy(draft_probs) if draft_probs is not None else None
-    rule = _rule(sampler, draft_probs, sm)
-
-    def rows(between: Callable[[], None] | None = None) -> taps.VerifyProbs:
-        resolved = dict.fromkeys(taps.SAMPLING_PARAMS)
-        if greedy:
-            resolved["temperature"] = taps.filled(n_req, 0.0, torch.float32)
-        for name, value in defaults.items():
-            resolved[name] = taps.filled(n_req, value, torch.float32)
-        if kept is not None:
-            resolved.update(zip(present, _param_columns(kept), strict=True))
-        if between is not None:  # the tap thread gives way here too (`_emit_step`)
-            between()
-        return taps.verify_probs(  # pen_logit None: the identity, the raw logit
-            draft_ids, num_draft, _float(tapmath.tensor_of(raw)), pen_logit, proc, draft_probs,
-            resolved, rule, prompt_ids=prompt_ids, output_ids=output_ids,
-        )  # fmt: skip
-
-    rows.holds = (raw, proc, pen_logit, draft_probs, prompt_ids)  # what `held_nbytes` counts
-    return rows
+    return _VerifyRows(
+        draft_ids=draft_ids,
+        num_draft=num_draft,
+        raw=raw,
+        pen_logit=pen_logit,
+        proc=proc,
+        draft_probs=draft_probs,
+        rule=_rule(sampler, draft_probs, sm),
+        greedy=greedy,
+        defaults=defaults,
+        present=present,
+        kept=kept,
+        prompt_ids=sm.prompt_token_ids.cpu().clone() if penalties else None,
+        output_ids=[list(h) for h in sm.output_token_ids] if penalties else None,
+    )
 
 
 def _float(t: Any) -> Any:
@@ -562,16 +622,22 @@ def _raw_rows(logits: Any, at: Any) -> Any:
 _TARGET_LOGITS_ARG = 5
 
 
-def _verify_rows_later(
-    rec: VLLMRecorder, rows: Callable[..., taps.VerifyProbs]
-) -> Callable[..., taps.VerifyProbs | None]:
+class _VerifyRowsLater:
     """The verify's rows, built when called (with `between`: the tap thread's give-way inside
-    them), as the verify tap: a failure disables it and is recorded."""
+    them), as the verify tap: a failure disables it and is recorded. One object a step keeps
+    (`_VerifyRows`' note)."""
 
-    def later(between: Callable[[], None] | None = None) -> taps.VerifyProbs | None:
-        return rec.run_tap("verify_probs", lambda: rows(between))
+    __slots__ = ("rec", "rows")
 
-    return later
+    def __init__(self, rec: VLLMRecorder, rows: Callable[..., taps.VerifyProbs]) -> None:
+        self.rec, self.rows = rec, rows
+
+    @property
+    def holds(self) -> tuple[Any, ...]:
+        return getattr(self.rows, "holds", ())
+
+    def __call__(self, between: Callable[[], None] | None = None) -> taps.VerifyProbs | None:
+        return self.rec.run_tap("verify_probs", lambda: self.rows(between))
 
 
 def wrap_rejection_forward(original: Callable) -> Callable:
@@ -621,7 +687,7 @@ def wrap_rejection_forward(original: Callable) -> Callable:
                     # emitted on this thread: built now; else the step's own hand-over carries
                     # the work to the tap thread (`_emit_step`, which gives way inside it)
                     inline = not rec.tap_thread or seen["proc"].is_cuda
-                    later = _verify_rows_later(rec, rows)
+                    later = _VerifyRowsLater(rec, rows)
                     rec.pending_verify = (a["metadata"], later() if inline else later)
 
     return forward

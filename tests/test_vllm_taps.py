@@ -537,3 +537,73 @@ def test_a_step_that_returns_from_execute_model_is_told_ended_there() -> None:
         assert run(None, empty) is empty and told == [True, False, True, False, True]
     finally:
         vp.REC = saved
+
+
+def test_sampled_rows_read_the_same_from_the_runners_tensor_as_from_lists() -> None:
+    """The hooks keep the runner's sampled rows as one tensor (`Step.sampled`); the verify
+    rows and a `--sample-every` cut read them as the lists they were, row for row."""
+    lists = mixed_step()
+    tensor = mixed_step()
+    tensor.sampled = torch.tensor(lists.sampled)
+    want, got = taps.verify_rows(lists, [1]), taps.verify_rows(tensor, [1])
+    assert got.req["accept_len"].tolist() == want.req["accept_len"].tolist() == [2]
+    assert got.other["accepted"]["ids"].tolist() == [21, 22]
+    for col, v in want.req.items():
+        assert torch.equal(got.req[col].nan_to_num(-7), v.nan_to_num(-7)), col
+    assert taps.restrict(tensor, [1]).sampled == [[21, 22, 30, -1]]
+
+
+def _kept_objects(*roots: object) -> int:
+    """The objects the cyclic collector tracks that `roots` keep alive (types, modules and
+    functions left out: shared, not a step's)."""
+    import gc
+    import types
+
+    seen: set[int] = set()
+    todo = list(roots)
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or not gc.is_tracked(o):
+            continue
+        if isinstance(o, type | types.ModuleType | types.FunctionType):
+            continue
+        seen.add(id(o))
+        todo.extend(gc.get_referents(o))
+    return len(seen)
+
+
+def test_a_held_steps_collection_keeps_as_many_objects_at_any_batch_size() -> None:
+    """What the serving thread keeps of a step until its rows are built (`_begin_step`'s
+    collection: a held session keeps it until the server is quiet, and the cyclic collector
+    walks each object it keeps): the runner's sampled rows are one copy, not a list a
+    request, so a batch of 32 keeps no more objects than a batch of 2; vLLM's later writes
+    to its own tensor do not reach the copy."""
+    from types import SimpleNamespace
+
+    from hstrace.hooks import vllm_patches as vp
+
+    kept = {}
+    for batch in (2, 32):
+        rec = vp.VLLMRecorder({"streams": []}, (0, 32, 0))
+        runner = SimpleNamespace(
+            input_batch=SimpleNamespace(req_ids=[f"r{i}" for i in range(batch)], num_reqs=batch)
+        )
+        sampled = torch.arange(batch * 4).reshape(batch, 4)
+        bound = {
+            "scheduler_output": SimpleNamespace(scheduled_new_reqs=[], finished_req_ids=[]),
+            "spec_decode_metadata": SimpleNamespace(
+                num_draft_tokens=[3] * batch, draft_token_ids=torch.arange(3 * batch)
+            ),
+            "sampled_token_ids": sampled,
+        }
+        step = vp._begin_step(rec, runner, bound)
+        sampled.fill_(-7)  # the runner's buffer, written again
+        assert taps.sampled_rows(step) == torch.arange(batch * 4).reshape(batch, 4).tolist()
+        assert step.num_draft_tokens == [3] * batch and not step.new_requests
+        kept[batch] = _kept_objects(step)
+    assert kept[2] == kept[32], kept
+    # vLLM's list-of-lists form (a drafter run after bookkeeping) is copied as lists
+    rows = [[1, 2], [3, -1]]
+    copied = vp._sampled_copy(rows)
+    rows[0][0] = 9
+    assert copied == [[1, 2], [3, -1]]

@@ -166,7 +166,7 @@ def test_the_raw_rows_are_copied_before_vllm_runs_and_leave_torch_what_it_raises
 
 
 def test_the_verify_rows_give_way_once_inside_and_are_the_same() -> None:
-    """The step carries its verify's rows to the tap thread unbuilt (`_verify_rows_later`, the
+    """The step carries its verify's rows to the tap thread unbuilt (`_VerifyRowsLater`, the
     verify tap); `_emit_step` builds them there, giving way once inside
     (`Recorder.make_way_within`); the inline path builds them with no give-way. The rows do
     not depend on it, and a failure disables the verify tap, never reaching the engine."""
@@ -176,10 +176,8 @@ def test_the_verify_rows_give_way_once_inside_and_are_the_same() -> None:
     rec = Recorder({"streams": []}, (0, 32, 0))
     sampler, a, raw, proc, _ = _verify(0.8, 0.9, 5)
     ways: list[int] = []
-    split = vp._verify_rows_later(rec, vp._verify_tap(sampler, a, raw, proc))(
-        lambda: ways.append(1)
-    )
-    whole = vp._verify_rows_later(rec, vp._verify_tap(sampler, a, raw, proc))()
+    split = vp._VerifyRowsLater(rec, vp._verify_tap(sampler, a, raw, proc))(lambda: ways.append(1))
+    whole = vp._VerifyRowsLater(rec, vp._verify_tap(sampler, a, raw, proc))()
     assert ways == [1] and split is not None and whole is not None
     for part in ("req", "tok"):
         got, want = getattr(split, part), getattr(whole, part)
@@ -190,5 +188,5 @@ def test_the_verify_rows_give_way_once_inside_and_are_the_same() -> None:
     def broken(between=None):
         raise RuntimeError("no rows")
 
-    assert vp._verify_rows_later(rec, broken)(lambda: None) is None
+    assert vp._VerifyRowsLater(rec, broken)(lambda: None) is None
     assert "verify_probs" in rec.disabled

@@ -11,7 +11,7 @@ Nothing here imports vLLM: the inputs are tensors and plain lists (duck-typed in
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,9 +152,12 @@ class Step:
 
     req_ids: list[str]
     num_draft_tokens: list[int]  # per request, drafts verified in this step (0: prefill chunk)
-    new_requests: list[NewRequest] = field(default_factory=list)
+    new_requests: Sequence[NewRequest] = ()  # (empty: the shared tuple, not a list a step keeps)
     draft_token_ids: torch.Tensor | None = None  # [sum(num_draft_tokens)] the verified drafts
-    sampled: list[list[int]] | None = None  # per request, the runner's sampled row (-1 = none)
+    # per request, the runner's sampled row (-1 = none): lists, or the runner's [B, k+1] tensor
+    # as the hooks copy it (one object for a held step to keep, where lists were B + 1: read
+    # through `sampled_rows`)
+    sampled: list[list[int]] | torch.Tensor | None = None
     # from the proposer
     target_ids: torch.Tensor | None = None
     target_positions: torch.Tensor | None = None
@@ -475,7 +478,7 @@ def restrict(step: Step, keep: list[int]) -> Step:
         num_draft_tokens=[step.num_draft_tokens[i] for i in keep],
         new_requests=step.new_requests,  # already only the kept ones (the hooks choose)
         draft_token_ids=drafts,
-        sampled=[step.sampled[i] for i in keep] if step.sampled is not None else None,
+        sampled=[sampled[i] for i in keep] if (sampled := sampled_rows(step)) is not None else None,
         verify_probs=step.verify_probs.select(keep) if step.verify_probs is not None else None,
     )
     if qs is None or step.target_ids is None:
@@ -517,7 +520,7 @@ def restrict(step: Step, keep: list[int]) -> Step:
     return out
 
 
-def requests_rows(new: list[NewRequest]) -> TableWrite | None:
+def requests_rows(new: Sequence[NewRequest]) -> TableWrite | None:
     if not new:
         return None
     sampling = [r.sampling or sampling_row(None) for r in new]
@@ -616,17 +619,24 @@ def step_rows(step: Step, capture_layers: list[int] | None) -> list[TableWrite]:
     return writes
 
 
+def sampled_rows(step: Step) -> list[list[int]] | None:
+    """The step's sampled rows as lists (`Step.sampled` may hold the runner's tensor)."""
+    s = step.sampled
+    return s.tolist() if isinstance(s, torch.Tensor) else s
+
+
 def verify_rows(step: Step, members: list[int]) -> TableWrite:
     """Accepted drafts per verified request from the runner's sampled rows: valid tokens are
     the accepted drafts then the bonus (the target's own next token); -1 pads the rest."""
-    assert step.sampled is not None and step.draft_token_ids is not None
+    sampled = sampled_rows(step)
+    assert sampled is not None and step.draft_token_ids is not None
     ndraft = step.num_draft_tokens
     starts = [0]
     for n in ndraft:
         starts.append(starts[-1] + n)
     accept, bonus, accepted = [], [], []
     for i in members:
-        row = [t for t in step.sampled[i] if t != PLACEHOLDER]
+        row = [t for t in sampled[i] if t != PLACEHOLDER]
         if not row:
             raise ValueError(f"request {step.req_ids[i]} has no sampled token after a verify")
         accept.append(len(row) - 1)
