@@ -14,8 +14,8 @@ The patch (a scratch instrument, not part of hstrace: it adds work to every patc
 `RejectionSampler.forward` entry/return (r, R), `propose_draft_token_ids` entry/return (p, P),
 `take_draft_token_ids` entry/return (d, D: vLLM's engine core taking the drafts in the gap),
 each with whether a session was armed; the tap thread's work per step (w); the worker's
-garbage collections (g, G); and in the writer process its batches of steps, its encoder jobs
-and the spans between two sleeps. Each process dumps its log as JSON at a disarm (the writer
+garbage collections (g, G: printed per step, armed and dormant); and in the writer process its
+batches of steps, its encoder jobs and the spans between two sleeps. Each process dumps its log as JSON at a disarm (the writer
 every few batches).
 
 Prints, armed and dormant: the median and mean of each segment of a cycle (x->X the target
@@ -141,6 +141,34 @@ def serving_taps(ev: list[tuple]) -> dict[str, list[float]]:
     return out
 
 
+def collections(d: str) -> dict[bool, dict[int, list[float]]]:
+    """The worker's garbage collections (the process whose log holds the step marks), by
+    whether the step they fell in was armed: each collection's seconds, by generation, and
+    the number of steps of each kind (key -1), counted as `segments` does not (every step
+    started, none left out)."""
+    out: dict[bool, dict[int, list[float]]] = {True: {-1: []}, False: {-1: []}}
+    by_pid: dict[str, list[tuple]] = {}
+    for f in sorted(glob.glob(str(Path(d) / "*.json"))):
+        if ".writer." not in f:
+            pid = Path(f).name.split(".")[1]
+            by_pid.setdefault(pid, []).extend(tuple(e) for e in json.loads(Path(f).read_text()))
+    for ev in by_pid.values():
+        ev.sort(key=lambda e: e[1])
+        if not any(e[0] == "x" for e in ev):
+            continue
+        armed, start = None, None
+        for e in ev:
+            if e[0] == "x":
+                armed = e[2]
+                out[armed][-1].append(0.0)
+            elif e[0] == "g":
+                start = e[1]
+            elif e[0] == "G" and start is not None and armed is not None:
+                out[armed].setdefault(e[2], []).append(e[1] - start)
+                start = None
+    return out
+
+
 def ms(v: list[float]) -> str:
     return f"{1e3 * st.median(v):.3f}/{1e3 * st.mean(v):.3f}" if v else "-"
 
@@ -167,6 +195,18 @@ def main() -> None:
                 print(
                     f"  {name:70s} {len(v):6d}  {1e6 * st.median(v):6.1f}/{1e6 * st.mean(v):6.1f}"
                 )
+    gcs = collections(sys.argv[1])
+    for armed in (False, True):
+        steps = len(gcs[armed][-1])
+        if steps:
+            row = "  ".join(
+                f"gen {g}: {1e3 * len(v) / steps:.1f} a 1000 steps, {1e3 * sum(v) / steps:.3f} ms a step"
+                for g, v in sorted(gcs[armed].items())
+                if g >= 0
+            )
+            print(
+                f"worker collections, {'armed' if armed else 'dormant'} ({steps} steps): {row or 'none'}"
+            )
     if writer:
         w = writer_overlap(ev, writer)
         print("armed gaps a writer span overlaps:", len(w["overlapped"]), ms(w["overlapped"]),

@@ -181,6 +181,36 @@ def test_step_segments_splits_the_gap_at_the_engine_cores_draft_call(monkeypatch
     assert seg["tap in e->d"][1] == 0.0  # the second gap had no work in it
 
 
+def test_step_segments_books_the_workers_collections_to_armed_and_dormant_steps(
+    monkeypatch, tmp_path
+) -> None:
+    """bench/step_segments.py: the worker's garbage collections (g, G) go to the step they
+    start in, armed or dormant; another process's log (no step marks) is not the worker's;
+    the writer's log is left out. Made-up logs whose answer is known."""
+    import json
+    import sys
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    sys.modules.pop("step_segments", None)
+    import step_segments
+
+    worker = [
+        ("g", 0.5, 2), ("G", 0.9, 2),  # start-up, before any step: no step's
+        ("x", 1.0, False), ("g", 1.001, 0), ("G", 1.0012, 0),
+        ("x", 1.01, True), ("g", 1.011, 0), ("G", 1.0113, 0), ("g", 1.012, 1), ("G", 1.014, 1),
+        ("x", 1.02, True),
+    ]  # fmt: skip
+    (tmp_path / "gap.101.1.json").write_text(json.dumps(worker[:6]))  # dumped at two disarms
+    (tmp_path / "gap.101.2.json").write_text(json.dumps(worker[6:]))
+    (tmp_path / "gap.202.1.json").write_text(json.dumps([("g", 1.011, 0), ("G", 1.5, 0)]))
+    (tmp_path / "gap.writer.303.1.json").write_text(json.dumps([[1.0, 1.1, -2]]))
+    got = step_segments.collections(str(tmp_path))
+    assert len(got[False][-1]) == 1 and len(got[True][-1]) == 2
+    assert got[False][0] == [pytest.approx(0.0002)] and 1 not in got[False]
+    assert got[True][0] == [pytest.approx(0.0003)] and got[True][1] == [pytest.approx(0.002)]
+    assert 2 not in got[True] and 2 not in got[False]
+
+
 def test_a_disarm_ended_beside_a_round_raises_what_it_raised(monkeypatch) -> None:
     """bench/live_overhead.py's end_beside (`--drain-round`): the disarm runs on a thread while
     the next round is served; a session that did not close clean stops the bench at `result`,
