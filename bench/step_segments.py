@@ -14,8 +14,10 @@ The patch (a scratch instrument, not part of hstrace: it adds work to every patc
 `RejectionSampler.forward` entry/return (r, R), `propose_draft_token_ids` entry/return (p, P),
 `take_draft_token_ids` entry/return (d, D: vLLM's engine core taking the drafts in the gap),
 each with whether a session was armed; the tap thread's work per step (w); the worker's
-garbage collections (g, G: printed per step, armed and dormant); and in the writer process its
-batches of steps, its encoder jobs and the spans between two sleeps. Each process dumps its log as JSON at a disarm (the writer
+garbage collections (g, G: printed per step, armed and dormant) and, at each disarm, the
+tracked objects by type grown since the arm with the steps still held (o: printed per held
+step); and in the writer process its batches of steps, its encoder jobs and the spans between
+two sleeps. Each process dumps its log as JSON at a disarm (the writer
 every few batches).
 
 Prints, armed and dormant: the median and mean of each segment of a cycle (x->X the target
@@ -141,32 +143,39 @@ def serving_taps(ev: list[tuple]) -> dict[str, list[float]]:
     return out
 
 
-def collections(d: str) -> dict[bool, dict[int, list[float]]]:
-    """The worker's garbage collections (the process whose log holds the step marks), by
-    whether the step they fell in was armed: each collection's seconds, by generation, and
-    the number of steps of each kind (key -1), counted as `segments` does not (every step
-    started, none left out)."""
-    out: dict[bool, dict[int, list[float]]] = {True: {-1: []}, False: {-1: []}}
+def worker_logs(d: str) -> list[tuple]:
+    """The worker's events (the process whose logs hold the step marks), in time order."""
     by_pid: dict[str, list[tuple]] = {}
     for f in sorted(glob.glob(str(Path(d) / "*.json"))):
         if ".writer." not in f:
             pid = Path(f).name.split(".")[1]
             by_pid.setdefault(pid, []).extend(tuple(e) for e in json.loads(Path(f).read_text()))
-    for ev in by_pid.values():
-        ev.sort(key=lambda e: e[1])
-        if not any(e[0] == "x" for e in ev):
-            continue
-        armed, start = None, None
-        for e in ev:
-            if e[0] == "x":
-                armed = e[2]
-                out[armed][-1].append(0.0)
-            elif e[0] == "g":
-                start = e[1]
-            elif e[0] == "G" and start is not None and armed is not None:
-                out[armed].setdefault(e[2], []).append(e[1] - start)
-                start = None
+    ev = [e for log in by_pid.values() if any(e[0] == "x" for e in log) for e in log]
+    return sorted(ev, key=lambda e: e[1])
+
+
+def collections(d: str) -> dict[bool, dict[int, list[float]]]:
+    """The worker's garbage collections, by whether the step they fell in was armed: each
+    collection's seconds, by generation, and the number of steps of each kind (key -1),
+    counted as `segments` does not (every step started, none left out)."""
+    out: dict[bool, dict[int, list[float]]] = {True: {-1: []}, False: {-1: []}}
+    armed, start = None, None
+    for e in worker_logs(d):
+        if e[0] == "x":
+            armed = e[2]
+            out[armed][-1].append(0.0)
+        elif e[0] == "g":
+            start = e[1]
+        elif e[0] == "G" and start is not None and armed is not None:
+            out[armed].setdefault(e[2], []).append(e[1] - start)
+            start = None
     return out
+
+
+def held_objects(d: str) -> list[tuple[int, int, list]]:
+    """Per session of the worker that held steps at its disarm: (steps held, tracked objects
+    more than at the arm, the types that grew most): what a held step keeps alive."""
+    return [(e[2], e[3], e[4]) for e in worker_logs(d) if e[0] == "o" and e[2] > 0]
 
 
 def ms(v: list[float]) -> str:
@@ -207,6 +216,13 @@ def main() -> None:
             print(
                 f"worker collections, {'armed' if armed else 'dormant'} ({steps} steps): {row or 'none'}"
             )
+    held = held_objects(sys.argv[1])
+    if held:
+        per = [n / k for k, n, _ in held]
+        print(
+            f"tracked objects a held step keeps: {st.median(per):.1f} (median of {len(held)} "
+            f"sessions, {min(per):.1f}-{max(per):.1f}); grown most, last session: {held[-1][2]}"
+        )
     if writer:
         w = writer_overlap(ev, writer)
         print("armed gaps a writer span overlaps:", len(w["overlapped"]), ms(w["overlapped"]),

@@ -185,8 +185,9 @@ def test_step_segments_books_the_workers_collections_to_armed_and_dormant_steps(
     monkeypatch, tmp_path
 ) -> None:
     """bench/step_segments.py: the worker's garbage collections (g, G) go to the step they
-    start in, armed or dormant; another process's log (no step marks) is not the worker's;
-    the writer's log is left out. Made-up logs whose answer is known."""
+    start in, armed or dormant, and its counts of what held steps keep (o) are read; another
+    process's log (no step marks) is not the worker's; the writer's log is left out. Made-up
+    logs whose answer is known."""
     import json
     import sys
 
@@ -209,6 +210,14 @@ def test_step_segments_books_the_workers_collections_to_armed_and_dormant_steps(
     assert got[False][0] == [pytest.approx(0.0002)] and 1 not in got[False]
     assert got[True][0] == [pytest.approx(0.0003)] and got[True][1] == [pytest.approx(0.002)]
     assert 2 not in got[True] and 2 not in got[False]
+    # what held steps keep, counted at the disarms: the worker's sessions that held steps
+    (tmp_path / "gap.101.3.json").write_text(
+        json.dumps(
+            [("x", 2.0, True), ("o", 2.1, 130, 4680, [["Tensor", 2210]]), ("o", 3.0, 0, 5, [])]
+        )
+    )
+    (tmp_path / "gap.202.2.json").write_text(json.dumps([("o", 2.2, 9, 99, [])]))  # not the worker
+    assert step_segments.held_objects(str(tmp_path)) == [(130, 4680, [["Tensor", 2210]])]
 
 
 def test_a_disarm_ended_beside_a_round_raises_what_it_raised(monkeypatch) -> None:
