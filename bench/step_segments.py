@@ -17,8 +17,7 @@ each with whether a session was armed; the tap thread's work per step (w); the w
 garbage collections (g, G: printed per step, armed and dormant) and, at each disarm, the
 tracked objects by type grown since the arm with the steps still held (o: printed per held
 step); and in the writer process its batches of steps, its encoder jobs and the spans between
-two sleeps. Each process dumps its log as JSON at a disarm (the writer
-every few batches).
+two sleeps. Each process dumps its log as JSON at a disarm (the writer every few batches).
 
 Prints, armed and dormant: the median and mean of each segment of a cycle (x->X the target
 forward, X->s, s->r, r->R the rejection sampler with hstrace's verify snapshot, R->p, p->P
@@ -50,14 +49,24 @@ GAP_ORDER = ["d", "D"]
 NEW_ROUND_S = 0.03
 
 
-def load(d: str) -> tuple[list[tuple], list[tuple]]:
-    worker, writer = [], []
+def _logs(d: str) -> tuple[dict[str, list[tuple]], list[tuple]]:
+    """Every server process's events by pid (`{HSTRACE_GAPLOG}.{pid}.{ns}.json`), and the
+    writer's."""
+    by_pid: dict[str, list[tuple]] = {}
+    writer: list[tuple] = []
     for f in sorted(glob.glob(str(Path(d) / "*.json"))):
         rows = [tuple(e) for e in json.loads(Path(f).read_text())]
-        (writer if ".writer." in f else worker).extend(rows)
-    worker.sort(key=lambda e: e[1])
-    writer.sort()
-    return worker, writer
+        if ".writer." in f:
+            writer.extend(rows)
+        else:
+            by_pid.setdefault(Path(f).name.split(".")[1], []).extend(rows)
+    return by_pid, writer
+
+
+def load(d: str) -> tuple[list[tuple], list[tuple]]:
+    by_pid, writer = _logs(d)
+    worker = sorted((e for log in by_pid.values() for e in log), key=lambda e: e[1])
+    return worker, sorted(writer)
 
 
 def segments(ev: list[tuple]) -> dict[bool, dict[str, list[float]]]:
@@ -145,11 +154,7 @@ def serving_taps(ev: list[tuple]) -> dict[str, list[float]]:
 
 def worker_logs(d: str) -> list[tuple]:
     """The worker's events (the process whose logs hold the step marks), in time order."""
-    by_pid: dict[str, list[tuple]] = {}
-    for f in sorted(glob.glob(str(Path(d) / "*.json"))):
-        if ".writer." not in f:
-            pid = Path(f).name.split(".")[1]
-            by_pid.setdefault(pid, []).extend(tuple(e) for e in json.loads(Path(f).read_text()))
+    by_pid, _ = _logs(d)
     ev = [e for log in by_pid.values() if any(e[0] == "x" for e in log) for e in log]
     return sorted(ev, key=lambda e: e[1])
 
