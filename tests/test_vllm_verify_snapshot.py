@@ -190,3 +190,28 @@ def test_the_verify_rows_give_way_once_inside_and_are_the_same() -> None:
 
     assert vp._VerifyRowsLater(rec, broken)(lambda: None) is None
     assert "verify_probs" in rec.disabled
+
+
+def test_a_held_step_counts_its_verify_snapshot_in_the_hold() -> None:
+    """What the step carries (`_VerifyRowsLater`, the verify tap's wrapper, as
+    `wrap_rejection_forward` builds it) lets `held_nbytes` count the verify's snapshot against
+    `--hold-mb`: the raw and processed rows, the penalised logits and the prompt ids it
+    keeps. (Before the thirty-first pass the wrapper was a closure without `holds`, and a held
+    step's verify snapshot was not counted.)"""
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.engines import tapmath
+    from hstrace.engines.vllm import taps
+
+    rec = vp.VLLMRecorder({"streams": []}, (0, 32, 0))
+    sampler, a, raw, proc, _ = _verify(0.8, 0.9, 5)
+    rows = vp._verify_tap(sampler, a, raw, proc)
+    kept = [t for t in rows.holds if t is not None]
+    assert len(kept) == 4  # raw, proc, pen_logit, prompt_ids (no draft probabilities)
+    want = sum(len(t.buf) if type(t) is tapmath.Snap else t.nbytes for t in kept)
+    step = taps.Step(
+        req_ids=["a", "b", "c"],
+        num_draft_tokens=[K] * B,
+        verify_probs=vp._VerifyRowsLater(rec, rows),
+    )
+    assert want >= proc.nbytes > 0 and vp.held_nbytes(step) == want
