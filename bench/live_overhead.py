@@ -639,10 +639,13 @@ def _hook_cost_per_step(batch: int, tmp: Path) -> dict[str, float]:
         return stand_in_step(batch, src, copy=True)
 
     def snapshot() -> Any:
-        """`wrap_rejection_forward` on the serving thread: begin()'s copy of the raw rows at
-        the drafted positions, then `_verify_tap`'s snapshot (the step carries it)."""
+        """`wrap_rejection_forward` on the serving thread: begin()'s copy of the raw logits
+        (at each drafted token, or the drafted rows whole), then `_verify_tap`'s snapshot
+        (the step carries it)."""
         meta = a["metadata"]
-        if hasattr(vp, "_raw_rows"):
+        if hasattr(vp, "_raw_snapshot"):
+            raw = vp._raw_snapshot(a["logits"], meta, a["sampling_metadata"])
+        elif hasattr(vp, "_raw_rows"):  # an older tree's
             raw = vp._raw_rows(a["logits"], meta.target_logits_indices)
         else:  # an older tree's
             raw = a["logits"].index_select(0, meta.target_logits_indices.to(torch.int64)).float()

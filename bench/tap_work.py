@@ -68,7 +68,10 @@ def steps_of(n: int, batch: int) -> tuple[vp.VLLMRecorder, list[taps.Step]]:
         step = lo.stand_in_step(batch, lo.stand_in_sources(batch, g), copy=False)
         for call in step.calls:
             call.logits, call.d2t = logits.clone(), d2t  # compute_logits' tap keeps these
-        raw = a["logits"].index_select(0, meta.target_logits_indices.to(torch.int64)).float()
+        if hasattr(vp, "_raw_snapshot"):  # what begin() copies (the raw logit at each token)
+            raw = vp._raw_snapshot(a["logits"], meta, a["sampling_metadata"])
+        else:  # an older tree's
+            raw = a["logits"].index_select(0, meta.target_logits_indices.to(torch.int64)).float()
         step.verify_probs = vp._verify_tap(sampler, a, raw, proc)
         out.append(step)
     return rec, out

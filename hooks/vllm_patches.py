@@ -486,7 +486,8 @@ class _VerifyRows:
 
     draft_ids: Any  # [N] the drafted ids (vLLM's, never written again)
     num_draft: list[int]  # per request
-    raw: Any  # the target's rows at the drafted positions, raw (a `tapmath.Snap` or tensor)
+    raw: Any  # the target's raw logit at each drafted token [N], or its rows whole [N, V] where
+    # vLLM's processors are rerun on them (`_raw_snapshot`; a `tapmath.Snap` or tensor)
     pen_logit: Any  # [N] the drafted ids' logits after vLLM's processors; None: the identity
     proc: Any  # the processed rows vLLM handed `rejection_sample`
     draft_probs: Any  # copied, or None (a one-hot draft)
@@ -533,8 +534,9 @@ def _clamped(draft_ids: Any, vocab: int, device: Any) -> Any:
 def _verify_tap(sampler: Any, a: dict[str, Any], raw: Any, proc: Any) -> _VerifyRows:
     """What the rule compared, snapshotted on the serving thread; returns the work that turns
     it into batch columns (`taps.verify_probs`: log-sum-exp, gathers, history counts), which
-    runs on the tap thread on CPU. Snapshotted here: the target's rows at the drafted
-    positions raw (`raw`, a copy read before vLLM ran); after its penalties (its own
+    runs on the tap thread on CPU. Snapshotted here: the target's raw logits (`raw`, a copy
+    read before vLLM ran, `_raw_snapshot`: at each drafted token, or the drafted rows whole
+    where vLLM's processors are rerun on them); after its penalties (its own
     `apply_logits_processors`, rerun on a copy now because it reads the batch's history and
     stateful processors, and only when the batch has penalties, bad words or allowed-token
     masks: otherwise it returns its input); the processed rows vLLM itself handed
@@ -548,11 +550,10 @@ def _verify_tap(sampler: Any, a: dict[str, Any], raw: Any, proc: Any) -> _Verify
     # vLLM builds the step's drafted ids afresh (an index of its input ids, or
     # `SpecDecodeMetadata.make_dummy`'s tensor) and never writes them again: no copy
     draft_ids = meta.draft_token_ids
-    transforms = (
-        not sm.no_penalties or bool(sm.bad_words_token_ids) or sm.allowed_token_ids_mask is not None
-    )
-    if transforms:  # here, now: vLLM's processors read its batch as it is
+    if _transforms(sm):  # here, now: vLLM's processors read its batch as it is
         raw = _float(tapmath.tensor_of(raw))
+        if raw.dim() != 2:  # `_raw_snapshot` keeps the rows whole for this batch
+            raise ValueError("the verify's raw rows were not kept for vLLM's processors")
         pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
         pen_logit = pen.gather(1, _clamped(draft_ids, raw.shape[-1], pen.device)).reshape(-1)
     else:
@@ -594,6 +595,29 @@ def _verify_tap(sampler: Any, a: dict[str, Any], raw: Any, proc: Any) -> _Verify
         prompt_ids=sm.prompt_token_ids.cpu().clone() if penalties else None,
         output_ids=[list(h) for h in sm.output_token_ids] if penalties else None,
     )
+
+
+def _transforms(sm: Any) -> bool:
+    """vLLM's logits processors change the verify's rows this step (penalties, bad words, an
+    allowed-token mask); otherwise `apply_logits_processors` returns its input."""
+    return (
+        not sm.no_penalties or bool(sm.bad_words_token_ids) or sm.allowed_token_ids_mask is not None
+    )
+
+
+def _raw_snapshot(logits: Any, meta: Any, sm: Any) -> Any:
+    """What the verify's columns need of the target's raw rows, copied before vLLM runs (it may
+    update `logits` in place): the raw logit at each drafted token, N values in one native call
+    (`tapmath.gather_at`, the ids clamped as the columns' gathers clamp them), where the rows
+    whole were N rows of the vocabulary; the drafted rows whole (`_raw_rows`) where vLLM's
+    processors are rerun on them (`_transforms`) or the native call does not take the inputs
+    (a device, HSTRACE_NATIVE=0): bench/README.md, thirty-second pass."""
+    at = meta.target_logits_indices
+    if not _transforms(sm):
+        z = tapmath.gather_at(logits, at, meta.draft_token_ids)
+        if z is not None:
+            return z
+    return _raw_rows(logits, at)
 
 
 def _float(t: Any) -> Any:
@@ -659,7 +683,7 @@ def wrap_rejection_forward(original: Callable) -> Callable:
         seen: dict[str, Any] = {}
 
         def begin():
-            seen["raw"] = _raw_rows(a["logits"], a["metadata"].target_logits_indices)
+            seen["raw"] = _raw_snapshot(a["logits"], a["metadata"], a["sampling_metadata"])
             inner = module.rejection_sample
 
             def rejection_sample(*r_args, **r_kwargs):

@@ -236,7 +236,7 @@ def test_a_steps_rows_natively_equal_torchs(seed: int, monkeypatch) -> None:
             assert torch.equal(got, want), (table, name)
 
 
-# ---- the serving thread's copies (snapshot, gather_rows) --------------------------------------
+# ---- the serving thread's copies (snapshot, gather_rows, gather_at) --------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -291,3 +291,39 @@ def test_gather_rows_leaves_what_it_does_not_take_to_torch() -> None:
     assert tapmath.gather_rows(src, torch.tensor([0, 1, 2])[::2]) is None
     assert tapmath.gather_rows(src, torch.tensor([0], dtype=torch.int16)) is None
     assert tapmath.gather_rows(src[0], torch.tensor([0])) is None  # not a matrix
+
+
+@pytest.mark.parametrize("col_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("row_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_at_is_the_clamped_gather_bit_for_bit(row_dtype, col_dtype, dtype) -> None:
+    g = torch.Generator().manual_seed(6)
+    src = torch.randn(9, 40, generator=g).to(dtype)
+    src[2, 3], src[4, 0], src[8, 39] = float("nan"), float("-inf"), float("inf")
+    for m in (src, src[:, 5:29]):  # rows contiguous, any row stride
+        rows = torch.tensor([4, 0, 8, 4, 2, 8], dtype=row_dtype)
+        cols = torch.tensor([0, 7, 99, -5, 3, 23], dtype=col_dtype)  # clamped, as the gathers
+        safe = cols.long().clamp(0, m.shape[1] - 1)
+        want = m[rows.long(), safe]
+        got = tapmath.tensor_of(tapmath.gather_at(m, rows, cols))
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # NaN, inf included
+    empty = tapmath.gather_at(src, torch.zeros(0, dtype=row_dtype), torch.zeros(0, dtype=col_dtype))
+    assert tapmath.tensor_of(empty).shape == (0,)
+
+
+def test_gather_at_copies_and_leaves_what_it_does_not_take_to_torch() -> None:
+    src = torch.randn(6, 8)
+    rows, cols = torch.tensor([1, 5]), torch.tensor([2, 7])
+    want = src[rows, cols].clone()
+    snap = tapmath.gather_at(src, rows, cols)
+    src.fill_(0.0)  # the engine updates its logits in place after the snapshot
+    assert torch.equal(tapmath.tensor_of(snap), want)
+    one = torch.tensor([0])
+    assert tapmath.gather_at(src, torch.tensor([6]), one) is None  # a row out of range
+    assert tapmath.gather_at(src, torch.tensor([-1]), one) is None
+    assert tapmath.gather_at(src.t(), one, one) is None  # columns strided
+    assert tapmath.gather_at(src, torch.tensor([0, 1, 2])[::2], torch.tensor([0, 1])) is None
+    assert tapmath.gather_at(src, torch.tensor([0], dtype=torch.int16), one) is None
+    assert tapmath.gather_at(src, torch.tensor([0, 1]), one) is None  # lengths differ
+    assert tapmath.gather_at(src[0], one, one) is None  # not a matrix

@@ -165,6 +165,64 @@ def test_the_raw_rows_are_copied_before_vllm_runs_and_leave_torch_what_it_raises
         vp._raw_rows(torch.randn(3, V), torch.tensor([3]))
 
 
+@pytest.mark.parametrize(("temperature", "top_p"), [(None, None), (0.8, 0.9)])
+def test_a_batch_without_transforms_snapshots_the_raw_logit_at_each_token_only(
+    temperature, top_p, monkeypatch
+) -> None:
+    """Where vLLM's processors leave the rows as they are (no penalties, bad words or
+    allowed-token mask), the raw rows serve the columns only through the raw logit at each
+    drafted token: `_raw_snapshot` copies those N values (`tapmath.gather_at`), not N rows of
+    the vocabulary, before vLLM runs, and the columns are the same as from the rows whole.
+    With penalties, or without the native call, the rows whole are copied as before."""
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.engines import tapmath
+
+    sampler, a, raw, proc, drafts = _verify(temperature, top_p, None, penalties=False)
+    meta, sm = a["metadata"], a["sampling_metadata"]
+    meta.draft_token_ids[1] = V + 3  # an id past the vocabulary: clamped, as the gathers clamp
+    logits = a["logits"]
+    snap = vp._raw_snapshot(logits, meta, sm)
+    n = sum(len(d) for d in drafts)
+    assert type(snap) is tapmath.Snap and snap.shape == (n,) and len(snap.buf) == n * 4
+    ids = meta.draft_token_ids.long().clamp(0, V - 1).reshape(-1, 1)
+    want_z = raw.gather(1, ids).reshape(-1)
+    logits.fill_(0.0)  # vLLM may update `logits` in place after the snapshot
+    assert torch.equal(tapmath.tensor_of(snap), want_z)
+    from_values = vp._verify_tap(sampler, a, snap, proc)()
+    from_rows = vp._verify_tap(sampler, a, raw, proc)()
+    for part in ("req", "tok"):
+        got, want = getattr(from_values, part), getattr(from_rows, part)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert torch.equal(got[k].nan_to_num(-7), want[k].nan_to_num(-7)), k
+    assert torch.equal(from_values.tok["logit_raw"], want_z)
+    # the torch route (no native module) reads the values the same way
+    monkeypatch.setattr(tapmath, "native", lambda: None)
+    torch_route = vp._verify_tap(sampler, a, snap, proc)()
+    for k, v in from_rows.tok.items():
+        assert torch.allclose(
+            torch_route.tok[k].double(), v.double(), rtol=1e-5, atol=1e-6, equal_nan=True
+        ), k
+    # without the native call the rows whole are copied (torch's index_select)
+    rows = vp._raw_snapshot(logits, meta, sm)
+    assert isinstance(rows, torch.Tensor) and rows.shape == (n, V)
+
+
+def test_a_batch_with_penalties_snapshots_the_rows_whole_for_vllms_processors() -> None:
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.engines import tapmath
+
+    sampler, a, raw, proc, drafts = _verify(None, None, None, penalties=True)
+    snap = vp._raw_snapshot(a["logits"], a["metadata"], a["sampling_metadata"])
+    assert torch.equal(tapmath.tensor_of(snap), raw)  # the rows, [N, V]
+    values = tapmath.gather_at(a["logits"], a["metadata"].target_logits_indices,
+                               a["metadata"].draft_token_ids)  # fmt: skip
+    with pytest.raises(ValueError, match="raw rows"):  # never a column from the wrong rows
+        vp._verify_tap(sampler, a, values, proc)
+
+
 def test_the_verify_rows_give_way_once_inside_and_are_the_same() -> None:
     """The step carries its verify's rows to the tap thread unbuilt (`_VerifyRowsLater`, the
     verify tap); `_emit_step` builds them there, giving way once inside

@@ -234,7 +234,8 @@ static PyObject *verify_into(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
-/* Two of the serving thread's copies (hstrace/engines/tapmath.py: snapshot_head, gather_rows):
+/* Three of the serving thread's copies (hstrace/engines/tapmath.py: snapshot_head, gather_rows,
+ * gather_at):
  * a CPU tensor's bytes into a fresh bytearray, made a tensor on the tap thread. Why: cold, after
  * the engine's own work, vLLM's int32 indices made int64 and an index_select cost 25-35 us on
  * this project's 2-vCPU host (their dispatch, not the bytes); a memcpy costs its bytes.
@@ -291,6 +292,50 @@ static PyObject *gather_rows(PyObject *mod, PyObject *const *args, Py_ssize_t na
     return out;
 }
 
+/* gather_at(addr, n_rows, row_stride, n_cols, elem_size, rows, rows_isz, cols, cols_isz, n)
+ * -> bytearray of the n values m[rows[i], clamp(cols[i], 0, n_cols - 1)] of the matrix at addr
+ * (n_rows rows of n_cols values of elem_size bytes, row_stride bytes apart), in that order;
+ * rows, cols: int32 or int64 (itemsize 4 or 8). The columns are clamped as the verify's
+ * gathers clamp a drafted id; None where a row is out of range (the caller takes torch's
+ * route, which raises as the engine would). A verify's raw logit at each drafted token, read
+ * before the engine runs: n values, where the drafted rows whole were n rows. */
+static PyObject *gather_at(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError,
+                        "gather_at(addr, n_rows, row_stride, n_cols, elem_size, rows, rows_isz, cols, cols_isz, n)");
+        return NULL;
+    }
+    unsigned long long addr = PyLong_AsUnsignedLongLong(args[0]);
+    long long n_rows = PyLong_AsLongLong(args[1]), stride = PyLong_AsLongLong(args[2]);
+    long long n_cols = PyLong_AsLongLong(args[3]), es = PyLong_AsLongLong(args[4]);
+    unsigned long long rows = PyLong_AsUnsignedLongLong(args[5]);
+    long long risz = PyLong_AsLongLong(args[6]);
+    unsigned long long cols = PyLong_AsUnsignedLongLong(args[7]);
+    long long cisz = PyLong_AsLongLong(args[8]), n = PyLong_AsLongLong(args[9]);
+    if (PyErr_Occurred()) return NULL;
+    if (addr == 0 || ((rows == 0 || cols == 0) && n > 0) || n_rows < 0 || n_cols < 1 || n < 0 ||
+        (es != 1 && es != 2 && es != 4 && es != 8) || (risz != 4 && risz != 8) ||
+        (cisz != 4 && cisz != 8) || (n_rows > 1 && stride < n_cols * es)) {
+        PyErr_SetString(PyExc_ValueError, "gather_at: a null buffer or an impossible shape");
+        return NULL;
+    }
+    for (long long i = 0; i < n; i++) {
+        long long r = risz == 8 ? ((const int64_t *)(uintptr_t)rows)[i] : ((const int32_t *)(uintptr_t)rows)[i];
+        if (r < 0 || r >= n_rows) Py_RETURN_NONE;
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * es));
+    if (out == NULL) return NULL;
+    char *dst = PyByteArray_AS_STRING(out);
+    const char *src = (const char *)(uintptr_t)addr;
+    for (long long i = 0; i < n; i++) {
+        long long r = risz == 8 ? ((const int64_t *)(uintptr_t)rows)[i] : ((const int32_t *)(uintptr_t)rows)[i];
+        long long c = cisz == 8 ? ((const int64_t *)(uintptr_t)cols)[i] : ((const int32_t *)(uintptr_t)cols)[i];
+        c = c < 0 ? 0 : (c >= n_cols ? n_cols - 1 : c);
+        memcpy(dst + i * es, src + r * stride + c * es, (size_t)es);
+    }
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
     {"lanes", (PyCFunction)(void (*)(void))lanes, METH_FASTCALL,
      "lanes([n]) -> 4 or 8: the vector width in use; n asks for one (8 only with AVX2 and FMA)"},
@@ -302,6 +347,8 @@ static PyMethodDef module_methods[] = {
      "copy_out(addr, nbytes) -> bytearray: the nbytes at addr"},
     {"gather_rows", (PyCFunction)(void (*)(void))gather_rows, METH_FASTCALL,
      "gather_rows(addr, n_rows, row_stride, row_bytes, idx, idx_itemsize, n_idx) -> bytearray or None"},
+    {"gather_at", (PyCFunction)(void (*)(void))gather_at, METH_FASTCALL,
+     "gather_at(addr, n_rows, row_stride, n_cols, elem_size, rows, rows_isz, cols, cols_isz, n) -> bytearray or None"},
     {NULL},
 };
 

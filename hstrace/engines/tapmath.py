@@ -1,6 +1,6 @@
 """The vLLM tap thread's per-row math through the optional native module (`_tapmath.c`), and
-two of the serving thread's copies through it (`gather_rows`, `snapshot_head`: bytes, made
-tensors by `tensor_of` on the tap thread).
+three of the serving thread's copies through it (`gather_rows`, `gather_at`, `snapshot_head`:
+bytes, made tensors by `tensor_of` on the tap thread).
 
 Each function returns the columns the torch route (`hstrace.engines.vllm.taps`) computes, or
 None where it does not take the inputs (not built, `HSTRACE_NATIVE=0`, a CUDA tensor, another
@@ -137,6 +137,16 @@ def snapshot_head(t: torch.Tensor, n: int) -> Snap | None:
     return Snap(ext.copy_out(t.data_ptr(), n * t.element_size()), t.dtype, (n,))
 
 
+def _index(t: torch.Tensor) -> bool:
+    """A contiguous 1-D CPU int32 or int64 tensor (an index a native call may read)."""
+    return (
+        t.is_cpu
+        and t.dim() == 1
+        and t.is_contiguous()
+        and t.dtype is (torch.int64 if t.element_size() == 8 else torch.int32)
+    )
+
+
 def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> Snap | None:
     """`src.index_select(0, idx)`'s bytes ([len(idx), C]) in one native call, for a CPU matrix
     whose rows are each contiguous and CPU int32/int64 indices; None where it does not take
@@ -144,19 +154,38 @@ def gather_rows(src: torch.Tensor, idx: torch.Tensor) -> Snap | None:
     on the serving thread after the engine's sampler, vLLM's int32 indices made int64 and an
     index_select cost 25-35 us; this about 15 (bench/README.md, nineteenth pass)."""
     ext = native()
-    if ext is None or not (src.is_cpu and idx.is_cpu) or src.dim() != 2 or idx.dim() != 1:
-        return None
-    if src.stride(1) != 1 or not idx.is_contiguous():
+    if ext is None or not src.is_cpu or src.dim() != 2 or src.stride(1) != 1 or not _index(idx):
         return None
     isz = idx.element_size()
-    if idx.dtype is not (torch.int64 if isz == 8 else torch.int32):
-        return None
     rows, cols = src.shape
     es, n = src.element_size(), idx.shape[0]
     buf = ext.gather_rows(
         src.data_ptr(), rows, src.stride(0) * es, cols * es, idx.data_ptr(), isz, n
     )
     return None if buf is None else Snap(buf, src.dtype, (n, cols))
+
+
+def gather_at(src: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> Snap | None:
+    """`src[rows[i], cols[i].clamp(0, C - 1)]` for each i ([n] values of `src`'s dtype) in one
+    native call, for a CPU matrix whose rows are each contiguous and CPU int32/int64 `rows` and
+    `cols` of equal length (the columns clamped as the verify's gathers clamp a drafted id);
+    None where it does not take them (or a row is out of range: torch's route then raises as
+    the engine would). A verify's raw logit at each drafted token: n values copied where the
+    drafted rows whole were n rows of the vocabulary (bench/README.md, thirty-second pass)."""
+    ext = native()
+    if ext is None or not src.is_cpu or src.dim() != 2 or src.stride(1) != 1:
+        return None
+    if not (_index(rows) and _index(cols)) or rows.shape != cols.shape:
+        return None
+    n_rows, n_cols = src.shape
+    if n_cols < 1:
+        return None
+    es, n = src.element_size(), rows.shape[0]
+    buf = ext.gather_at(
+        src.data_ptr(), n_rows, src.stride(0) * es, n_cols, es,
+        rows.data_ptr(), rows.element_size(), cols.data_ptr(), cols.element_size(), n,
+    )  # fmt: skip
+    return None if buf is None else Snap(buf, src.dtype, (n,))
 
 
 def tensor_of(x: Any) -> Any:

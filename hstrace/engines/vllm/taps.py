@@ -346,7 +346,9 @@ def verify_probs(
 ) -> VerifyProbs:
     """What one verify's rule used, as columns over the batch. `raw_logits` and
     `proc_logits` are the target's rows at the drafted positions before and after the
-    engine's transforms ([N, V], N = sum(num_draft_tokens)); `pen_logit` the logit at each
+    engine's transforms ([N, V], N = sum(num_draft_tokens)); `raw_logits` may instead be the
+    raw logit at each drafted token ([N], taken as the gathers below take it: all the columns
+    need of the raw rows, where no transform reran on them); `pen_logit` the logit at each
     drafted token after the penalties ([N]; None: no transform, the raw logit); `params` the
     per-request sampling tensors ([B] or None); `prompt_ids` ([B, P], padded with V) and
     `output_ids` the history the engine's penalties count (None when it applies none)."""
@@ -359,13 +361,17 @@ def verify_probs(
     safe = _on(ids, dev)
     safe = safe if safe.dtype is torch.int64 else safe.long()
     raw, proc = _f32(raw_logits), _f32(_on(proc_logits, dev))
+    at_token = raw.dim() == 1  # the raw logit at each token, taken already
+    vocab = proc.shape[-1]
     # CPU rows: the gathers, p and argmax in one native call (tapmath; it clamps the same way)
-    native = tapmath.verify_into(proc, raw, safe.view(-1)) if n_tok else None
+    native = tapmath.verify_into(proc, proc if at_token else raw, safe.view(-1)) if n_tok else None
     if native is not None:
         p, zp, z, argmax = native
+        if at_token:
+            z = raw
     else:
-        safe = safe.clamp(0, raw_logits.shape[-1] - 1)
-        z = raw.gather(1, safe).view(-1)
+        safe = safe.clamp(0, vocab - 1)
+        z = raw.reshape(-1) if at_token else raw.gather(1, safe).view(-1)
         zp = proc.gather(1, safe).view(-1)
         # p(token) = exp(z - logsumexp(z)): the softmax row itself is never needed (a
         # full-vocab softmax per verify was the tap thread's costliest call)
@@ -374,7 +380,7 @@ def verify_probs(
     if draft_probs is None:
         q = filled(n_tok, 1.0, torch.float32)
     else:
-        at = safe.clamp(0, raw_logits.shape[-1] - 1)
+        at = safe.clamp(0, vocab - 1)
         q = _f32(_on(draft_probs, dev)).gather(1, at).view(-1)
     pen = z if pen_logit is None else _as(pen_logit, torch.float32)
     tok = {
