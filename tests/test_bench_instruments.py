@@ -318,3 +318,26 @@ def test_pool_runs_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     three = [sys.executable, str(script), *(str(tmp_path / "other.json"),) * 3]
     got = subprocess.run(three, capture_output=True, text=True)
     assert got.returncode == 2 and got.stderr.strip() == "pool_runs: one or two globs, not 3"
+
+
+def test_raw_snapshot_times_both_routes_on_the_same_logits() -> None:
+    """bench/raw_snapshot.py: the verify's two serving-thread copies side by side; what each
+    copies is the drafted rows whole against one value a drafted token (no timing asserted:
+    speed is the bench's figure, not a test's)."""
+    import json
+    import sys
+
+    pytest.importorskip("torch")
+    from hstrace.engines import tapmath
+
+    if tapmath.native() is None:
+        pytest.skip("the native module is not built")
+    script = REPO / "bench" / "raw_snapshot.py"
+    argv = [sys.executable, str(script), "--vocab", "64", "1000", "--batch", "2", "--k", "3"]
+    got = subprocess.run([*argv, "--calls", "3"], capture_output=True, text=True)
+    assert got.returncode == 0, got.stderr
+    out = json.loads(got.stdout)
+    for vocab in (64, 1000):
+        v = out["by_vocab"][str(vocab)]
+        assert v["rows_bytes"] == 2 * 3 * vocab * 4 and v["values_bytes"] == 2 * 3 * 4
+        assert v["rows_us"] > 0 and v["values_us"] > 0
