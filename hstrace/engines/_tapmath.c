@@ -234,6 +234,11 @@ static PyObject *verify_into(PyObject *mod, PyObject *const *args, Py_ssize_t na
     Py_RETURN_NONE;
 }
 
+/* idx[i] of an int64 (isz 8) or int32 (isz 4) index */
+static inline long long index_at(const void *idx, long long isz, long long i) {
+    return isz == 8 ? ((const int64_t *)idx)[i] : ((const int32_t *)idx)[i];
+}
+
 /* Three of the serving thread's copies (hstrace/engines/tapmath.py: snapshot_head, gather_rows,
  * gather_at):
  * a CPU tensor's bytes into a fresh bytearray, made a tensor on the tap thread. Why: cold, after
@@ -278,17 +283,16 @@ static PyObject *gather_rows(PyObject *mod, PyObject *const *args, Py_ssize_t na
         return NULL;
     }
     for (long long i = 0; i < n_idx; i++) {
-        long long r = isz == 8 ? ((const int64_t *)(uintptr_t)idx)[i] : ((const int32_t *)(uintptr_t)idx)[i];
+        long long r = index_at((const void *)(uintptr_t)idx, isz, i);
         if (r < 0 || r >= n_rows) Py_RETURN_NONE;
     }
     PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n_idx * row_bytes));
     if (out == NULL) return NULL;
     char *dst = PyByteArray_AS_STRING(out);
     const char *src = (const char *)(uintptr_t)addr;
-    for (long long i = 0; i < n_idx; i++) {
-        long long r = isz == 8 ? ((const int64_t *)(uintptr_t)idx)[i] : ((const int32_t *)(uintptr_t)idx)[i];
-        memcpy(dst + i * row_bytes, src + r * stride, (size_t)row_bytes);
-    }
+    for (long long i = 0; i < n_idx; i++)
+        memcpy(dst + i * row_bytes, src + index_at((const void *)(uintptr_t)idx, isz, i) * stride,
+               (size_t)row_bytes);
     return out;
 }
 
@@ -300,38 +304,33 @@ static PyObject *gather_rows(PyObject *mod, PyObject *const *args, Py_ssize_t na
  * route, which raises as the engine would). A verify's raw logit at each drafted token, read
  * before the engine runs: n values, where the drafted rows whole were n rows. */
 static PyObject *gather_at(PyObject *mod, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 10) {
-        PyErr_SetString(PyExc_TypeError,
-                        "gather_at(addr, n_rows, row_stride, n_cols, elem_size, rows, rows_isz, cols, cols_isz, n)");
+    static const int at_int[] = {1, 2, 3, 4, 6, 8, 9}, at_ptr[] = {0, 5, 7};
+    long long v[7];
+    void *p[3];
+    if (take_args(args, nargs, 10,
+                  "gather_at(addr, n_rows, row_stride, n_cols, elem_size, rows, rows_isz, cols, cols_isz, n)",
+                  at_int, 7, v, at_ptr, 3, p) < 0)
         return NULL;
-    }
-    unsigned long long addr = PyLong_AsUnsignedLongLong(args[0]);
-    long long n_rows = PyLong_AsLongLong(args[1]), stride = PyLong_AsLongLong(args[2]);
-    long long n_cols = PyLong_AsLongLong(args[3]), es = PyLong_AsLongLong(args[4]);
-    unsigned long long rows = PyLong_AsUnsignedLongLong(args[5]);
-    long long risz = PyLong_AsLongLong(args[6]);
-    unsigned long long cols = PyLong_AsUnsignedLongLong(args[7]);
-    long long cisz = PyLong_AsLongLong(args[8]), n = PyLong_AsLongLong(args[9]);
-    if (PyErr_Occurred()) return NULL;
-    if (addr == 0 || ((rows == 0 || cols == 0) && n > 0) || n_rows < 0 || n_cols < 1 || n < 0 ||
-        (es != 1 && es != 2 && es != 4 && es != 8) || (risz != 4 && risz != 8) ||
+    long long n_rows = v[0], stride = v[1], n_cols = v[2], es = v[3], risz = v[4], cisz = v[5], n = v[6];
+    const char *src = p[0];
+    const void *rows = p[1], *cols = p[2];
+    if (src == NULL || ((rows == NULL || cols == NULL) && n > 0) || n_rows < 0 || n_cols < 1 ||
+        n < 0 || (es != 1 && es != 2 && es != 4 && es != 8) || (risz != 4 && risz != 8) ||
         (cisz != 4 && cisz != 8) || (n_rows > 1 && stride < n_cols * es)) {
         PyErr_SetString(PyExc_ValueError, "gather_at: a null buffer or an impossible shape");
         return NULL;
     }
     for (long long i = 0; i < n; i++) {
-        long long r = risz == 8 ? ((const int64_t *)(uintptr_t)rows)[i] : ((const int32_t *)(uintptr_t)rows)[i];
+        long long r = index_at(rows, risz, i);
         if (r < 0 || r >= n_rows) Py_RETURN_NONE;
     }
     PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)(n * es));
     if (out == NULL) return NULL;
     char *dst = PyByteArray_AS_STRING(out);
-    const char *src = (const char *)(uintptr_t)addr;
     for (long long i = 0; i < n; i++) {
-        long long r = risz == 8 ? ((const int64_t *)(uintptr_t)rows)[i] : ((const int32_t *)(uintptr_t)rows)[i];
-        long long c = cisz == 8 ? ((const int64_t *)(uintptr_t)cols)[i] : ((const int32_t *)(uintptr_t)cols)[i];
+        long long c = index_at(cols, cisz, i);
         c = c < 0 ? 0 : (c >= n_cols ? n_cols - 1 : c);
-        memcpy(dst + i * es, src + r * stride + c * es, (size_t)es);
+        memcpy(dst + i * es, src + index_at(rows, risz, i) * stride + c * es, (size_t)es);
     }
     return out;
 }
