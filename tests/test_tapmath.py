@@ -236,7 +236,7 @@ def test_a_steps_rows_natively_equal_torchs(seed: int, monkeypatch) -> None:
             assert torch.equal(got, want), (table, name)
 
 
-# ---- the serving thread's copies (snapshot, gather_rows, gather_at) --------------------------------------
+# ---- the serving thread's copies (snapshot, gather_rows, gather_at) --------------------------
 
 
 @pytest.mark.parametrize(
