@@ -15,6 +15,7 @@ written when it returns.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -550,14 +551,25 @@ def _verify_tap(sampler: Any, a: dict[str, Any], raw: Any, proc: Any) -> _Verify
     # vLLM builds the step's drafted ids afresh (an index of its input ids, or
     # `SpecDecodeMetadata.make_dummy`'s tensor) and never writes them again: no copy
     draft_ids = meta.draft_token_ids
+    budget = _thinking_budget(sm)
     if _transforms(sm):  # here, now: vLLM's processors read its batch as it is
         raw = _float(tapmath.tensor_of(raw))
         if raw.dim() != 2:  # `_raw_snapshot` keeps the rows whole for this batch
             raise ValueError("the verify's raw rows were not kept for vLLM's processors")
-        pen = sampler.apply_logits_processors(raw.clone(), sm, meta)
+        # vLLM's thinking budget is not rerun: it rewrites its own state as it applies
+        rerun = sm if budget is None else dataclasses.replace(sm, thinking_budget_state_holder=None)
+        pen = sampler.apply_logits_processors(raw.clone(), rerun, meta)
         pen_logit = pen.gather(1, _clamped(draft_ids, raw.shape[-1], pen.device)).reshape(-1)
     else:
         pen_logit = None  # the identity: `verify_probs` takes the raw logit
+    if budget is not None:  # its requests' logits after the processors: not recorded (NaN)
+        if pen_logit is None:
+            pen_logit = _float(tapmath.tensor_of(raw)).clone()
+            if pen_logit.dim() != 1:
+                pen_logit = pen_logit.gather(
+                    1, _clamped(draft_ids, pen_logit.shape[-1], pen_logit.device)
+                ).reshape(-1)
+        pen_logit[_rows_of(budget, meta.num_draft_tokens)] = float("nan")
     greedy = sm.all_greedy
     temperature = None if greedy or sm.temperature is None else sm.temperature
     params = {  # a greedy batch's temperature (0) is filled in off this thread
@@ -598,11 +610,57 @@ def _verify_tap(sampler: Any, a: dict[str, Any], raw: Any, proc: Any) -> _Verify
 
 
 def _transforms(sm: Any) -> bool:
-    """vLLM's logits processors change the verify's rows this step (penalties, bad words, an
-    allowed-token mask); otherwise `apply_logits_processors` returns its input."""
+    """vLLM's logits processors that hstrace reruns on a copy of the raw rows change the
+    verify's rows this step: penalties, bad words, an allowed-token mask, or min_tokens (a
+    request short of its `min_tokens`: its stop tokens masked). Otherwise vLLM's
+    `apply_logits_processors` returns its input, but for a thinking budget (`_thinking_budget`,
+    not rerun)."""
     return (
-        not sm.no_penalties or bool(sm.bad_words_token_ids) or sm.allowed_token_ids_mask is not None
+        not sm.no_penalties
+        or bool(sm.bad_words_token_ids)
+        or sm.allowed_token_ids_mask is not None
+        or _min_tokens(sm)
     )
+
+
+def _min_tokens(sm: Any) -> bool:
+    """A request of the batch is short of its `min_tokens` and has stop tokens: vLLM 0.32's
+    `MinTokensLogitsProcessor.apply_with_spec_decode` masks them in the verify's rows (it
+    reads its own per-request state and writes only the rows it is given: rerun on a copy)."""
+    procs = getattr(getattr(sm, "logitsprocs", None), "non_argmax_invariant", ())
+    for p in procs:
+        if type(p).__name__ == "MinTokensLogitsProcessor":
+            if any(entry[2] for entry in getattr(p, "min_toks", {}).values()):
+                return True
+    return False
+
+
+def _thinking_budget(sm: Any) -> Any:
+    """The requests a thinking budget tracks this step (vLLM's
+    `ThinkingBudgetStateHolder.apply_to_logits`, which forces the end-of-thinking token in
+    their rows), or None. hstrace does not rerun it: it updates the holder's own state as it
+    applies. Their rows' logits after the processors are recorded as not known (NaN), and the
+    replay leaves them unjudged. Which requests: the holder's per-request state where it can
+    be read (`_state`, keyed by the batch index), else every request (`ALL`)."""
+    holder = getattr(sm, "thinking_budget_state_holder", None)
+    if holder is None or not holder.has_tracked_requests():
+        return None
+    state = getattr(holder, "_state", None)
+    return tuple(state) if isinstance(state, dict) else ALL
+
+
+ALL = "all"  # every request of the batch (`_thinking_budget`)
+
+
+def _rows_of(requests: Any, num_draft: list[int]) -> Any:
+    """The drafted tokens' rows of `requests` (batch indices, or `ALL`), as a bool mask [N]."""
+    import torch
+
+    counts = torch.tensor(list(num_draft), dtype=torch.int64)
+    owner = torch.arange(len(counts)).repeat_interleave(counts)
+    if requests == ALL:
+        return torch.ones_like(owner, dtype=torch.bool)
+    return torch.isin(owner, torch.tensor(list(requests), dtype=torch.int64))
 
 
 def _raw_snapshot(logits: Any, meta: Any, sm: Any) -> Any:

@@ -273,3 +273,127 @@ def test_a_held_step_counts_its_verify_snapshot_in_the_hold() -> None:
         verify_probs=vp._VerifyRowsLater(rec, rows),
     )
     assert want >= proc.nbytes > 0 and vp.held_nbytes(step) == want
+
+
+def _min_tokens(sm, index: int, min_tokens: int, stop: list[int], output: list[int]):
+    """vLLM's own min-tokens processor in the batch's processors, request `index` added to it
+    as vLLM's persistent batch adds one (`update_state` with a `BatchUpdate`)."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+
+    proc = MinTokensLogitsProcessor(None, torch.device("cpu"), False)
+    params = SamplingParams(min_tokens=min_tokens, stop_token_ids=stop)
+    proc.update_state(BatchUpdate(batch_size=B, removed=[], added=[(index, params, [], output)],
+                                  moved=[]))  # fmt: skip
+    sm.logitsprocs = LogitsProcessors([proc])
+    return proc
+
+
+def test_a_request_short_of_its_min_tokens_has_its_stop_tokens_masked_in_logit_pen() -> None:
+    """vLLM 0.32's `apply_logits_processors` also runs the min-tokens processor
+    (`MinTokensLogitsProcessor.apply_with_spec_decode`): a request short of its `min_tokens`
+    has its stop tokens masked (-inf) in its first drafted rows. hstrace keeps those rows
+    whole and reruns vLLM's processors on them, so `logit_pen` is -inf where vLLM masked
+    (before this, the predicate missed the processor and `logit_pen` read the raw logit)."""
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.engines import tapmath
+
+    sampler, a, raw, proc, drafts = _verify(None, None, None, penalties=False)
+    meta, sm = a["metadata"], a["sampling_metadata"]
+    assert not vp._transforms(sm)
+    # request 0: one token out of 5 at least, its first drafted token a stop token
+    mt = _min_tokens(sm, 0, 5, [drafts[0][0]], [4])
+    assert vp._transforms(sm)
+    snap = vp._raw_snapshot(a["logits"], meta, sm)
+    assert torch.equal(tapmath.tensor_of(snap), raw)  # the rows whole, for the rerun
+    probs = vp._verify_tap(sampler, a, snap, proc)()
+    ids = torch.tensor(drafts).reshape(-1, 1)
+    want = sampler.apply_logits_processors(raw.clone(), sm, meta).gather(1, ids).reshape(-1)
+    assert torch.equal(probs.tok["logit_pen"], want)
+    assert probs.tok["logit_pen"][0] == float("-inf") and torch.isfinite(probs.tok["logit_raw"][0])
+    assert torch.isfinite(probs.tok["logit_pen"][1:]).all()
+    # the request reaches its min_tokens: vLLM drops it, the rows go back to the values
+    mt.min_toks[0][1].extend([5, 6, 7, 8])
+    mt.update_state(None)
+    assert not mt.min_toks and not vp._transforms(sm)
+
+
+def _thinking_budget(sm, drafts):
+    """vLLM's own thinking-budget holder tracking request 1: inside its thinking section and
+    past a budget of 2, so vLLM forces the end-of-thinking token (1e9) at its first drafted
+    row."""
+    import types
+
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+    from vllm.v1.sample.thinking_budget_state import ThinkingBudgetStateHolder
+
+    start, end = V - 2, V - 1
+    config = types.SimpleNamespace(reasoning_start_token_ids=[start],
+                                   reasoning_end_token_ids=[end])  # fmt: skip
+    holder = ThinkingBudgetStateHolder(config, 8, K, torch.device("cpu"), False)
+    out = [start, 5, 6, 7, 8]
+    holder.sync_batch(BatchUpdate(batch_size=B, removed=[], moved=[],
+                                  added=[(1, SamplingParams(thinking_token_budget=2), [], out)]))  # fmt: skip
+    sm.output_token_ids = [[4], out, [5, 5]]
+    holder.update_state(sm.output_token_ids, drafts)
+    sm.thinking_budget_state_holder = holder
+    return holder, end
+
+
+@pytest.mark.parametrize("penalties", [False, True])
+def test_a_thinking_budget_is_not_rerun_and_its_requests_logit_pen_is_not_recorded(
+    penalties,
+) -> None:
+    """vLLM's thinking budget (`ThinkingBudgetStateHolder.apply_to_logits`) writes the forced
+    end-of-thinking token's logit (1e9) into its requests' rows and updates its own state as it
+    applies, so hstrace does not rerun it: those requests' `logit_pen` is NaN (not recorded),
+    the other requests' is vLLM's own, and the holder's state is as vLLM left it. The replay
+    leaves those tokens unjudged and says so; read as the raw logit (before this) the forced
+    token was a false "temperature" mismatch."""
+    import copy
+
+    import numpy as np
+    from hstrace.hooks import vllm_patches as vp
+
+    from hstrace.replay.read import ServingData, VerifyRound
+    from hstrace.replay.verify import build_sampled_acceptance, token_transform
+
+    sampler, a, raw, _, drafts = _verify(0.8, None, None, penalties=penalties)
+    meta, sm = a["metadata"], a["sampling_metadata"]
+    holder, end = _thinking_budget(sm, drafts)
+    drafts[1][0] = end  # the drafter proposed the end of thinking vLLM forces
+    meta.draft_token_ids[K] = end
+    # vLLM's own processed rows (a copy of its holder: the one in the batch stays untouched)
+    sm_own = copy.copy(sm)
+    sm_own.thinking_budget_state_holder = copy.deepcopy(holder)
+    pen_vllm = sampler.apply_logits_processors(raw.clone(), sm_own, meta)
+    t = torch.tensor([0.8, 0.5, 1.5]).repeat_interleave(K).reshape(-1, 1)
+    proc = pen_vllm / t
+    assert pen_vllm[K, end] == 1e9  # vLLM forced request 1's first drafted row
+    state, cu = copy.deepcopy(holder._state), dict(holder.cu_num_tokens)
+    snap = vp._raw_snapshot(a["logits"], meta, sm)
+    probs = vp._verify_tap(sampler, a, snap, proc)()
+    assert holder._state == state and holder.cu_num_tokens == cu  # not rerun
+    pen = probs.tok["logit_pen"]
+    assert torch.isnan(pen[K : 2 * K]).all()  # request 1's rows: not recorded
+    ids = torch.tensor(drafts).reshape(-1, 1)
+    others = torch.tensor([0, 1, 4, 5])
+    assert torch.equal(pen[others], pen_vllm.gather(1, ids).reshape(-1)[others])
+    # the replay: request 1's tokens unjudged and said; before this, a false mismatch
+    cols = {k: v.numpy() for k, v in probs.tok.items()}
+    params = {"temperature": 0.5}
+
+    def round_of(c):
+        return VerifyRound(0, 1, 0, np.asarray(drafts[1]), 1, params,
+                           {k: v[K : 2 * K] for k, v in c.items()})  # fmt: skip
+
+    assert token_transform(round_of(cols), 0) is None
+    sa = build_sampled_acceptance(ServingData(requests=[], meta={}, verify_rounds=[round_of(cols)]))
+    assert sa.n_mismatched == 0 and "2 drafted tokens" in sa.unavailable[
+        "sampling transform (some tokens)"]  # fmt: skip
+    identity = dict(cols, logit_pen=cols["logit_raw"])  # the raw logit, as read before
+    assert "explained" in token_transform(round_of(identity), 0)

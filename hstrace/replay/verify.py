@@ -271,18 +271,23 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
             "the draft's own transform (vLLM: temperature only) is not recomputed; q is taken "
             "as the engine gave it",
         )
-    checked, mismatches, explained, n_bad, masked = 0, [], {}, 0, 0
+    checked, mismatches, explained, n_bad, masked, unknown = 0, [], {}, 0, 0, 0
     by_stage: dict[str, int] = {}
     checked_by_stage = {"penalties": 0, "temperature": 0}
 
     def scan() -> None:
-        nonlocal checked, n_bad, masked
+        nonlocal checked, n_bad, masked, unknown
         for v in rounds:
             if v.rule < 0:
                 continue
             for j in range(len(v.drafts)):
                 row = token_transform(v, j)
                 if row is None:
+                    # a raw logit without its logit after the engine's processors: one the
+                    # hooks do not rerun (vLLM's thinking budget) changed the row
+                    unknown += bool(
+                        np.isfinite(v.tokens["logit_raw"][j]) and np.isnan(v.tokens["logit_pen"][j])
+                    )
                     continue
                 checked += 1
                 checked_by_stage["penalties"] += 1
@@ -297,6 +302,13 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
                         mismatches.append({"req_key": v.key, "verify_step": v.step, **row})
 
     u.guarded("sampling transform", scan)
+    if unknown:
+        u.note(
+            "sampling transform (some tokens)",
+            f"{unknown} drafted tokens' logits after the engine's processors were not recorded "
+            "(a processor the hooks do not rerun changed their rows: vLLM's thinking budget); "
+            "their transforms are not judged",
+        )
     return SampledAcceptance(
         sums,
         checked,
