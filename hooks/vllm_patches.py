@@ -628,11 +628,17 @@ def _min_tokens(sm: Any) -> bool:
     `MinTokensLogitsProcessor.apply_with_spec_decode` masks them in the verify's rows (it
     reads its own per-request state and writes only the rows it is given: rerun on a copy)."""
     procs = getattr(getattr(sm, "logitsprocs", None), "non_argmax_invariant", ())
-    for p in procs:
-        if type(p).__name__ == "MinTokensLogitsProcessor":
-            if any(entry[2] for entry in getattr(p, "min_toks", {}).values()):
-                return True
+    for p in procs:  # vLLM's own test: isinstance
+        if isinstance(p, _min_tokens_class()) and any(e[2] for e in p.min_toks.values()):
+            return True
     return False
+
+
+@functools.cache
+def _min_tokens_class() -> type:
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    return MinTokensLogitsProcessor
 
 
 def _thinking_budget(sm: Any) -> Any:
