@@ -558,17 +558,12 @@ def _verify_tap(sampler: Any, a: dict[str, Any], raw: Any, proc: Any) -> _Verify
             raise ValueError("the verify's raw rows were not kept for vLLM's processors")
         # vLLM's thinking budget is not rerun: it rewrites its own state as it applies
         rerun = sm if budget is None else dataclasses.replace(sm, thinking_budget_state_holder=None)
-        pen = sampler.apply_logits_processors(raw.clone(), rerun, meta)
-        pen_logit = pen.gather(1, _clamped(draft_ids, raw.shape[-1], pen.device)).reshape(-1)
+        pen_logit = _at_tokens(sampler.apply_logits_processors(raw.clone(), rerun, meta), draft_ids)
+    elif budget is not None:  # the raw logit, but for the budget's requests (below)
+        pen_logit = _at_tokens(_float(tapmath.tensor_of(raw)), draft_ids)
     else:
         pen_logit = None  # the identity: `verify_probs` takes the raw logit
     if budget is not None:  # its requests' logits after the processors: not recorded (NaN)
-        if pen_logit is None:
-            pen_logit = _float(tapmath.tensor_of(raw)).clone()
-            if pen_logit.dim() != 1:
-                pen_logit = pen_logit.gather(
-                    1, _clamped(draft_ids, pen_logit.shape[-1], pen_logit.device)
-                ).reshape(-1)
         pen_logit[_rows_of(budget, meta.num_draft_tokens)] = float("nan")
     greedy = sm.all_greedy
     temperature = None if greedy or sm.temperature is None else sm.temperature
@@ -609,6 +604,14 @@ def _verify_tap(sampler: Any, a: dict[str, Any], raw: Any, proc: Any) -> _Verify
     )
 
 
+def _at_tokens(logits: Any, draft_ids: Any) -> Any:
+    """A fresh [N] tensor of the logit at each drafted token: of rows [N, V] (gathered, the ids
+    clamped), or of the values [N] already taken (copied)."""
+    if logits.dim() == 1:
+        return logits.clone()
+    return logits.gather(1, _clamped(draft_ids, logits.shape[-1], logits.device)).reshape(-1)
+
+
 def _transforms(sm: Any) -> bool:
     """vLLM's logits processors that hstrace reruns on a copy of the raw rows change the
     verify's rows this step: penalties, bad words, an allowed-token mask, or min_tokens (a
@@ -647,24 +650,24 @@ def _thinking_budget(sm: Any) -> Any:
     their rows), or None. hstrace does not rerun it: it updates the holder's own state as it
     applies. Their rows' logits after the processors are recorded as not known (NaN), and the
     replay leaves them unjudged. Which requests: the holder's per-request state where it can
-    be read (`_state`, keyed by the batch index), else every request (`ALL`)."""
+    be read (`_state`, keyed by the batch index), else every request (`_ALL`)."""
     holder = getattr(sm, "thinking_budget_state_holder", None)
     if holder is None or not holder.has_tracked_requests():
         return None
     state = getattr(holder, "_state", None)
-    return tuple(state) if isinstance(state, dict) else ALL
+    return tuple(state) if isinstance(state, dict) else _ALL
 
 
-ALL = "all"  # every request of the batch (`_thinking_budget`)
+_ALL = "all"  # every request of the batch (`_thinking_budget`)
 
 
 def _rows_of(requests: Any, num_draft: list[int]) -> Any:
-    """The drafted tokens' rows of `requests` (batch indices, or `ALL`), as a bool mask [N]."""
+    """The drafted tokens' rows of `requests` (batch indices, or `_ALL`), as a bool mask [N]."""
     import torch
 
     counts = torch.tensor(list(num_draft), dtype=torch.int64)
     owner = torch.arange(len(counts)).repeat_interleave(counts)
-    if requests == ALL:
+    if requests == _ALL:
         return torch.ones_like(owner, dtype=torch.bool)
     return torch.isin(owner, torch.tensor(list(requests), dtype=torch.int64))
 
