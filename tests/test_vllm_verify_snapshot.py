@@ -297,9 +297,12 @@ def test_a_request_short_of_its_min_tokens_has_its_stop_tokens_masked_in_logit_p
     has its stop tokens masked (-inf) in its first drafted rows. hstrace keeps those rows
     whole and reruns vLLM's processors on them, so `logit_pen` is -inf where vLLM masked
     (before this, the predicate missed the processor and `logit_pen` read the raw logit)."""
+    import numpy as np
     from hstrace.hooks import vllm_patches as vp
 
     from hstrace.engines import tapmath
+    from hstrace.replay.read import ServingData, VerifyRound
+    from hstrace.replay.verify import build_sampled_acceptance, token_transform
 
     sampler, a, raw, proc, drafts = _verify(None, None, None, penalties=False)
     meta, sm = a["metadata"], a["sampling_metadata"]
@@ -315,6 +318,16 @@ def test_a_request_short_of_its_min_tokens_has_its_stop_tokens_masked_in_logit_p
     assert torch.equal(probs.tok["logit_pen"], want)
     assert probs.tok["logit_pen"][0] == float("-inf") and torch.isfinite(probs.tok["logit_raw"][0])
     assert torch.isfinite(probs.tok["logit_pen"][1:]).all()
+    # the replay: the masked token unjudged and said (the reference does not model
+    # min_tokens); the request's other tokens judged, and agree
+    cols = {k: v.numpy() for k, v in probs.tok.items()}
+    first = VerifyRound(0, 0, 0, np.asarray(drafts[0]), 0, {"temperature": 0.0},
+                        {k: v[:K] for k, v in cols.items()})  # fmt: skip
+    assert token_transform(first, 0) is None and token_transform(first, 1) is not None
+    sa = build_sampled_acceptance(ServingData(requests=[], meta={}, verify_rounds=[first]))
+    assert sa.n_mismatched == 0 and sa.transform_checked == K - 1
+    assert "1 drafted tokens were masked (-inf)" in sa.unavailable[
+        "sampling transform (some tokens)"]  # fmt: skip
     # the request reaches its min_tokens: vLLM drops it, the rows go back to the values
     mt.min_toks[0][1].extend([5, 6, 7, 8])
     mt.update_state(None)

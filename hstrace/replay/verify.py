@@ -271,23 +271,26 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
             "the draft's own transform (vLLM: temperature only) is not recomputed; q is taken "
             "as the engine gave it",
         )
-    checked, mismatches, explained, n_bad, masked, unknown = 0, [], {}, 0, 0, 0
+    checked, mismatches, explained, n_bad, masked, unknown, premasked = 0, [], {}, 0, 0, 0, 0
     by_stage: dict[str, int] = {}
     checked_by_stage = {"penalties": 0, "temperature": 0}
 
     def scan() -> None:
-        nonlocal checked, n_bad, masked, unknown
+        nonlocal checked, n_bad, masked, unknown, premasked
         for v in rounds:
             if v.rule < 0:
                 continue
             for j in range(len(v.drafts)):
                 row = token_transform(v, j)
                 if row is None:
-                    # a raw logit without its logit after the engine's processors: one the
-                    # hooks do not rerun (vLLM's thinking budget) changed the row
-                    unknown += bool(
-                        np.isfinite(v.tokens["logit_raw"][j]) and np.isnan(v.tokens["logit_pen"][j])
-                    )
+                    raw, pen = v.tokens["logit_raw"][j], v.tokens["logit_pen"][j]
+                    if np.isfinite(raw):
+                        # without its logit after the engine's processors: one the hooks do
+                        # not rerun (vLLM's thinking budget) changed the row; or masked by
+                        # them (-inf: min_tokens' stop tokens, bad words, allowed tokens),
+                        # which the reference does not model
+                        unknown += bool(np.isnan(pen))
+                        premasked += bool(pen == float("-inf"))
                     continue
                 checked += 1
                 checked_by_stage["penalties"] += 1
@@ -302,13 +305,20 @@ def build_sampled_acceptance(serving: ServingData, max_listed: int = 10) -> Samp
                         mismatches.append({"req_key": v.key, "verify_step": v.step, **row})
 
     u.guarded("sampling transform", scan)
+    why = []
     if unknown:
-        u.note(
-            "sampling transform (some tokens)",
+        why.append(
             f"{unknown} drafted tokens' logits after the engine's processors were not recorded "
-            "(a processor the hooks do not rerun changed their rows: vLLM's thinking budget); "
-            "their transforms are not judged",
+            "(a processor the hooks do not rerun changed their rows: vLLM's thinking budget)"
         )
+    if premasked:
+        why.append(
+            f"{premasked} drafted tokens were masked (-inf) by the engine's processors before "
+            "the temperature (vLLM: min_tokens' stop tokens, bad words, allowed token ids), "
+            "which the reference does not model"
+        )
+    if why:
+        u.note("sampling transform (some tokens)", "; ".join(why) + ": not judged")
     return SampledAcceptance(
         sums,
         checked,
