@@ -13,14 +13,17 @@ from hstrace.engines.base import (
     STREAMS,
     EngineConfig,
     RecordOptions,
+    SamplingValue,
+    sampling_value,
 )
 from hstrace.engines.registry import ENGINES, engine_for_command, engine_spec, get_engine
 from hstrace.errors import HstraceError
 from hstrace.prompts import load_prompts_from_training, load_prompts_jsonl
 
 
-def parse_sampling(value: str | None) -> dict[str, float | int]:
-    """`--sampling JSON`: an object of known sampling parameters with numeric values."""
+def parse_sampling(value: str | None) -> dict[str, SamplingValue]:
+    """`--sampling JSON`: an object of known sampling parameters, each of its type
+    (`SAMPLING_PARAMS`: numbers; `stop_token_ids` a list of token ids)."""
     if value is None:
         return {}
     import json
@@ -37,10 +40,13 @@ def parse_sampling(value: str | None) -> dict[str, float | int]:
             f"--sampling: unknown parameter(s) {', '.join(unknown)}; known: "
             + ", ".join(SAMPLING_PARAMS)
         )
-    bad = [k for k, v in parsed.items() if isinstance(v, bool) or not isinstance(v, int | float)]
-    if bad:
-        raise HstraceError(f"--sampling: {', '.join(sorted(bad))} must be a number")
-    return parsed
+    out: dict[str, SamplingValue] = {}
+    for k, v in parsed.items():
+        try:
+            out[k] = sampling_value(k, v)
+        except ValueError as exc:
+            raise HstraceError(f"--sampling: {k} {exc}") from None
+    return out
 
 
 @click.command(name="record")
@@ -78,7 +84,7 @@ def parse_sampling(value: str | None) -> dict[str, float | int]:
     type=click.Path(path_type=Path),
     help="JSONL, one object a line: prompt | prompt_token_ids | messages [{role, content}], "
     "optional sampling {temperature, top_p, top_k, min_p, repetition_penalty, "
-    "frequency_penalty, presence_penalty, seed, max_tokens}.",
+    "frequency_penalty, presence_penalty, seed, max_tokens, min_tokens, stop_token_ids}.",
 )
 @click.option(
     "--prompts-from",
@@ -119,7 +125,8 @@ def parse_sampling(value: str | None) -> dict[str, float | int]:
     metavar="JSON",
     help="Sampling parameters of every driven request (sglang, vllm), e.g. "
     '\'{"temperature": 0.8, "top_p": 0.9}\'; keys: temperature, top_p, top_k, min_p, '
-    "repetition_penalty, frequency_penalty, presence_penalty, seed. Default: temperature 0.",
+    "repetition_penalty, frequency_penalty, presence_penalty, seed, min_tokens, "
+    "stop_token_ids (a list of token ids). Default: temperature 0.",
 )
 @click.option(
     "--startup-timeout",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hstrace.engines.base import SAMPLING_PARAMS, Prompt
+from hstrace.engines.base import SAMPLING_PARAMS, Prompt, SamplingValue, sampling_value
 from hstrace.errors import HstraceError, TrainingDataError
 
 
@@ -81,7 +81,7 @@ def _prompt_of(obj: dict, where: str, source_id: str) -> Prompt:
     return Prompt(messages=tuple(turns), source_id=source_id, sampling=sampling)
 
 
-def _sampling_of(value: object, where: str) -> tuple[tuple[str, float | int], ...]:
+def _sampling_of(value: object, where: str) -> tuple[tuple[str, SamplingValue], ...]:
     if value is None:
         return ()
     if not isinstance(value, dict):
@@ -92,10 +92,10 @@ def _sampling_of(value: object, where: str) -> tuple[tuple[str, float | int], ..
             raise HstraceError(
                 f"{where}: unknown sampling parameter {k!r} (known: {', '.join(SAMPLING_PARAMS)})"
             )
-        if isinstance(v, bool) or not isinstance(v, SAMPLING_PARAMS[k]):
-            kind = "an integer" if SAMPLING_PARAMS[k] is int else "a number"
-            raise HstraceError(f"{where}: sampling.{k} must be {kind}, got {v!r}")
-        out.append((k, v))
+        try:
+            out.append((k, sampling_value(k, v)))
+        except ValueError as exc:
+            raise HstraceError(f"{where}: sampling.{k} {exc}") from None
     return tuple(out)
 
 

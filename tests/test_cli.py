@@ -53,6 +53,8 @@ def test_the_entry_point_turns_any_exception_into_one_line(monkeypatch, capsys):
         ("[0.8]", "--sampling: give a JSON object"),
         ('{"temprature": 0.8}', "--sampling: unknown parameter(s) temprature"),
         ('{"top_p": "0.9"}', "--sampling: top_p must be a number"),
+        ('{"min_tokens": 2.5}', "--sampling: min_tokens must be an integer"),
+        ('{"stop_token_ids": [1, -2]}', "--sampling: stop_token_ids must be a list of non-neg"),
     ],
 )
 def test_record_sampling_is_checked_before_any_server_starts(tmp_path, value, message):

@@ -62,6 +62,49 @@ def test_jsonl_carries_text_ids_chat_messages_and_sampling(tmp_path: Path) -> No
     assert d.input_ids == (1,)
 
 
+def test_min_tokens_and_stop_token_ids_reach_each_engines_api_under_its_names(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """A JSONL line's `min_tokens` and `stop_token_ids` (a list, kept as a tuple by the frozen
+    `Prompt`) are sent as each server's API names them: vLLM's OpenAI completions API takes
+    both as they are; SGLang's native `/generate` takes `min_new_tokens`."""
+    from hstrace.engines.base import RecordOptions
+    from hstrace.engines.sglang import engine as sg
+    from hstrace.engines.vllm import engine as vl
+
+    path = _jsonl(
+        tmp_path,
+        {"prompt_token_ids": [5, 6], "sampling": {"min_tokens": 4, "stop_token_ids": [2, 8]}},
+    )
+    (p,) = load_prompts_jsonl(path)
+    assert dict(p.sampling) == {"min_tokens": 4, "stop_token_ids": (2, 8)}
+    sent: list[tuple[str, dict]] = []
+
+    def post(proc, url, body, i, headers):
+        sent.append((url, json.loads(json.dumps(body))))  # as it goes on the wire
+        return {}
+
+    for module in (sg, vl):
+        monkeypatch.setattr(module, "post_json", post)
+    vllm_engine = object.__new__(vl.VLLMEngine)
+    vllm_engine._model = "m"
+    vllm_engine._send_one(None, "http://x", 0, p, RecordOptions(max_new_tokens=9))
+    object.__new__(sg.SGLangEngine)._send_one(
+        None, "http://x", 1, p, RecordOptions(max_new_tokens=9)
+    )
+    (v_url, v_body), (s_url, s_body) = sent
+    assert v_url.endswith("/v1/completions") and v_body["prompt"] == [5, 6]
+    assert (v_body["min_tokens"], v_body["stop_token_ids"], v_body["max_tokens"]) == (4, [2, 8], 9)
+    assert s_url.endswith("/generate") and s_body["input_ids"] == [5, 6]
+    native = s_body["sampling_params"]
+    assert (native["min_new_tokens"], native["stop_token_ids"], native["max_new_tokens"]) == (
+        4,
+        [2, 8],
+        9,
+    )
+    assert "min_tokens" not in native and "max_tokens" not in native
+
+
 @pytest.mark.parametrize(
     ("line", "needle"),
     [
@@ -75,6 +118,8 @@ def test_jsonl_carries_text_ids_chat_messages_and_sampling(tmp_path: Path) -> No
         ({"prompt": "a", "sampling": {"temprature": 1}}, "unknown sampling parameter 'temprature'"),
         ({"prompt": "a", "sampling": {"top_k": 1.5}}, "sampling.top_k must be an integer"),
         ({"prompt": "a", "sampling": {"temperature": "hot"}}, "sampling.temperature must be a num"),
+        ({"prompt": "a", "sampling": {"stop_token_ids": 2}}, "sampling.stop_token_ids must be a l"),
+        ({"prompt": "a", "sampling": {"stop_token_ids": [True]}}, "stop_token_ids must be a list"),
         ({"prompt": "a", "sampling": [1]}, "prompts.jsonl:2: sampling must be an object"),
     ],
 )

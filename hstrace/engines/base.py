@@ -22,8 +22,10 @@ STREAMS: tuple[str, ...] = ("target", "draft_extend", "draft_step", "verify", "r
 DEFAULT_STREAMS: frozenset[str] = frozenset(STREAMS) - {"logits"}
 
 
-# The sampling parameters a prompt may carry (`record --prompts FILE.jsonl`, "sampling"), with
-# the JSON type each takes; the clients send them under each engine's own names.
+# The sampling parameters a prompt may carry (`record --prompts FILE.jsonl`, "sampling";
+# `record --sampling`), with the JSON type each takes (`list`: of token ids); the clients send
+# them under each engine's own names. `min_tokens` with `stop_token_ids`: vLLM's min-tokens
+# processor masks those tokens in the verify's rows until the request has that many.
 SAMPLING_PARAMS: dict[str, type | tuple[type, ...]] = {
     "temperature": (int, float),
     "top_p": (int, float),
@@ -34,7 +36,27 @@ SAMPLING_PARAMS: dict[str, type | tuple[type, ...]] = {
     "presence_penalty": (int, float),
     "seed": int,
     "max_tokens": int,
+    "min_tokens": int,
+    "stop_token_ids": list,
 }
+
+SamplingValue = float | int | tuple[int, ...]
+
+
+def sampling_value(name: str, value: object) -> SamplingValue:
+    """`value` as the known sampling parameter `name` takes it (a list of token ids kept as a
+    tuple: a `Prompt` is frozen). ValueError, its text the end of a sentence naming `name`
+    ("must be an integer, got 1.5"), for a value of another type; bools are not numbers."""
+    kind = SAMPLING_PARAMS[name]
+    if kind is list:
+        if not isinstance(value, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+        ):
+            raise ValueError(f"must be a list of non-negative integers, got {value!r}")
+        return tuple(value)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"must be {'an integer' if kind is int else 'a number'}, got {value!r}")
+    return value  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -50,7 +72,7 @@ class Prompt:
     # The caller's name for it (training sample index, JSONL line); kept in the trace.
     source_id: str | None = None
     messages: tuple[tuple[str, str], ...] | None = None
-    sampling: tuple[tuple[str, float | int], ...] = ()
+    sampling: tuple[tuple[str, SamplingValue], ...] = ()
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.input_ids, self.text, self.messages)]
@@ -60,10 +82,11 @@ class Prompt:
         if unknown:
             raise ValueError(f"unknown sampling parameters {sorted(unknown)}")
 
-    def sampling_for(self, max_new_tokens: int) -> dict[str, float | int]:
+    def sampling_for(self, max_new_tokens: int) -> dict[str, float | int | list[int]]:
         """What the client sends: greedy and `max_new_tokens` unless the prompt says
-        otherwise, then the prompt's own parameters."""
-        return {"temperature": 0.0, "max_tokens": max_new_tokens, **dict(self.sampling)}
+        otherwise, then the prompt's own parameters (token ids as a JSON list)."""
+        own = {k: list(v) if isinstance(v, tuple) else v for k, v in self.sampling}
+        return {"temperature": 0.0, "max_tokens": max_new_tokens, **own}
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,11 @@ SPEC_METRIC_KEYS = (
 
 
 # `Prompt.sampling_for` names -> SGLang's native `sampling_params` names where they differ
-NATIVE_NAMES = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
+NATIVE_NAMES = {
+    "max_tokens": "max_new_tokens",
+    "seed": "sampling_seed",
+    "min_tokens": "min_new_tokens",
+}
 
 
 class SGLangEngine(ServerEngine):
